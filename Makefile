@@ -1,0 +1,48 @@
+# The two entry points of the README: `make lab` (main job) and `make test` (whole suite).
+# Both set up everything themselves on a fresh machine with Python 3.10+ and pip.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch; override with TORCH_SPEC="torch" for a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PORT   ?= 8888
+STAMP  := $(VENV)/.nbdebug-installed
+
+.PHONY: setup lab test lint unit browser-deps bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## main job: JupyterLab on notebooks/01_quickstart.ipynb; prints the URL (works headless)
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/01_quickstart.ipynb --no-browser --ip=127.0.0.1 --port=$(PORT)
+
+## Debian's chromium for the browser test (Playwright drives it; no browser download)
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; \
+	  else echo "install chromium for the browser test" >&2; exit 1; fi; }
+
+lint: setup
+	$(VENV)/bin/ruff check nbdebug tests benchmarks
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(VENV)/bin/pytest -q
+
+## whole suite: lint + type check + every test (incl. notebooks and the browser test)
+test: setup browser-deps lint unit
+
+bench: setup
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

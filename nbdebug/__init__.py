@@ -1,0 +1,87 @@
+"""nbdebug: a notebook debugger for PyTorch training.
+
+>>> import nbdebug
+>>> tr = nbdebug.trace(model, x, target=y, loss_fn=torch.nn.functional.cross_entropy)
+>>> tr.origin        # where the first NaN/Inf was produced, or None
+
+Public names are imported lazily so that ``import nbdebug`` stays cheap and the UI
+stack (ipywidgets, plotly) is only imported when a widget is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "trace": "nbdebug.core.trace",
+    "Trace": "nbdebug.core.trace",
+    "TraceError": "nbdebug.core.trace",
+    "Event": "nbdebug.core.events",
+    "ParamInfo": "nbdebug.core.events",
+    "TensorStats": "nbdebug.core.stats",
+    "Histogram": "nbdebug.core.stats",
+    "NaNGuard": "nbdebug.core.guard",
+    "NonFiniteError": "nbdebug.core.guard",
+    "Snapshot": "nbdebug.core.snapshot",
+    "SnapshotError": "nbdebug.core.snapshot",
+    "load_snapshot": "nbdebug.core.snapshot",
+    "save_snapshot": "nbdebug.core.snapshot",
+    "list_snapshots": "nbdebug.core.snapshot",
+    "gradcheck": "nbdebug.analysis.gradcheck",
+    "gradcheck_modules": "nbdebug.analysis.gradcheck",
+    "GradcheckResult": "nbdebug.analysis.gradcheck",
+    "check": "nbdebug.analysis.checks",
+    "check_state_dict": "nbdebug.analysis.checks",
+    "Finding": "nbdebug.analysis.checks",
+    "drift": "nbdebug.analysis.drift",
+    "DriftReport": "nbdebug.analysis.drift",
+    "find_label_issues": "nbdebug.analysis.labels",
+    "LabelCleaner": "nbdebug.widgets.labels",
+    "debug": "nbdebug.widgets.app",
+    "Debugger": "nbdebug.widgets.app",
+}
+
+__all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
+
+
+def __getattr__(name: str) -> Any:
+    modname = _EXPORTS.get(name)
+    if modname is None:
+        raise AttributeError(f"module 'nbdebug' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name == modname:  # the feature is not built yet, not a missing dependency
+            raise AttributeError(f"module 'nbdebug' has no attribute {name!r}") from e
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbdebug``: registers the ``%nbdebug`` magic."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbdebug``: removes everything the extension added."""
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .core.events import Event, ParamInfo
+    from .core.stats import Histogram, TensorStats
+    from .core.trace import Trace, TraceError, trace

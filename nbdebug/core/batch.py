@@ -1,0 +1,134 @@
+"""Calling conventions shared by everything that takes a batch.
+
+``inputs`` is a tensor (``model(x)``), a tuple/list (``model(*inputs)``) or a dict
+(``model(**inputs)``). The loss is ``loss_fn(output, target)`` when ``target`` is given,
+else ``loss_fn(output)``; with no ``loss_fn``: ``output["loss"]``, ``output.loss``, or
+the output itself when it is a scalar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def check_model(model: Any) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module; got {type(model).__module__}.{type(model).__qualname__}."
+        )
+    return model
+
+
+def check_inputs(inputs: Any) -> Any:
+    """Validate the batch structure and that it is not empty."""
+    if isinstance(inputs, torch.Tensor):
+        if inputs.numel() == 0:
+            raise ValueError(f"the batch is empty: expected a non-empty tensor, got shape {tuple(inputs.shape)}.")
+        return inputs
+    if isinstance(inputs, (tuple, list, Mapping)):
+        if len(inputs) == 0:
+            raise ValueError(
+                f"the batch is empty: expected a tensor, or a non-empty tuple/list/dict of inputs, got an empty {type(inputs).__name__}."
+            )
+        tensors = list(iter_tensors(inputs))
+        if tensors and all(t.numel() == 0 for t in tensors):
+            raise ValueError(
+                f"the batch is empty: every tensor in it has no elements (shapes {[tuple(t.shape) for t in tensors]})."
+            )
+        return inputs
+    raise TypeError(
+        "inputs must be a tensor (model(x)), a tuple/list (model(*inputs)) or a dict "
+        f"(model(**inputs)); got {type(inputs).__qualname__}."
+    )
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """Run ``model`` on ``inputs`` with the calling conventions above."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[torch.Tensor]:
+    for _, t in named_tensors(obj, prefix):
+        yield t
+
+
+def named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in a nested tuple/list/dict/dataclass-like output.
+
+    Names read like Python: ``"output"``, ``"output[1]"``, ``"output['logits']"``.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from named_tensors(v, f"{prefix}[{k!r}]")
+    elif isinstance(obj, (tuple, list)):
+        fields = getattr(obj, "_fields", None)
+        for i, v in enumerate(obj):
+            name = f"{prefix}.{fields[i]}" if fields else f"{prefix}[{i}]"
+            yield from named_tensors(v, name)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            yield from named_tensors(getattr(obj, k, None), f"{prefix}.{k}")
+
+
+def batch_size(inputs: Any) -> int | None:
+    """The first dimension of the first tensor with at least one dimension."""
+    for t in iter_tensors(inputs):
+        if t.ndim >= 1:
+            return int(t.shape[0])
+    return None
+
+
+def describe(obj: Any) -> str:
+    """Short description of a batch or an output: ``"Tensor(16, 10) float32"``."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+    if isinstance(obj, Mapping):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (tuple, list)):
+        inner = ", ".join(describe(v) for v in obj)
+        return f"({inner})" if isinstance(obj, tuple) else f"[{inner}]"
+    return type(obj).__qualname__
+
+
+def compute_loss(
+    output: Any, target: Any = None, loss_fn: Callable[..., Any] | None = None
+) -> torch.Tensor:
+    """The scalar loss of ``output`` under the conventions above.
+
+    Raises
+    ------
+    ValueError
+        When no loss can be found, or the loss is not a scalar tensor.
+    """
+    if loss_fn is not None:
+        loss = loss_fn(output, target) if target is not None else loss_fn(output)
+        source = f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+    elif isinstance(output, Mapping) and "loss" in output:
+        loss, source = output["loss"], "output['loss']"
+    elif getattr(output, "loss", None) is not None and not isinstance(output, torch.Tensor):
+        loss, source = output.loss, "output.loss"
+    elif isinstance(output, torch.Tensor) and output.numel() == 1:
+        loss, source = output, "the model's scalar output"
+    else:
+        hint = " (a target was given but no loss_fn)" if target is not None else ""
+        raise ValueError(
+            "no loss to differentiate: expected loss_fn=..., an output with a 'loss' entry or "
+            f"attribute, or a scalar output; the model returned {describe(output)}{hint}."
+        )
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the loss must be a scalar tensor; {source} returned {type(loss).__qualname__}.")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"the loss must be a scalar tensor; {source} returned a tensor of shape {tuple(loss.shape)} "
+            "(reduce it, e.g. with .mean())."
+        )
+    return loss.reshape(())

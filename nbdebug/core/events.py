@@ -1,0 +1,136 @@
+"""The records a trace is made of: :class:`Event` (one tensor seen at one point of the
+forward or backward pass) and :class:`ParamInfo` (one parameter after the backward)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .stats import Histogram, TensorStats
+
+PHASES = ("input", "forward", "loss", "backward")
+
+
+@dataclass
+class Event:
+    """One tensor observed during :func:`nbdebug.trace`, in execution order.
+
+    Attributes
+    ----------
+    index : int
+        Position in ``Trace.events``.
+    phase : str
+        ``"input"`` (the batch), ``"forward"`` (a module's output), ``"loss"`` or
+        ``"backward"`` (a gradient).
+    module : str
+        Qualified name as in ``model.named_modules()``; ``""`` is the model itself (and
+        the batch and the loss).
+    kind : str
+        ``"input"``, ``"output"``, ``"loss"``, ``"grad_output"`` (gradient arriving at a
+        module's output), ``"grad_input"`` (gradient leaving a module through an input
+        that no other module produced) or ``"param_grad"``.
+    name : str
+        Which tensor: ``"output"``, ``"output[1]"``, ``"output['logits']"``, an input
+        name, or a parameter name for ``param_grad``.
+    shape : tuple of int
+    dtype : str
+        e.g. ``"float32"``.
+    stats : TensorStats
+        norm, mean, std, min, max, absmax, zero_frac, n_nan, n_inf.
+    hist : Histogram
+        32 fixed bins of log10|x|.
+    samples : list of int
+        Batch rows holding non-finite values.
+    call : int
+        Module call number (``-1`` for the batch and the loss); a module called twice
+        has two calls.
+    depth : int
+        Nesting depth of the module (the model is 0).
+    module_type : str
+        Class name of the module.
+    op, source : str or None
+        For the origin: the producing torch operation (``"torch.log"``,
+        ``"Tensor.__truediv__"``) and the user's ``"file.py:line"``.
+    param : str or None
+        For a parameter gradient, or an origin caused by a corrupted parameter or buffer,
+        its qualified name.
+    note : str
+        A sentence that explains the origin, when there is one.
+    """
+
+    index: int
+    phase: str
+    module: str
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    stats: TensorStats
+    hist: Histogram
+    samples: list[int] = field(default_factory=list)
+    call: int = -1
+    depth: int = 0
+    module_type: str = ""
+    op: str | None = None
+    source: str | None = None
+    param: str | None = None
+    note: str = ""
+
+    @property
+    def finite(self) -> bool:
+        return self.stats.finite
+
+    @property
+    def label(self) -> str:
+        """Short human-readable name: ``"forward encoder.layers.0 output"``."""
+        where = self.module or "<model>"
+        if self.phase in ("input", "loss"):
+            where = self.phase if self.phase == "loss" else f"input {self.name}"
+            return where
+        return f"{self.phase} {where} {self.name}"
+
+    def __repr__(self) -> str:
+        bad = ""
+        if not self.finite:
+            bad = f" nan={self.stats.n_nan} inf={self.stats.n_inf}"
+            if self.samples:
+                bad += f" rows={_rows(self.samples)}"
+        extra = ""
+        if self.op or self.source:
+            extra = f" op={self.op} at {self.source}"
+        if self.param:
+            extra += f" param={self.param}"
+        return (
+            f"Event(#{self.index} {self.phase} {self.module or '<model>'!s} {self.name} "
+            f"{tuple(self.shape)} {self.dtype} norm={self.stats.norm:.4g}{bad}{extra})"
+        )
+
+
+def _rows(rows: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(r) for r in rows[:most])
+    return f"[{shown}{', ...' if len(rows) > most else ''}]"
+
+
+@dataclass
+class ParamInfo:
+    """One parameter after the traced backward (the user's own ``.grad`` is untouched)."""
+
+    name: str
+    module: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    norm: float
+    grad_norm: float | None
+    n_nan: int
+    n_inf: int
+    grad_n_nan: int
+    grad_n_inf: int
+
+    @property
+    def ratio(self) -> float | None:
+        """grad norm / weight norm (``None`` without a gradient; inf for a zero weight)."""
+        if self.grad_norm is None:
+            return None
+        if self.norm == 0:
+            return float("inf") if self.grad_norm > 0 else 0.0
+        return self.grad_norm / self.norm

@@ -1,0 +1,145 @@
+"""The result of :func:`nbdebug.trace`: :class:`Trace` and :class:`TraceError`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import Event, ParamInfo
+
+
+@dataclass
+class Trace:
+    """One forward + backward pass, recorded module by module.
+
+    Attributes
+    ----------
+    events : list of Event
+        In execution order: the batch (``"input"``), every module output
+        (``"forward"``), the loss, then every gradient (``"backward"``).
+    origin : Event or None
+        Where the first non-finite value was *produced* (see DESIGN.md's four rules).
+    first_nonfinite : Event or None
+        The first event that holds any NaN/Inf.
+    loss : float or None
+    params : list of ParamInfo
+    model_name : str
+        Class name of the model.
+    batch_size : int or None
+    n_params : int
+        Number of parameter elements.
+    batch : str
+        Short description of the batch (``"Tensor(16, 10) float32"``).
+    error : str or None
+        Set on the partial trace carried by :class:`TraceError`.
+    """
+
+    events: list[Event]
+    origin: Event | None
+    first_nonfinite: Event | None
+    loss: float | None
+    params: list[ParamInfo]
+    model_name: str
+    batch_size: int | None = None
+    n_params: int = 0
+    batch: str = ""
+    error: str | None = None
+    module_types: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.first_nonfinite is None and self.error is None
+
+    def events_of(self, module: str, phase: str | None = None) -> list[Event]:
+        """Events of one module (optionally of one phase)."""
+        return [e for e in self.events if e.module == module and (phase is None or e.phase == phase)]
+
+    def to_frame(self) -> Any:
+        """One row per event: index, phase, module, kind, name, shape, dtype, the stats,
+        samples, op, source, and whether it is the origin."""
+        import pandas as pd
+
+        origin = self.origin.index if self.origin is not None else -1
+        rows = []
+        for e in self.events:
+            s = e.stats
+            rows.append(
+                (
+                    e.index, e.phase, e.module, e.module_type, e.kind, e.name, e.shape, e.dtype,
+                    s.norm, s.mean, s.std, s.min, s.max, s.absmax, s.zero_frac, s.n_nan, s.n_inf,
+                    e.samples, e.op, e.source, e.index == origin,
+                )
+            )
+        columns = [
+            "index", "phase", "module", "module_type", "kind", "name", "shape", "dtype",
+            "norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf",
+            "samples", "op", "source", "is_origin",
+        ]
+        return pd.DataFrame.from_records(rows, columns=columns).set_index("index")
+
+    def params_frame(self) -> Any:
+        """One row per parameter: name, module, shape, dtype, norm, grad_norm,
+        grad/weight ratio, and non-finite counts of the weight and of its gradient."""
+        import pandas as pd
+
+        rows = [
+            (
+                p.name, p.module, p.shape, p.dtype, p.requires_grad, p.norm, p.grad_norm,
+                p.ratio, p.n_nan, p.n_inf, p.grad_n_nan, p.grad_n_inf,
+            )
+            for p in self.params
+        ]
+        columns = [
+            "name", "module", "shape", "dtype", "requires_grad", "norm", "grad_norm",
+            "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf",
+        ]
+        return pd.DataFrame.from_records(rows, columns=columns).set_index("name")
+
+    def summary(self) -> str:
+        """One line: healthy, or where the NaN/Inf was produced."""
+        if self.error:
+            return f"error: {self.error}"
+        o = self.origin
+        if o is None:
+            if self.first_nonfinite is not None:
+                return f"non-finite values first seen at {self.first_nonfinite.label} (origin not found)"
+            return "healthy"
+        kind = "NaN" if o.stats.n_nan else "Inf"
+        where = o.module or ("the batch" if o.phase == "input" else "the loss" if o.phase == "loss" else "<model>")
+        bits = [o.phase]
+        if o.op:
+            bits.append(o.op)
+        if o.source:
+            bits.append(o.source)
+        if o.param:
+            bits.append(f"param {o.param}")
+        rows = f", rows {', '.join(map(str, o.samples[:8]))}{' ...' if len(o.samples) > 8 else ''}" if o.samples else ""
+        return f"{kind} produced in {where} ({', '.join(bits)}){rows}"
+
+    def __repr__(self) -> str:
+        loss = "None" if self.loss is None else (f"{self.loss:.6g}" if math.isfinite(self.loss) else str(self.loss))
+        lines = [
+            f"Trace({self.model_name}: {len(self.events)} events, batch {self.batch or '?'}, loss={loss})",
+            f"  {self.summary()}",
+        ]
+        if self.origin is not None:
+            lines.append(f"  origin: {self.origin!r}")
+            if self.origin.note:
+                lines.append(f"  note: {self.origin.note}")
+        return "\n".join(lines)
+
+
+class TraceError(RuntimeError):
+    """The model (or the loss) raised during :func:`nbdebug.trace`.
+
+    ``err.trace`` is the partial trace up to the failure; ``err.module`` the qualified
+    name of the module that raised (``None`` outside any module); the original exception
+    is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, trace: Trace | None = None, module: str | None = None):
+        super().__init__(message)
+        self.trace = trace
+        self.module = module
