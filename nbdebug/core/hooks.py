@@ -1,0 +1,42 @@
+"""One place that holds hook handles and removes them all, in ``finally``."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+
+class HookSet:
+    """Collects the handles returned by ``register_*_hook`` calls and removes every one
+    of them on :meth:`close` (or on leaving the ``with`` block, also when it raises).
+
+    >>> with HookSet() as hooks:
+    ...     for m in model.modules():
+    ...         hooks.add(m.register_forward_hook(fn))
+    ...     model(x)
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def add(self, handle: Any) -> Any:
+        self._handles.append(handle)
+        return handle
+
+    def close(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
