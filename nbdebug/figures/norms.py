@@ -1,0 +1,199 @@
+"""Per-layer norm plot of a :class:`~nbdebug.core.result.Trace`.
+
+One x category per module call (in forward order; ``"input"`` and ``"loss"`` at the ends),
+the L2 norm of every recorded tensor on a log y axis:
+
+* ``"forward"``: the batch, every module output and the loss;
+* ``"backward"``: the gradients arriving at / leaving each module;
+* ``"param grad"``: the gradients of each module's parameters;
+* ``"non-finite"``: red crosses on events holding NaN/Inf;
+* ``"current event"`` (always the last trace): one marker a widget moves by changing only
+  that trace's ``x``/``y`` (see :func:`norm_points`).
+
+Norms are over the finite elements, so a NaN tensor still has a place on the plot. Zero
+norms (and all-NaN tensors) cannot sit on a log axis: they are drawn at a floor one decade
+below the smallest positive norm, and the hover text gives the real value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from ..core.events import Event
+from ..core.result import Trace
+
+#: Names of the figure's traces, in order; the widget finds the marker by
+#: ``CURRENT_TRACE``, which is always ``fig.data[-1]``.
+FORWARD_TRACE = "forward"
+BACKWARD_TRACE = "backward"
+PARAM_TRACE = "param grad"
+NONFINITE_TRACE = "non-finite"
+CURRENT_TRACE = "current event"
+
+INPUT_X = "input"
+LOSS_X = "loss"
+
+
+@dataclass
+class NormPoints:
+    """Where each event of a trace sits on the norm plot.
+
+    Attributes
+    ----------
+    x : list of str
+        ``x[i]`` is the category of ``trace.events[i]`` (module name, ``#n`` for the n-th
+        call of a module called more than once).
+    y : list of float
+        ``y[i]`` is its norm, clamped to ``floor`` (log axis).
+    floor : float
+    categories : list of str
+        The x axis order: input, modules in forward order, loss.
+    """
+
+    x: list[str]
+    y: list[float]
+    floor: float
+    categories: list[str]
+
+    def __repr__(self) -> str:
+        return f"NormPoints({len(self.x)} events, {len(self.categories)} categories, floor={self.floor:.3g})"
+
+
+def event_category(ev: Event) -> str:
+    """The x category of one event: ``"input"``, ``"loss"``, the module name
+    (``"<model>"`` for the model itself), with ``" #n"`` for the n-th call (n >= 2)."""
+    if ev.phase == "input":
+        return INPUT_X
+    if ev.phase == "loss":
+        return LOSS_X
+    name = ev.module or "<model>"
+    return f"{name} #{ev.call + 1}" if ev.call > 0 else name
+
+
+def norm_points(trace: Trace) -> NormPoints:
+    """The position of every event of ``trace`` on :func:`norm_figure`'s axes."""
+    positive = [e.stats.norm for e in trace.events if e.stats.norm > 0 and math.isfinite(e.stats.norm)]
+    floor = min(positive) / 10 if positive else 1e-12
+    xs = [event_category(e) for e in trace.events]
+    ys = [e.stats.norm if e.stats.norm > 0 and math.isfinite(e.stats.norm) else floor for e in trace.events]
+    cats: list[str] = []
+    seen: set[str] = set()
+    has_input = has_loss = False
+    for e, c in zip(trace.events, xs):
+        if e.phase == "input":
+            has_input = True
+        elif e.phase == "loss":
+            has_loss = True
+        elif c not in seen and e.phase == "forward":
+            seen.add(c)
+            cats.append(c)
+    # modules seen only in the backward (or only as a partial trace) go after the forward ones
+    for e, c in zip(trace.events, xs):
+        if e.phase == "backward" and c not in seen:
+            seen.add(c)
+            cats.append(c)
+    cats = ([INPUT_X] if has_input else []) + cats + ([LOSS_X] if has_loss else [])
+    return NormPoints(xs, ys, floor, cats)
+
+
+def _hover(e: Event) -> str:
+    s = e.stats
+    bad = f"<br>NaN {s.n_nan}, Inf {s.n_inf}" if not s.finite else ""
+    return (
+        f"#{e.index} {e.phase} {e.module or '<model>'} {e.name}<br>"
+        f"norm {s.norm:.4g}<br>{tuple(e.shape)} {e.dtype}{bad}"
+    )
+
+
+def norm_figure(
+    trace: Trace, *, current: Event | int | None = None, points: NormPoints | None = None
+) -> go.Figure:
+    """Forward activation norms and backward gradient norms per module, log y axis.
+
+    Parameters
+    ----------
+    trace : Trace
+        The result of :func:`nbdebug.trace` (a partial trace works too).
+    current : Event or int, optional
+        The event (or its index) the ``"current event"`` marker is put on; without it the
+        marker trace is empty.
+    points : NormPoints, optional
+        ``norm_points(trace)``, when the caller already has it.
+
+    Returns
+    -------
+    plotly.graph_objects.Figure
+        Traces named ``forward``, ``backward``, ``param grad``, ``non-finite`` and, last,
+        ``current event``.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"norm_figure expects an nbdebug Trace; got {type(trace).__qualname__}.")
+    pts = points if points is not None else norm_points(trace)
+    groups: dict[str, list[int]] = {FORWARD_TRACE: [], BACKWARD_TRACE: [], PARAM_TRACE: []}
+    for e in trace.events:
+        if e.phase == "backward":
+            groups[PARAM_TRACE if e.kind == "param_grad" else BACKWARD_TRACE].append(e.index)
+        else:
+            groups[FORWARD_TRACE].append(e.index)
+    style = {
+        FORWARD_TRACE: {"mode": "lines+markers", "line": {"color": "#1f77b4"}, "marker": {"size": 6}},
+        BACKWARD_TRACE: {"mode": "lines+markers", "line": {"color": "#ff7f0e"}, "marker": {"size": 6}},
+        PARAM_TRACE: {"mode": "markers", "marker": {"color": "#2ca02c", "size": 5, "symbol": "diamond"}},
+    }
+    fig = go.Figure()
+    hovers = [_hover(e) for e in trace.events]
+    for name, idx in groups.items():
+        fig.add_trace(
+            go.Scatter(
+                x=[pts.x[i] for i in idx],
+                y=[pts.y[i] for i in idx],
+                customdata=idx,
+                text=[hovers[i] for i in idx],
+                hovertemplate="%{text}<extra></extra>",
+                name=name,
+                **style[name],
+            )
+        )
+    bad = [e.index for e in trace.events if not e.stats.finite]
+    fig.add_trace(
+        go.Scatter(
+            x=[pts.x[i] for i in bad],
+            y=[pts.y[i] for i in bad],
+            customdata=bad,
+            text=[hovers[i] for i in bad],
+            hovertemplate="%{text}<extra></extra>",
+            mode="markers",
+            marker={"color": "#d62728", "size": 11, "symbol": "x"},
+            name=NONFINITE_TRACE,
+        )
+    )
+    cx: list[str] = []
+    cy: list[float] = []
+    if current is not None:
+        i = current.index if isinstance(current, Event) else int(current)
+        if not 0 <= i < len(trace.events):
+            raise ValueError(f"current must be an event of this trace (0..{len(trace.events) - 1}); got {i}.")
+        cx, cy = [pts.x[i]], [pts.y[i]]
+    fig.add_trace(
+        go.Scatter(
+            x=cx,
+            y=cy,
+            mode="markers",
+            marker={"size": 16, "color": "rgba(0,0,0,0)", "line": {"color": "black", "width": 2}},
+            name=CURRENT_TRACE,
+            hoverinfo="skip",
+        )
+    )
+    fig.update_layout(
+        title={"text": f"Per-layer norms: {trace.model_name}", "x": 0.01},
+        yaxis={"type": "log", "title": "L2 norm"},
+        xaxis={"categoryorder": "array", "categoryarray": pts.categories, "tickangle": -45},
+        margin={"l": 60, "r": 20, "t": 40, "b": 100},
+        height=380,
+        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+        template="plotly_white",
+    )
+    return fig
