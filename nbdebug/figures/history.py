@@ -1,0 +1,189 @@
+"""The training history a :class:`~nbdebug.NaNGuard` keeps, as one figure.
+
+:func:`history_figure` stacks one panel per recorded quantity (loss, total gradient
+norm, total parameter norm, learning rate, GradScaler scale) over a shared step axis,
+marks non-finite values (which plotly cannot draw) with red crosses at the top of their
+panel, marks skipped steps, and draws a vertical line at the failing step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+#: (column, panel title) in display order. ``loss`` is always shown; the others only when
+#: the history holds at least one value for them.
+PANELS: tuple[tuple[str, str], ...] = (
+    ("loss", "loss"),
+    ("grad_norm", "gradient norm"),
+    ("param_norm", "parameter norm"),
+    ("lr", "learning rate"),
+    ("scale", "GradScaler scale"),
+)
+
+_ALWAYS_RECORDED = frozenset({"loss", "grad_norm", "param_norm"})
+_LINE = "#1f77b4"
+_BAD = "#d62728"
+_SKIP = "#ff7f0e"
+
+
+def _column(history: Any, name: str) -> np.ndarray:
+    import pandas as pd
+
+    if name not in history.columns:
+        return np.full(len(history), np.nan)
+    return pd.to_numeric(history[name], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+
+
+def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figure:
+    """Plot a guard's rolling history.
+
+    Parameters
+    ----------
+    history : pandas.DataFrame
+        One row per step, as returned by ``Snapshot.history_frame()``: a numeric ``step``
+        column and any of ``loss``, ``grad_norm``, ``param_norm``, ``lr``, ``scale``
+        (floats; NaN/inf allowed) and ``skipped`` (bool). Other columns are ignored.
+    failing_step : int, optional
+        Step to mark with a vertical line (the step the snapshot was written at).
+
+    Returns
+    -------
+    plotly.graph_objects.Figure
+        One row per panel, shared x axis ``step``. Traces are named after the column
+        (``"loss"``, ``"grad_norm"``, ...); non-finite values are a separate marker trace
+        per panel named ``"<column> non-finite"``; skipped steps a trace named
+        ``"skipped"`` in the loss panel. Norms, learning rate and scale use a log axis
+        when all their finite values are positive.
+
+    Raises
+    ------
+    TypeError
+        ``history`` is not a DataFrame.
+    ValueError
+        ``history`` has no ``step`` column.
+    """
+    import pandas as pd
+
+    if not isinstance(history, pd.DataFrame):
+        raise TypeError(
+            f"history must be a pandas DataFrame (Snapshot.history_frame()); got {type(history).__qualname__}."
+        )
+    if "step" not in history.columns:
+        raise ValueError(
+            f"history must have a 'step' column; got columns {list(history.columns)}."
+        )
+    if failing_step is not None and not isinstance(failing_step, (int, np.integer)):
+        raise TypeError(f"failing_step must be an int or None; got {type(failing_step).__qualname__}.")
+
+    steps = _column(history, "step")
+    panels = [
+        (col, title, _column(history, col))
+        for col, title in PANELS
+        if col == "loss" or (col in history.columns and history[col].notna().any())
+    ]
+    fig = make_subplots(
+        rows=len(panels),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04 if len(panels) > 3 else 0.08,
+        subplot_titles=[title for _, title, _ in panels],
+    )
+    skipped = np.zeros(len(history), dtype=bool)
+    if "skipped" in history.columns:
+        skipped = history["skipped"].fillna(False).astype(bool).to_numpy()
+
+    for row, (col, title, y) in enumerate(panels, start=1):
+        finite = np.isfinite(y)
+        shown = np.where(finite, y, np.nan)
+        fig.add_trace(
+            go.Scatter(
+                x=steps,
+                y=shown,
+                name=col,
+                mode="lines+markers" if len(steps) <= 60 else "lines",
+                line={"color": _LINE, "width": 1.5},
+                marker={"size": 4},
+                connectgaps=False,
+                showlegend=False,
+                hovertemplate=f"step %{{x}}<br>{title} %{{y:.4g}}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+        fin_vals = shown[finite]
+        positive = fin_vals.size > 0 and bool((fin_vals > 0).all())
+        log = col != "loss" and positive and float(fin_vals.max()) / float(fin_vals.min()) > 20
+        if log:
+            fig.update_yaxes(type="log", row=row, col=1)
+        # Non-finite values sit at the top of the panel: plotly cannot draw inf or NaN.
+        # Loss and norms are recorded every step, so NaN there is a real NaN; learning rate
+        # and scale are NaN when absent (no optimizer, no scaler), so only inf counts.
+        if col not in history.columns:
+            bad = np.zeros(len(y), dtype=bool)
+        else:
+            bad = ~finite if col in _ALWAYS_RECORDED else np.isinf(y)
+        if bad.any():
+            top = float(fin_vals.max()) if fin_vals.size else 1.0
+            fig.add_trace(
+                go.Scatter(
+                    x=steps[bad],
+                    y=[top] * int(bad.sum()),
+                    name=f"{col} non-finite",
+                    mode="markers",
+                    marker={"symbol": "x", "size": 10, "color": _BAD},
+                    text=[_fmt(v) for v in y[bad]],
+                    showlegend=False,
+                    hovertemplate=f"step %{{x}}<br>{title} %{{text}}<extra></extra>",
+                ),
+                row=row,
+                col=1,
+            )
+        if row == 1 and skipped.any():
+            lo = float(fin_vals.min()) if fin_vals.size else 0.0
+            fig.add_trace(
+                go.Scatter(
+                    x=steps[skipped],
+                    y=[lo] * int(skipped.sum()),
+                    name="skipped",
+                    mode="markers",
+                    marker={"symbol": "triangle-up", "size": 9, "color": _SKIP},
+                    showlegend=False,
+                    hovertemplate="step %{x}: update skipped<extra></extra>",
+                ),
+                row=1,
+                col=1,
+            )
+
+    if failing_step is not None:
+        fig.add_vline(
+            x=int(failing_step), line={"color": _BAD, "dash": "dash", "width": 1.5}, row="all", col=1
+        )
+        fig.add_annotation(
+            x=int(failing_step),
+            y=1.0,
+            xref="x",
+            yref="paper",
+            yanchor="bottom",
+            text=f"failing step {int(failing_step)}",
+            showarrow=False,
+            font={"color": _BAD},
+        )
+    fig.update_xaxes(title_text="step", row=len(panels), col=1)
+    fig.update_layout(
+        height=max(260, 170 * len(panels)),
+        margin={"l": 60, "r": 20, "t": 50, "b": 40},
+        hovermode="x",
+        template="plotly_white",
+    )
+    return fig
+
+
+def _fmt(v: float) -> str:
+    if math.isnan(v):
+        return "nan"
+    return "inf" if v > 0 else "-inf"
