@@ -1,0 +1,73 @@
+"""Grad/weight norm ratio per parameter: a bar plot on a log axis with the vanishing and
+exploding bands shaded."""
+
+from __future__ import annotations
+
+import math
+
+import plotly.graph_objects as go
+
+from ..core.result import Trace
+
+#: grad norm / weight norm below this: the gradient vanishes (same threshold as the health checks).
+VANISHING = 1e-5
+#: grad norm / weight norm above this: the gradient explodes.
+EXPLODING = 100.0
+
+
+def ratio_figure(trace: Trace) -> go.Figure:
+    """Bar per parameter of ``grad_norm / norm`` on a log y axis.
+
+    Parameters
+    ----------
+    trace : Trace
+        Its ``params`` (one :class:`~nbdebug.core.events.ParamInfo` each) are plotted in
+        model order. Parameters without a gradient are left out; zero ratios and
+        non-finite gradients are drawn at the axis floor in red, with the reason on hover.
+
+    Returns
+    -------
+    plotly.graph_objects.Figure
+        One bar trace named ``"grad/weight"``; the bands below ``VANISHING`` and above
+        ``EXPLODING`` are shaded.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"ratio_figure expects an nbdebug Trace; got {type(trace).__qualname__}.")
+    params = [p for p in trace.params if p.ratio is not None]
+    good = [r for p in params if (r := p.ratio) is not None and 0 < r < math.inf]
+    lo = min([*good, VANISHING]) / 10
+    hi = max([*good, EXPLODING]) * 10
+    names, ys, colors, texts = [], [], [], []
+    for p in params:
+        r = p.ratio
+        assert r is not None
+        bad_grad = p.grad_n_nan + p.grad_n_inf
+        if bad_grad or not math.isfinite(r) or r <= 0:
+            y, color = (hi if r == math.inf and not bad_grad else lo), "#d62728"
+        else:
+            y = r
+            color = "#d62728" if r < VANISHING or r > EXPLODING else "#1f77b4"
+        note = f"grad NaN {p.grad_n_nan}, Inf {p.grad_n_inf}" if bad_grad else f"ratio {r:.3g}"
+        names.append(p.name)
+        ys.append(y)
+        colors.append(color)
+        texts.append(f"{p.name} {tuple(p.shape)}<br>norm {p.norm:.4g}, grad norm {p.grad_norm:.4g}<br>{note}")
+    fig = go.Figure(
+        go.Bar(x=names, y=ys, marker={"color": colors}, text=texts, textposition="none",
+               hovertemplate="%{text}<extra></extra>", name="grad/weight")
+    )
+    llo, lhi = math.log10(lo), math.log10(hi)
+    fig.add_hrect(y0=lo, y1=VANISHING, fillcolor="#9467bd", opacity=0.12, line_width=0,
+                  annotation_text=f"vanishing (< {VANISHING:g})", annotation_position="bottom left")
+    fig.add_hrect(y0=EXPLODING, y1=hi, fillcolor="#d62728", opacity=0.12, line_width=0,
+                  annotation_text=f"exploding (> {EXPLODING:g})", annotation_position="top left")
+    fig.update_layout(
+        title={"text": "Gradient / weight norm per parameter", "x": 0.01},
+        yaxis={"type": "log", "title": "grad norm / weight norm", "range": [llo, lhi]},
+        xaxis={"tickangle": -45},
+        height=380,
+        margin={"l": 60, "r": 20, "t": 40, "b": 110},
+        template="plotly_white",
+        showlegend=False,
+    )
+    return fig

@@ -1,0 +1,292 @@
+"""The debugger: a header and tabs, composed from one panel per file.
+
+>>> dbg = nbdebug.debug(model, x, target=y, loss_fn=F.cross_entropy)
+>>> dbg                      # displays the widget in a notebook
+>>> dbg.current_event        # the event the Step tab shows, as data
+>>> dbg.add_tab("Checks", panel.widget)
+
+``debug`` takes a model and a batch (the conventions of :func:`nbdebug.trace`), a
+:class:`~nbdebug.core.snapshot.Snapshot`, the path of a snapshot file (with ``model=``),
+or an already recorded :class:`~nbdebug.core.result.Trace`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+
+from ..core.events import Event
+from ..core.result import Trace, TraceError
+from .cursor import Cursor
+from .history import HistoryPanel
+from .layers import LayersPanel
+from .step import STYLE, StepPanel
+
+TraceSource = Callable[[], Trace]
+
+
+def close_widgets(root: Any) -> int:
+    """Close ``root`` and every widget reachable through its traits (children, layout,
+    style, ...), so nothing stays registered in the kernel. Returns how many were closed."""
+    seen: set[int] = set()
+    stack = [root]
+    n = 0
+    while stack:
+        w = stack.pop()
+        if not isinstance(w, widgets.Widget) or id(w) in seen:
+            continue
+        seen.add(id(w))
+        for v in list(w._trait_values.values()):
+            if isinstance(v, widgets.Widget):
+                stack.append(v)
+            elif isinstance(v, (tuple, list)):
+                stack.extend(x for x in v if isinstance(x, widgets.Widget))
+        if w.comm is not None:
+            w.close()
+            n += 1
+    return n
+
+
+def _empty_trace(model_name: str, error: str) -> Trace:
+    return Trace(events=[], origin=None, first_nonfinite=None, loss=None, params=[],
+                 model_name=model_name, error=error)
+
+
+def _run(source: TraceSource, model_name: str) -> tuple[Trace, str | None]:
+    """Call ``source``; a model that raises gives its partial trace and the message."""
+    try:
+        return source(), None
+    except TraceError as err:
+        tr = err.trace if err.trace is not None else _empty_trace(model_name, str(err))
+        return tr, str(err)
+
+
+def header_html(trace: Trace, *, error: str | None = None, snapshot: str | None = None) -> str:
+    """The debugger's header: model class, parameter count, batch, loss, status badge."""
+    e = html.escape
+    loss = "–" if trace.loss is None else (f"{trace.loss:.6g}" if math.isfinite(trace.loss) else str(trace.loss))
+    status = trace.summary()
+    ok = trace.healthy and error is None
+    badge = f"<span class='nbdebug-badge {'nbdebug-badge-ok' if ok else 'nbdebug-badge-bad'}'>{e(status)}</span>"
+    parts = [
+        f"<b>{e(trace.model_name)}</b>",
+        f"{trace.n_params:,} parameters",
+        f"batch <code>{e(trace.batch or '?')}</code>",
+        f"loss {e(loss)}",
+        f"{len(trace.events)} events",
+    ]
+    lines = [" · ".join(parts), f"<div style='margin-top:4px'>{badge}</div>"]
+    if error and error not in status:
+        lines.append(f"<div class='nbdebug-error' style='color:#d62728;margin-top:4px'><b>TraceError:</b> {e(error)}</div>")
+    if snapshot:
+        lines.append(f"<div><small>{e(snapshot)}</small></div>")
+    return "<div class='nbdebug-header'>" + "".join(lines) + "</div>"
+
+
+class Debugger:
+    """The debugger widget. Build it with :func:`debug`.
+
+    Attributes
+    ----------
+    widget : ipywidgets.VBox
+        Header and tabs; displaying the debugger displays this.
+    trace : Trace
+        The trace shown (the partial one when the model raised).
+    error : str or None
+        The ``TraceError`` message when the model raised.
+    step, layers : StepPanel, LayersPanel
+    history : HistoryPanel or None
+        Only for a snapshot with a recorded history.
+    tabs : ipywidgets.Tab
+    rerun_button : ipywidgets.Button
+        Traces again (the model and batch as they are now); disabled without a source.
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        *,
+        error: str | None = None,
+        source: TraceSource | None = None,
+        history: Any = None,
+        failing_step: int | None = None,
+        reason: str | None = None,
+        backend: str | None = None,
+    ):
+        if not isinstance(trace, Trace):
+            raise TypeError(f"Debugger expects an nbdebug Trace; got {type(trace).__qualname__} (use nbdebug.debug()).")
+        self.trace = trace
+        self.error = error
+        self._source = source
+        self._backend = backend
+        self._snapshot_line = None
+        if failing_step is not None or reason:
+            self._snapshot_line = "snapshot" + (f" of step {failing_step}" if failing_step is not None else "") + (
+                f": {reason}" if reason else ""
+            )
+        self._extra: list[tuple[str, widgets.Widget]] = []
+        self._callbacks: list[Callable[[Debugger], Any]] = []
+        self.header = widgets.HTML()
+        self.rerun_button = widgets.Button(
+            description="re-run", icon="refresh", disabled=source is None,
+            tooltip="trace again with the model and batch as they are now" if source else "no model to re-run",
+        )
+        self.rerun_button.on_click(lambda _b: self.rerun())
+        self.history: HistoryPanel | None = None
+        if history is not None and len(history):
+            self.history = HistoryPanel(history, failing_step=failing_step, reason=reason, backend=backend)
+        self.tabs = widgets.Tab()
+        self._build_panels()
+        self.widget = widgets.VBox(
+            [widgets.HTML(STYLE), widgets.HBox([self.header, self.rerun_button],
+                                               layout=widgets.Layout(justify_content="space-between")), self.tabs]
+        )
+        self.widget.add_class("nbdebug-debugger")
+
+    def _build_panels(self) -> None:
+        self.header.value = header_html(self.trace, error=self.error, snapshot=self._snapshot_line)
+        self.step = StepPanel(self.trace, backend=self._backend)
+        self.layers = LayersPanel(self.trace, backend=self._backend)
+        self._layout_tabs()
+
+    def _layout_tabs(self) -> None:
+        pairs: list[tuple[str, widgets.Widget]] = [("Step", self.step.widget), ("Layers", self.layers.widget)]
+        if self.history is not None:
+            pairs.append(("History", self.history.widget))
+        pairs += self._extra
+        with self.tabs.hold_sync():
+            self.tabs.children = [w for _, w in pairs]
+            self.tabs.titles = [t for t, _ in pairs]
+
+    # ---- results as data ---------------------------------------------------------------
+    @property
+    def cursor(self) -> Cursor:
+        """The Step tab's position over the events."""
+        return self.step.cursor
+
+    @property
+    def current_event(self) -> Event | None:
+        """The event the Step tab shows."""
+        return self.step.cursor.event
+
+    # ---- composition -------------------------------------------------------------------
+    def add_tab(self, title: str, widget: Any) -> None:
+        """Add a tab (gradcheck, checks, drift, labels panels). ``widget`` is an ipywidget
+        or an object with a ``.widget`` attribute; it is kept across re-runs."""
+        if not isinstance(title, str) or not title:
+            raise TypeError(f"tab title must be a non-empty string; got {title!r}.")
+        w = getattr(widget, "widget", widget)
+        if not isinstance(w, widgets.Widget):
+            raise TypeError(f"add_tab expects an ipywidget or an object with .widget; got {type(widget).__qualname__}.")
+        self._extra.append((title, w))
+        self._layout_tabs()
+
+    def on_retrace(self, callback: Callable[[Debugger], Any]) -> None:
+        """Call ``callback(debugger)`` after every re-run (e.g. to refresh an added tab)."""
+        self._callbacks.append(callback)
+
+    def rerun(self) -> Trace:
+        """Trace again from the source (model and batch as they are now) and rebuild the
+        Step and Layers tabs. Returns the new trace."""
+        if self._source is None:
+            raise ValueError("this debugger was built from a recorded trace: there is nothing to re-run.")
+        self.rerun_button.disabled = True
+        try:
+            trace, error = _run(self._source, self.trace.model_name)
+            old = (self.step.widget, self.layers.widget)
+            self.trace, self.error = trace, error
+            self._build_panels()
+            for w in old:
+                close_widgets(w)
+        finally:
+            self.rerun_button.disabled = False
+        for cb in self._callbacks:
+            cb(self)
+        return self.trace
+
+    def close(self) -> None:
+        """Close every widget of the debugger (they stop using kernel memory)."""
+        close_widgets(self.widget)
+
+    # ---- display -----------------------------------------------------------------------
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def __repr__(self) -> str:
+        ev = self.current_event
+        at = f"at #{ev.index} {ev.label}" if ev is not None else "no events"
+        return f"Debugger({self.trace.model_name}: {len(self.trace.events)} events, {at}; {self.trace.summary()})"
+
+
+def debug(
+    obj: Any,
+    inputs: Any = None,
+    target: Any = None,
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    model: Any = None,
+    backend: str | None = None,
+) -> Debugger:
+    """Open the debugger.
+
+    Parameters
+    ----------
+    obj : torch.nn.Module, Snapshot, str or os.PathLike, or Trace
+        A model (then ``inputs`` is its batch: a tensor, tuple/list or dict, as for
+        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, or a recorded trace.
+    inputs, target, loss_fn
+        As for :func:`nbdebug.trace` (model only).
+    model : torch.nn.Module or callable, optional
+        For a snapshot path: the architecture (a module or a zero-argument factory), passed
+        to :func:`nbdebug.load_snapshot`.
+    backend : {"auto", "figurewidget", "output"}, optional
+        How figures are drawn (see :mod:`nbdebug.widgets.plot`).
+
+    Returns
+    -------
+    Debugger
+        A model that raises gives a debugger showing the ``TraceError`` message and the
+        partial trace.
+    """
+    import torch
+
+    if isinstance(obj, Trace):
+        return Debugger(obj, backend=backend)
+    if isinstance(obj, torch.nn.Module):
+        if inputs is None:
+            raise TypeError("debug(model, inputs, ...) needs the batch: inputs is missing.")
+        from ..core.trace import trace as _trace
+
+        net = obj
+
+        def source() -> Trace:
+            return _trace(net, inputs, target=target, loss_fn=loss_fn)
+
+        # bad arguments (not a module, empty batch, no loss) raise here, before any widget
+        tr, err = _run(source, type(net).__name__)
+        return Debugger(tr, error=err, source=source, backend=backend)
+    if isinstance(obj, (str, os.PathLike)):
+        from ..core.snapshot import load_snapshot
+
+        obj = load_snapshot(obj, model=model)
+    from ..core.snapshot import Snapshot
+
+    if isinstance(obj, Snapshot):
+        if inputs is not None or target is not None or loss_fn is not None:
+            raise TypeError("debug(snapshot) takes no inputs/target/loss_fn: the snapshot holds its batch.")
+        snap = obj
+        tr, err = _run(snap.trace, "snapshot")
+        history = snap.history_frame()
+        return Debugger(tr, error=err, source=snap.trace, history=history, failing_step=snap.step,
+                        reason=snap.reason, backend=backend)
+    raise TypeError(
+        "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "
+        f"got {type(obj).__qualname__}."
+    )

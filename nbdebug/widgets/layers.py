@@ -1,0 +1,91 @@
+"""The Layers tab: the parameter table (sortable) and the grad/weight ratio bar plot."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+import ipywidgets as widgets
+
+from ..core.result import Trace
+from ..figures.layers import EXPLODING, VANISHING, ratio_figure
+from .plot import PlotView
+
+#: Columns the table can be sorted by (``Trace.params_frame()`` columns, plus the name).
+SORT_COLUMNS = ("name", "module", "norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf")
+_SHOWN = ("module", "shape", "dtype", "norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf")
+
+
+def _cell(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def params_table_html(frame: Any) -> str:
+    """HTML table of a ``Trace.params_frame()`` (already sorted); rows with a non-finite
+    weight or gradient, or a ratio outside the healthy band, are marked."""
+    head = "".join(f"<th>{c}</th>" for c in ("name", *_SHOWN))
+    body = []
+    for name, row in frame.iterrows():
+        bad = row["n_nan"] or row["n_inf"] or row["grad_n_nan"] or row["grad_n_inf"]
+        r = row["ratio"]
+        off = r is not None and not (isinstance(r, float) and math.isnan(r)) and (r < VANISHING or r > EXPLODING)
+        cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
+        cells = "".join(f"<td>{_cell(row[c])}</td>" for c in _SHOWN)
+        body.append(f"<tr class='{cls}'><td style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>")
+    return (
+        "<style>.nbdebug-params td,.nbdebug-params th{padding:1px 8px;text-align:right;font-size:12px}"
+        ".nbdebug-params .nbdebug-bad{color:#d62728;font-weight:bold}.nbdebug-params .nbdebug-warn{color:#9467bd}</style>"
+        f"<table class='nbdebug-params'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+class LayersPanel:
+    """The Layers tab.
+
+    Attributes
+    ----------
+    widget : ipywidgets.VBox
+    sort_by : ipywidgets.Dropdown
+        One of ``SORT_COLUMNS``.
+    descending : ipywidgets.Checkbox
+    table : ipywidgets.HTML
+    plot : PlotView
+        ``ratio_figure(trace)``.
+    """
+
+    def __init__(self, trace: Trace, *, backend: str | None = None):
+        self.trace = trace
+        self._frame = trace.params_frame()
+        self.sort_by = widgets.Dropdown(options=list(SORT_COLUMNS), value="name", description="sort by")
+        self.descending = widgets.Checkbox(value=False, description="descending", indent=False)
+        self.table = widgets.HTML(layout=widgets.Layout(max_height="320px", overflow="auto"))
+        self.plot = PlotView(ratio_figure(trace), backend=backend)
+        self.sort_by.observe(self._render, names="value")
+        self.descending.observe(self._render, names="value")
+        self._render()
+        legend = widgets.HTML(
+            f"<small>grad/weight ratio: below {VANISHING:g} the gradient vanishes, above {EXPLODING:g} it explodes; "
+            "red rows hold NaN/Inf.</small>"
+        )
+        self.widget = widgets.VBox([widgets.HBox([self.sort_by, self.descending]), legend, self.table, self.plot.widget])
+
+    def sorted_frame(self) -> Any:
+        """The parameter table in the order shown."""
+        col, asc = self.sort_by.value, not self.descending.value
+        if col == "name":
+            return self._frame.sort_index(ascending=asc, kind="stable")
+        return self._frame.sort_values(col, ascending=asc, na_position="last", kind="stable")
+
+    def _render(self, _change: Any = None) -> None:
+        if not len(self._frame):
+            self.table.value = "<i>the model has no parameters</i>"
+            return
+        self.table.value = params_table_html(self.sorted_frame())
+
+    def __repr__(self) -> str:
+        return f"LayersPanel({len(self._frame)} parameters, sorted by {self.sort_by.value})"

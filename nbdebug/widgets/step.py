@@ -1,0 +1,269 @@
+"""The Step tab: walk through a recorded trace event by event.
+
+Buttons (first / previous / next / last, jump to origin, next non-finite), a slider, a
+phase filter and a module-name filter move a :class:`~nbdebug.widgets.cursor.Cursor`;
+the event list (module tree), the detail pane, the histogram and the marker of the
+per-layer norm plot follow it. Stepping only reads the recorded trace and sends small
+diffs: the norm plot is never redrawn, only its ``"current event"`` trace moves.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from ..core.events import Event
+from ..core.result import Trace
+from ..figures.histogram import histogram_bins, histogram_figure, histogram_title
+from ..figures.norms import norm_figure, norm_points
+from .cursor import PHASE_FILTERS, Cursor
+from .plot import PlotView
+
+_PHASE_MARK = {"input": "in ", "forward": "fwd", "loss": "los", "backward": "bwd"}
+_NBSP = "\u00a0"
+
+STYLE = """<style>
+.nbdebug-events select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
+.nbdebug-detail table { border-collapse: collapse; font-size: 12px; }
+.nbdebug-detail td, .nbdebug-detail th { padding: 1px 8px; text-align: right; }
+.nbdebug-detail .nbdebug-bad { color: #d62728; font-weight: bold; }
+.nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
+.nbdebug-badge-ok { background: #2ca02c; }
+.nbdebug-badge-bad { background: #d62728; }
+</style>"""
+
+
+def event_label(ev: Event, *, origin: int | None = None) -> str:
+    """One line of the event list: index, a mark (``!`` non-finite, ``*`` origin), phase,
+    the module indented by its depth, and the tensor's name."""
+    mark = "*" if ev.index == origin else ("!" if not ev.stats.finite else _NBSP)
+    if ev.phase in ("input", "loss"):
+        what = f"[{ev.name}]" if ev.phase == "input" else "[loss]"
+    else:
+        what = f"{ev.module or '<model>'}{'' if ev.call <= 0 else f' #{ev.call + 1}'} {ev.name}"
+    indent = _NBSP * 2 * max(ev.depth, 0)
+    return f"{ev.index:>5}".replace(" ", _NBSP) + f" {mark} {_PHASE_MARK.get(ev.phase, ev.phase)} {indent}{what}"
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def detail_html(ev: Event | None, trace: Trace) -> str:
+    """The detail pane of one event as HTML."""
+    if ev is None:
+        return "<div class='nbdebug-detail'><i>no events recorded</i></div>"
+    e = html.escape
+    s = ev.stats
+    origin = trace.origin is not None and trace.origin.index == ev.index
+    head = f"<b>#{ev.index} {e(ev.phase)}</b> · <code>{e(ev.module or '<model>')}</code>"
+    if ev.module_type:
+        head += f" ({e(ev.module_type)})"
+    if origin:
+        head += " <span class='nbdebug-badge nbdebug-badge-bad'>origin</span>"
+    rows = [
+        ("phase", ev.phase),
+        ("module", ev.module or "<model>"),
+        ("tensor", f"{ev.kind}: {ev.name}"),
+        ("shape", str(tuple(ev.shape))),
+        ("dtype", ev.dtype),
+    ]
+    if ev.call > 0:
+        rows.append(("call", str(ev.call + 1)))
+    if ev.param:
+        rows.append(("param", ev.param))
+    if ev.op:
+        rows.append(("op", ev.op))
+    if ev.source:
+        rows.append(("source", ev.source))
+    info = "".join(f"<tr><th style='text-align:left'>{e(k)}</th><td style='text-align:left'>{e(v)}</td></tr>" for k, v in rows)
+    names = ["norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf"]
+    vals = s.as_dict()
+    bad = {"n_nan", "n_inf"} if not s.finite else set()
+    stats = "".join(
+        f"<tr><th style='text-align:left'>{k}</th><td class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{_num(vals[k])}</td></tr>"
+        for k in names
+    )
+    if not s.finite:
+        rows_txt = ", ".join(map(str, ev.samples)) if ev.samples else "not per row (no batch dimension)"
+        nonfinite = f"<div class='nbdebug-bad'>non-finite rows: {e(rows_txt)}</div>"
+    else:
+        nonfinite = "<div>non-finite rows: none</div>"
+    note = f"<div><i>{e(ev.note)}</i></div>" if ev.note else ""
+    return (
+        f"<div class='nbdebug-detail'><div>{head}</div>{nonfinite}{note}"
+        f"<div style='display:flex;gap:16px'><table>{info}</table><table>{stats}</table></div></div>"
+    )
+
+
+class StepPanel:
+    """The Step tab of the debugger.
+
+    Attributes
+    ----------
+    widget : ipywidgets.VBox
+    cursor : Cursor
+    buttons : dict of str to ipywidgets.Button
+        ``"first"``, ``"prev"``, ``"next"``, ``"last"``, ``"origin"``, ``"nonfinite"``.
+    slider : ipywidgets.IntSlider
+        Position among the visible events.
+    phase, module_filter : ipywidgets.ToggleButtons, ipywidgets.Text
+    events : ipywidgets.Select
+        The event list (value: the event index).
+    detail : ipywidgets.HTML
+    histogram, norms : PlotView
+    """
+
+    def __init__(self, trace: Trace, *, backend: str | None = None):
+        self.trace = trace
+        self.cursor = Cursor(trace)
+        origin = trace.origin.index if trace.origin is not None else None
+        self._labels = [event_label(ev, origin=origin) for ev in trace.events]
+        self._points = norm_points(trace)
+        self._syncing = False
+
+        def button(key: str, description: str, tooltip: str, icon: str = "") -> widgets.Button:
+            b = widgets.Button(description=description, tooltip=tooltip, icon=icon,
+                               layout=widgets.Layout(width="auto"))
+            b.on_click(lambda _b: self._move(key))
+            return b
+
+        self.buttons = {
+            "first": button("first", "first", "first event", "fast-backward"),
+            "prev": button("prev", "prev", "previous event", "step-backward"),
+            "next": button("next", "next", "next event", "step-forward"),
+            "last": button("last", "last", "last event", "fast-forward"),
+            "origin": button("origin", "jump to origin", "where the first NaN/Inf was produced", "crosshairs"),
+            "nonfinite": button("nonfinite", "next non-finite", "next event holding NaN/Inf", "exclamation-triangle"),
+        }
+        self.buttons["origin"].button_style = "danger" if origin is not None else ""
+        self.buttons["origin"].disabled = trace.origin is None and trace.first_nonfinite is None
+        self.slider = widgets.IntSlider(min=0, max=0, value=0, description="step", continuous_update=True,
+                                        readout=False, layout=widgets.Layout(width="60%"))
+        self.position = widgets.HTML()
+        self.phase = widgets.ToggleButtons(options=list(PHASE_FILTERS), value="all", description="phase",
+                                           style={"button_width": "80px"})
+        self.module_filter = widgets.Text(value="", placeholder="module name contains", description="module",
+                                          continuous_update=False)
+        self.events = widgets.Select(options=[], rows=16, layout=widgets.Layout(width="44%", min_width="320px"))
+        self.events.add_class("nbdebug-events")
+        self.detail = widgets.HTML(layout=widgets.Layout(width="100%"))
+        self.detail.add_class("nbdebug-detail")
+        ev0 = self.cursor.event
+        self.histogram = PlotView(histogram_figure(ev0) if ev0 is not None else go.Figure(), backend=backend)
+        self.norms = PlotView(norm_figure(trace, current=ev0, points=self._points), backend=backend)
+
+        self.slider.observe(self._on_slider, names="value")
+        self.events.observe(self._on_select, names="value")
+        self.phase.observe(self._on_filter, names="value")
+        self.module_filter.observe(self._on_filter, names="value")
+
+        self._fill_list()
+        self._show()
+        toolbar = widgets.HBox(list(self.buttons.values()), layout=widgets.Layout(flex_flow="row wrap"))
+        filters = widgets.HBox([self.phase, self.module_filter], layout=widgets.Layout(flex_flow="row wrap"))
+        right = widgets.VBox([self.detail, self.histogram.widget], layout=widgets.Layout(width="56%"))
+        self.widget = widgets.VBox(
+            [
+                widgets.HTML(STYLE),
+                toolbar,
+                widgets.HBox([self.slider, self.position]),
+                filters,
+                widgets.HBox([self.events, right]),
+                self.norms.widget,
+            ]
+        )
+
+    # ---- wiring ------------------------------------------------------------------------
+    def _move(self, key: str) -> None:
+        c = self.cursor
+        before = (c.phase, c.module)
+        {
+            "first": c.first,
+            "prev": c.prev,
+            "next": c.next,
+            "last": c.last,
+            "origin": c.to_origin,
+            "nonfinite": c.next_nonfinite,
+        }[key]()
+        if (c.phase, c.module) != before:  # a jump cleared the filters
+            self._sync_filters()
+            self._fill_list()
+        self._show()
+
+    def _on_slider(self, change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self.cursor.seek(change["new"])
+            self._show()
+
+    def _on_select(self, change: dict[str, Any]) -> None:
+        if not self._syncing and change["new"] is not None:
+            self.cursor.goto(change["new"])
+            self._show()
+
+    def _on_filter(self, _change: dict[str, Any]) -> None:
+        if self._syncing:
+            return
+        self.cursor.set_filter(phase=self.phase.value, module=self.module_filter.value)
+        self._fill_list()
+        self._show()
+
+    def _sync_filters(self) -> None:
+        self._syncing = True
+        try:
+            self.phase.value = self.cursor.phase
+            self.module_filter.value = self.cursor.module
+        finally:
+            self._syncing = False
+
+    def _fill_list(self) -> None:
+        vis = self.cursor.visible
+        self._syncing = True
+        try:
+            with self.events.hold_sync(), self.slider.hold_sync():
+                self.events.options = [(self._labels[i], i) for i in vis]
+                self.slider.max = max(len(vis) - 1, 0)
+                self.events.disabled = self.slider.disabled = not vis
+        finally:
+            self._syncing = False
+
+    def _show(self) -> None:
+        """Bring every view to the cursor's event."""
+        c = self.cursor
+        ev = c.event
+        pos = c.position
+        self._syncing = True
+        try:
+            with self.events.hold_sync(), self.slider.hold_sync(), self.detail.hold_sync(), self.position.hold_sync():
+                if pos is not None:
+                    self.slider.value = pos
+                    self.events.value = c.index
+                self.position.value = (
+                    f"event {ev.index + 1} / {len(self.trace.events)} · {len(c)} shown" if ev is not None else "no events"
+                )
+                self.detail.value = detail_html(ev, self.trace)
+                idx = c.index if c.index is not None else -1
+                at_first = not c.visible or idx <= c.visible[0]
+                at_last = not c.visible or idx >= c.visible[-1]
+                self.buttons["first"].disabled = self.buttons["prev"].disabled = at_first
+                self.buttons["next"].disabled = self.buttons["last"].disabled = at_last
+        finally:
+            self._syncing = False
+        if ev is None:
+            return
+        _x, y = histogram_bins(ev)
+        with self.histogram.batch_update() as f:
+            f.data[0].y = y
+            f.layout.title.text = histogram_title(ev)
+        with self.norms.batch_update() as f:
+            f.data[-1].x = [self._points.x[ev.index]]
+            f.data[-1].y = [self._points.y[ev.index]]
+
+    def __repr__(self) -> str:
+        return f"StepPanel({self.cursor!r})"
