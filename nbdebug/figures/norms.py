@@ -62,22 +62,34 @@ class NormPoints:
         return f"NormPoints({len(self.x)} events, {len(self.categories)} categories, floor={self.floor:.3g})"
 
 
-def event_category(ev: Event) -> str:
-    """The x category of one event: ``"input"``, ``"loss"``, the module name
-    (``"<model>"`` for the model itself), with ``" #n"`` for the n-th call (n >= 2)."""
-    if ev.phase == "input":
-        return INPUT_X
-    if ev.phase == "loss":
-        return LOSS_X
-    name = ev.module or "<model>"
-    return f"{name} #{ev.call + 1}" if ev.call > 0 else name
+def event_categories(trace: Trace) -> list[str]:
+    """The x category of every event: ``"input"``, ``"loss"``, or the module name
+    (``"<model>"`` for the model itself), with ``" #n"`` for the n-th call of a module that
+    is called more than once (``Event.call`` numbers calls across the whole model)."""
+    calls: dict[str, list[int]] = {}
+    for e in trace.events:
+        if e.phase in ("forward", "backward") and e.call >= 0:
+            seen = calls.setdefault(e.module, [])
+            if e.call not in seen:
+                seen.append(e.call)
+    out = []
+    for e in trace.events:
+        if e.phase == "input":
+            out.append(INPUT_X)
+        elif e.phase == "loss":
+            out.append(LOSS_X)
+        else:
+            name = e.module or "<model>"
+            seen = calls.get(e.module, [])
+            out.append(f"{name} #{seen.index(e.call) + 1}" if len(seen) > 1 and e.call in seen else name)
+    return out
 
 
 def norm_points(trace: Trace) -> NormPoints:
     """The position of every event of ``trace`` on :func:`norm_figure`'s axes."""
     positive = [e.stats.norm for e in trace.events if e.stats.norm > 0 and math.isfinite(e.stats.norm)]
     floor = min(positive) / 10 if positive else 1e-12
-    xs = [event_category(e) for e in trace.events]
+    xs = event_categories(trace)
     ys = [e.stats.norm if e.stats.norm > 0 and math.isfinite(e.stats.norm) else floor for e in trace.events]
     cats: list[str] = []
     seen: set[str] = set()

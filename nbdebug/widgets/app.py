@@ -242,7 +242,8 @@ def debug(
         A model (then ``inputs`` is its batch: a tensor, tuple/list or dict, as for
         :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, or a recorded trace.
     inputs, target, loss_fn
-        As for :func:`nbdebug.trace` (model only).
+        As for :func:`nbdebug.trace` (model only; a snapshot takes ``loss_fn`` to override
+        the recorded loss function).
     model : torch.nn.Module or callable, optional
         For a snapshot path: the architecture (a module or a zero-argument factory), passed
         to :func:`nbdebug.load_snapshot`.
@@ -276,16 +277,22 @@ def debug(
         from ..core.snapshot import load_snapshot
 
         obj = load_snapshot(obj, model=model)
+    elif model is not None:
+        raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     from ..core.snapshot import Snapshot
 
     if isinstance(obj, Snapshot):
-        if inputs is not None or target is not None or loss_fn is not None:
-            raise TypeError("debug(snapshot) takes no inputs/target/loss_fn: the snapshot holds its batch.")
+        if inputs is not None or target is not None:
+            raise TypeError("debug(snapshot) takes no inputs or target: the snapshot holds its batch.")
         snap = obj
-        tr, err = _run(snap.trace, "snapshot")
-        history = snap.history_frame()
-        return Debugger(tr, error=err, source=snap.trace, history=history, failing_step=snap.step,
-                        reason=snap.reason, backend=backend)
+
+        def replay() -> Trace:
+            return snap.trace(loss_fn=loss_fn)
+
+        tr, err = _run(replay, snap.model_class or "snapshot")
+        reason = f"{snap.kind}: {snap.message}" if snap.kind else snap.message
+        return Debugger(tr, error=err, source=replay, history=snap.history_frame(), failing_step=snap.step,
+                        reason=reason, backend=backend)
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "
         f"got {type(obj).__qualname__}."

@@ -37,14 +37,18 @@ STYLE = """<style>
 </style>"""
 
 
-def event_label(ev: Event, *, origin: int | None = None) -> str:
-    """One line of the event list: index, a mark (``!`` non-finite, ``*`` origin), phase,
-    the module indented by its depth, and the tensor's name."""
+def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
+    """One line of the event list: index, a mark (``*`` origin, ``!`` non-finite), phase,
+    the module (its norm-plot ``category``) indented by its depth, and the tensor."""
     mark = "*" if ev.index == origin else ("!" if not ev.stats.finite else _NBSP)
-    if ev.phase in ("input", "loss"):
-        what = f"[{ev.name}]" if ev.phase == "input" else "[loss]"
+    if ev.phase == "input":
+        what = f"[input {ev.name}]"
+    elif ev.phase == "loss":
+        what = "[loss]"
+    elif ev.phase == "backward":
+        what = f"{category} grad {ev.name}"
     else:
-        what = f"{ev.module or '<model>'}{'' if ev.call <= 0 else f' #{ev.call + 1}'} {ev.name}"
+        what = f"{category} {ev.name}"
     indent = _NBSP * 2 * max(ev.depth, 0)
     return f"{ev.index:>5}".replace(" ", _NBSP) + f" {mark} {_PHASE_MARK.get(ev.phase, ev.phase)} {indent}{what}"
 
@@ -74,8 +78,6 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
         ("shape", str(tuple(ev.shape))),
         ("dtype", ev.dtype),
     ]
-    if ev.call > 0:
-        rows.append(("call", str(ev.call + 1)))
     if ev.param:
         rows.append(("param", ev.param))
     if ev.op:
@@ -124,8 +126,8 @@ class StepPanel:
         self.trace = trace
         self.cursor = Cursor(trace)
         origin = trace.origin.index if trace.origin is not None else None
-        self._labels = [event_label(ev, origin=origin) for ev in trace.events]
         self._points = norm_points(trace)
+        self._labels = [event_label(ev, self._points.x[ev.index], origin=origin) for ev in trace.events]
         self._syncing = False
 
         def button(key: str, description: str, tooltip: str, icon: str = "") -> widgets.Button:

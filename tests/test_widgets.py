@@ -1,0 +1,363 @@
+"""The debugger widget driven from Python: buttons clicked, filters and slider moved,
+and what the cursor, the detail pane and the figures show checked against the trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ipywidgets.widgets import widget as ipw_widget
+from torch import nn
+
+import nbdebug
+from nbdebug.figures.histogram import histogram_figure
+from nbdebug.figures.layers import EXPLODING, VANISHING, ratio_figure
+from nbdebug.figures.norms import CURRENT_TRACE, NONFINITE_TRACE, norm_figure, norm_points
+from nbdebug.widgets.app import Debugger, debug
+from nbdebug.widgets.cursor import Cursor
+
+
+class LogNet(nn.Module):
+    """log() of a pre-activation that can be negative: NaN produced in the model's own code."""
+
+    def __init__(self, bad: bool = True):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+        self.bad = bad
+
+    def forward(self, x):
+        h = self.enc(x)
+        if self.bad:
+            h = torch.log(h)
+        return self.head(h)
+
+
+class Shared(nn.Module):
+    """One module called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x))).sum()
+
+
+class Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+@pytest.fixture
+def bad_dbg(batch):
+    x, y = batch
+    return debug(LogNet(), x, y, F.cross_entropy)
+
+
+def marker(dbg: Debugger) -> tuple[list, list]:
+    cur = dbg.step.norms.figure.data[-1]
+    assert cur.name == CURRENT_TRACE
+    return list(cur.x), list(cur.y)
+
+
+def test_debugger_shows_the_trace_and_starts_at_the_first_event(bad_dbg):
+    tr = bad_dbg.trace
+    assert isinstance(bad_dbg, Debugger) and isinstance(tr, nbdebug.Trace)
+    assert tr.origin is not None and tr.origin.op == "torch.log"
+    # header: model, parameter count, batch, loss, and the badge text exactly like summary()
+    head = bad_dbg.header.value
+    assert "LogNet" in head and f"{tr.n_params:,} parameters" in head and "Tensor(6, 8)" in head
+    assert tr.summary().replace("<", "&lt;").replace(">", "&gt;") in head
+    assert "nbdebug-badge-bad" in head
+    assert list(bad_dbg.tabs.titles) == ["Step", "Layers"]
+    assert bad_dbg.current_event is tr.events[0]
+    assert bad_dbg.cursor.index == 0
+    pts = norm_points(tr)
+    assert marker(bad_dbg) == ([pts.x[0]], [pts.y[0]])
+    assert bad_dbg.step.buttons["prev"].disabled and bad_dbg.step.buttons["first"].disabled
+    assert not bad_dbg.step.buttons["next"].disabled
+    assert "LogNet" in repr(bad_dbg) and "#0" in repr(bad_dbg)
+
+
+def test_buttons_move_the_cursor_the_detail_and_the_marker(bad_dbg):
+    tr, step = bad_dbg.trace, bad_dbg.step
+    pts = norm_points(tr)
+    fig_before = step.norms.figure
+    data_before = [list(d.y) for d in fig_before.data[:-1]]
+
+    step.buttons["next"].click()
+    assert bad_dbg.cursor.index == 1
+    assert marker(bad_dbg) == ([pts.x[1]], [pts.y[1]])
+    ev = tr.events[1]
+    assert ev.module in step.detail.value and f"{ev.stats.norm:.4g}" in step.detail.value
+    assert step.slider.value == 1 and step.events.value == 1
+
+    step.buttons["origin"].click()
+    o = tr.origin
+    assert bad_dbg.current_event is o
+    assert marker(bad_dbg) == ([pts.x[o.index]], [pts.y[o.index]])
+    d = step.detail.value
+    assert "torch.log" in d and o.source.split(":")[0] in d and "origin" in d
+    assert "non-finite rows: " + ", ".join(map(str, o.samples)) in d
+    # the histogram follows the event
+    assert list(step.histogram.figure.data[0].y) == [int(c) for c in o.hist.counts]
+    assert f"#{o.index}" in step.histogram.figure.layout.title.text
+
+    step.buttons["nonfinite"].click()
+    after = next(e for e in tr.events if e.index > o.index and not e.finite)
+    assert bad_dbg.cursor.index == after.index
+
+    step.buttons["last"].click()
+    assert bad_dbg.cursor.index == len(tr.events) - 1
+    assert step.buttons["next"].disabled and not step.buttons["prev"].disabled
+    step.buttons["prev"].click()
+    assert bad_dbg.cursor.index == len(tr.events) - 2
+    step.buttons["first"].click()
+    assert bad_dbg.cursor.index == 0
+    # the figure was moved, not redrawn: same object, other traces untouched
+    assert step.norms.figure is fig_before
+    assert [list(d.y) for d in step.norms.figure.data[:-1]] == data_before
+
+
+def test_slider_list_and_filters(bad_dbg):
+    tr, step = bad_dbg.trace, bad_dbg.step
+    step.slider.value = 4
+    assert bad_dbg.cursor.index == 4 and step.events.value == 4
+    step.events.value = 7
+    assert bad_dbg.cursor.index == 7 and step.slider.value == 7
+
+    step.phase.value = "backward"
+    back = [e.index for e in tr.events if e.phase == "backward"]
+    assert [v for _, v in step.events.options] == back
+    assert step.slider.max == len(back) - 1
+    assert bad_dbg.current_event.phase == "backward"  # moved to the first backward event after #7
+    step.slider.value = 2
+    assert bad_dbg.cursor.index == back[2]
+    step.buttons["first"].click()
+    assert bad_dbg.cursor.index == back[0]
+
+    step.phase.value = "all"
+    step.module_filter.value = "enc.2"
+    shown = [v for _, v in step.events.options]
+    assert shown == [e.index for e in tr.events if "enc.2" in e.module]
+    assert all(tr.events[i].module == "enc.2" for i in shown)
+
+    # jumping to the origin (hidden by the filter) clears the filters
+    step.buttons["origin"].click()
+    assert bad_dbg.current_event is tr.origin
+    assert step.phase.value == "all" and step.module_filter.value == ""
+    assert len(step.events.options) == len(tr.events)
+
+    step.module_filter.value = "no-such-module"
+    assert step.events.options == () and step.slider.disabled
+
+
+def test_event_list_marks_tree_origin_and_nonfinite(bad_dbg):
+    tr, step = bad_dbg.trace, bad_dbg.step
+    labels = dict((v, k) for k, v in step.events.options)
+    o = tr.origin
+    assert " * " in labels[o.index]
+    for e in tr.events:
+        if e.index != o.index:
+            assert (" ! " in labels[e.index]) == (not e.finite)
+    # module tree: enc.0 (depth 2) is indented deeper than enc (depth 1)
+    enc0 = next(e for e in tr.events if e.module == "enc.0" and e.phase == "forward")
+    enc = next(e for e in tr.events if e.module == "enc" and e.phase == "forward")
+    assert enc0.depth > enc.depth
+    lead = lambda s: len(s.split(" fwd ", 1)[1]) - len(s.split(" fwd ", 1)[1].lstrip("\u00a0"))  # noqa: E731
+    assert lead(labels[enc0.index]) > lead(labels[enc.index])
+
+
+def test_norm_figure():
+    m = Shared()
+    tr = nbdebug.trace(m, torch.randn(3, 4))
+    fig = norm_figure(tr, current=2)
+    names = [d.name for d in fig.data]
+    assert names[-1] == CURRENT_TRACE and NONFINITE_TRACE in names
+    assert fig.layout.yaxis.type == "log"
+    pts = norm_points(tr)
+    assert list(fig.data[-1].x) == [pts.x[2]]
+    # the module called twice has two categories
+    assert {"lin #1", "lin #2"} <= set(pts.categories)
+    fw = [pts.x[e.index] for e in tr.events if e.phase == "forward" and e.module == "lin"]
+    assert fw == ["lin #1", "lin #2"]
+    assert norm_figure(tr).data[-1].x in (None, ())
+    with pytest.raises(TypeError, match="Trace"):
+        norm_figure("trace")
+    with pytest.raises(ValueError, match="current"):
+        norm_figure(tr, current=999)
+
+
+def test_nonfinite_points_are_marked(bad_dbg):
+    tr = bad_dbg.trace
+    fig = norm_figure(tr)
+    bad = next(d for d in fig.data if d.name == NONFINITE_TRACE)
+    assert list(bad.customdata) == [e.index for e in tr.events if not e.finite]
+    assert all(y > 0 for d in fig.data for y in (d.y or ()))  # every point fits a log axis
+
+
+def test_histogram_and_ratio_figures(bad_dbg):
+    tr = bad_dbg.trace
+    ev = tr.events[1]
+    h = histogram_figure(ev)
+    assert list(h.data[0].y) == [int(c) for c in ev.hist.counts]
+    assert len(h.data[0].x) == len(ev.hist.edges) - 1
+    ok = nbdebug.trace(LogNet(bad=False), torch.randn(6, 8), torch.randint(0, 3, (6,)), F.cross_entropy)
+    f = ratio_figure(ok)
+    assert list(f.data[0].x) == [p.name for p in ok.params]
+    assert list(f.data[0].y) == pytest.approx([p.ratio for p in ok.params])
+    assert f.layout.yaxis.type == "log"
+    bands = sorted((s.y0, s.y1) for s in f.layout.shapes)
+    assert bands[0][1] == VANISHING and bands[1][0] == EXPLODING
+
+
+def test_layers_tab_sorts_the_parameter_table(bad_dbg):
+    lay = bad_dbg.layers
+    assert bad_dbg.tabs.children[1] is lay.widget
+    names = list(bad_dbg.trace.params_frame().index)
+    assert list(lay.sorted_frame().index) == sorted(names)
+    ok = debug(LogNet(bad=False), torch.randn(6, 8), torch.randint(0, 3, (6,)), F.cross_entropy)
+    lay = ok.layers
+    lay.sort_by.value = "grad_norm"
+    lay.descending.value = True
+    by_grad = sorted(ok.trace.params, key=lambda p: -p.grad_norm)
+    assert list(lay.sorted_frame().index) == [p.name for p in by_grad]
+    html = lay.table.value
+    pos = [html.index(f">{p.name}<") for p in by_grad]
+    assert pos == sorted(pos)
+    # rows holding NaN gradients are marked in the broken model's table
+    assert "nbdebug-bad" in bad_dbg.layers.table.value
+    assert "nbdebug-bad" not in lay.table.value.split("</style>", 1)[1]
+
+
+def test_healthy_model_and_rerun_after_a_fix(batch):
+    x, y = batch
+    m = LogNet()
+    dbg = debug(m, x, y, F.cross_entropy)
+    assert not dbg.trace.healthy and not dbg.step.buttons["origin"].disabled
+    seen = []
+    dbg.on_retrace(lambda d: seen.append(d.trace))
+    m.bad = False  # the user fixes the model in another cell
+    dbg.step.buttons["next"].click()
+    old_step = dbg.step.widget
+    dbg.rerun_button.click()
+    assert dbg.trace.healthy and seen == [dbg.trace]
+    assert dbg.trace.summary() == "healthy" and "nbdebug-badge-ok" in dbg.header.value
+    assert dbg.step.buttons["origin"].disabled
+    assert dbg.cursor.index == 0 and dbg.tabs.children[0] is dbg.step.widget
+    assert old_step.comm is None  # the old panel was closed
+
+
+def test_a_model_that_raises_shows_the_error_and_the_partial_trace():
+    dbg = debug(Raises(), torch.randn(3, 4))
+    with pytest.raises(nbdebug.TraceError) as info:
+        nbdebug.trace(Raises(), torch.randn(3, 4))
+    assert dbg.error == str(info.value)
+    assert "Executed modules up to: a" in dbg.error
+    assert dbg.error in dbg.header.value and "nbdebug-badge-bad" in dbg.header.value
+    # the partial trace holds the events up to the failing module
+    mods = [e.module for e in dbg.trace.events]
+    assert "a" in mods and "b" not in [e.module for e in dbg.trace.events if e.phase == "forward"]
+    dbg.step.buttons["last"].click()
+    assert dbg.current_event is dbg.trace.events[-1]
+
+
+def test_add_tab_survives_rerun_and_bad_input(bad_dbg):
+    import ipywidgets as w
+
+    extra = w.HTML("checks")
+    bad_dbg.add_tab("Checks", extra)
+    assert list(bad_dbg.tabs.titles)[-1] == "Checks" and bad_dbg.tabs.children[-1] is extra
+    bad_dbg.rerun()
+    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks"]
+    with pytest.raises(TypeError, match="ipywidget"):
+        bad_dbg.add_tab("x", 3)
+    with pytest.raises(TypeError, match="title"):
+        bad_dbg.add_tab("", extra)
+    with pytest.raises(TypeError, match="Module"):
+        debug(42)
+    with pytest.raises(TypeError, match="batch"):
+        debug(LogNet())
+    with pytest.raises(TypeError, match="Trace"):
+        Debugger("not a trace")
+    with pytest.raises(ValueError, match="re-run"):
+        debug(bad_dbg.trace).rerun()
+
+
+def test_debugging_changes_nothing_on_the_model(batch):
+    x, y = batch
+    m = LogNet()
+    m.eval()
+    m.enc[0].weight.requires_grad_(False)
+    m.head.weight.grad = torch.ones_like(m.head.weight)
+    handle = m.head.register_forward_hook(lambda *a: None)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    grad = m.head.weight.grad
+    x0, y0 = x.clone(), y.clone()
+    rng = torch.get_rng_state()
+
+    dbg = debug(m, x, y, F.cross_entropy)
+    for key in ("next", "origin", "nonfinite", "last"):
+        dbg.step.buttons[key].click()
+    dbg.rerun()
+
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert m.head.weight.grad is grad and torch.equal(grad, torch.ones_like(grad))
+    assert m.enc[2].weight.grad is None
+    assert not m.enc[0].weight.requires_grad and m.head.weight.requires_grad
+    assert not any(mod.training for mod in m.modules())
+    assert list(m.head._forward_hooks) == [handle.id]
+    assert all(not mod._forward_hooks and not mod._backward_hooks and not mod._forward_pre_hooks
+               for mod in m.modules() if mod is not m.head)
+    assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(torch.get_rng_state(), rng)
+    handle.remove()
+
+
+def test_close_releases_every_widget(batch):
+    x, y = batch
+    n0 = len(ipw_widget._instances)
+    dbg = debug(LogNet(), x, y, F.cross_entropy)
+    assert len(ipw_widget._instances) > n0
+    dbg.close()
+    assert len(ipw_widget._instances) == n0
+
+
+def test_output_backend_moves_the_marker_too(batch):
+    x, y = batch
+    dbg = debug(LogNet(), x, y, F.cross_entropy, backend="output")
+    assert dbg.step.norms.backend == "output"
+    dbg.step.buttons["origin"].click()
+    pts = norm_points(dbg.trace)
+    assert marker(dbg) == ([pts.x[dbg.trace.origin.index]], [pts.y[dbg.trace.origin.index]])
+
+
+def test_cursor_alone(bad_dbg):
+    tr = bad_dbg.trace
+    c = Cursor(tr, phase="forward")
+    assert all(tr.events[i].phase in ("input", "forward", "loss") for i in c.visible)
+    assert c.first() is False and c.index == 0  # already there
+    assert c.last() and tr.events[c.index].phase == "loss"
+    assert c.next() is False
+    assert c.to_origin() and c.event is tr.origin
+    with pytest.raises(ValueError, match="phase filter"):
+        c.set_filter(phase="sideways")
+    with pytest.raises(ValueError, match="event index"):
+        c.goto(len(tr.events))
+    healthy = nbdebug.trace(LogNet(bad=False), torch.randn(2, 8), torch.randint(0, 3, (2,)), F.cross_entropy)
+    hc = Cursor(healthy)
+    assert hc.to_origin() is False and hc.next_nonfinite() is False and hc.index == 0
+    assert math.isfinite(healthy.loss)
