@@ -31,7 +31,7 @@ class _State:
     """What the extension added to one shell, so that unloading removes exactly that."""
 
     shell: Any = None
-    callback: Any = None
+    callbacks: list[tuple[str, Any]] = field(default_factory=list)
     cell_id: str | None = None
     # cell id (or the magic's line outside Jupyter) -> debuggers it opened
     open: dict[str, list[Any]] = field(default_factory=dict)
@@ -46,8 +46,8 @@ def open_debuggers() -> list[Any]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext nbdebug``: register ``%nbdebug`` and a pre-run-cell callback that closes
-    the debuggers a cell opened when that cell runs again. Loading twice is harmless."""
+    """``%load_ext nbdebug``: register ``%nbdebug`` and pre/post-run-cell callbacks that
+    close the debuggers a cell opened when that cell runs again. Loading twice is harmless."""
     if _STATE.shell is not None:
         if _STATE.shell is ipython:
             return
@@ -65,24 +65,30 @@ def load_ipython_extension(ipython: Any) -> None:
         if cell_id is not None:
             _close(cell_id)
 
+    def post_run_cell(_result: Any) -> None:
+        _STATE.cell_id = None
+
     ipython.events.register("pre_run_cell", pre_run_cell)
+    ipython.events.register("post_run_cell", post_run_cell)
     _STATE.shell = ipython
-    _STATE.callback = pre_run_cell
+    _STATE.callbacks = [("pre_run_cell", pre_run_cell), ("post_run_cell", post_run_cell)]
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext nbdebug``: remove the magic and the callback, close every debugger
+    """``%unload_ext nbdebug``: remove the magic and the callbacks, close every debugger
     the magic opened."""
     mm = ipython.magics_manager
     mm.magics["line"].pop(MAGIC, None)
     if MAGIC in getattr(mm.user_magics, "__dict__", {}):
         delattr(mm.user_magics, MAGIC)
-    if _STATE.callback is not None and _STATE.shell is ipython:
-        with contextlib.suppress(ValueError):
-            ipython.events.unregister("pre_run_cell", _STATE.callback)
+    if _STATE.shell is ipython:
+        for event, fn in _STATE.callbacks:
+            with contextlib.suppress(ValueError):
+                ipython.events.unregister(event, fn)
     for key in list(_STATE.open):
         _close(key)
-    _STATE.shell = _STATE.callback = _STATE.cell_id = None
+    _STATE.shell = _STATE.cell_id = None
+    _STATE.callbacks = []
 
 
 def _close(key: str) -> None:
@@ -104,9 +110,9 @@ def _magic(line: str) -> None:
     tuple/list or a dict); ``--loss`` is the loss function, a notebook name or a function
     of ``torch.nn.functional`` (``--loss cross_entropy``). With a snapshot path (or a
     name holding a path or a ``Snapshot``), ``--model`` is the architecture (a module or a
-    zero-argument factory) and ``--loss`` overrides the recorded loss function. Without arguments it opens the snapshot of the last
-    ``nbdebug.NonFiniteError`` raised in this session, as ``%debug`` does for the last
-    exception.
+    zero-argument factory) and ``--loss`` overrides the recorded loss function. Without
+    arguments it opens the snapshot of the last ``nbdebug.NonFiniteError`` raised in this
+    session, as ``%debug`` does for the last exception.
 
     The panel has a header (model, parameters, batch, loss and where the first NaN/Inf was
     produced) and tabs: Step (walk through the forward and backward pass), Layers
@@ -197,17 +203,11 @@ def _loss(name: str, ns: dict[str, Any]) -> Any:
 
 
 def _last_error() -> Any:
-    """The last ``NonFiniteError`` of the session, or None."""
-    from .core import guard
+    """The last ``NonFiniteError`` of the session (the guard's own record, else IPython's
+    ``sys.last_exc`` / ``sys.last_value``), or None."""
+    from .core.guard import last_error
 
-    last = getattr(guard, "last_error", None)
-    err = last() if callable(last) else None
-    if isinstance(err, guard.NonFiniteError):
-        return err
-    for cand in (getattr(sys, "last_exc", None), getattr(sys, "last_value", None)):
-        if isinstance(cand, guard.NonFiniteError):
-            return cand
-    return None
+    return last_error()
 
 
 def _open(line: str) -> Any:
@@ -256,9 +256,14 @@ def _open(line: str) -> Any:
             return debug(value, batch, target, loss_fn)
         except (TypeError, ValueError) as e:
             raise MagicUsageError(str(e)) from None
+    from .core.snapshot import Snapshot, SnapshotError
+
+    if not isinstance(value, (Snapshot, str, os.PathLike)):
+        raise MagicUsageError(
+            f"{first} is a {type(value).__qualname__}: expected a torch.nn.Module, a Snapshot or a snapshot path. {USAGE}"
+        )
     if len(args) > 1:
         raise MagicUsageError(f"a snapshot takes no batch or target (it holds its own). {USAGE}")
-    from .core.snapshot import Snapshot, SnapshotError
 
     loss_fn = _loss(opts["loss"], ns) if "loss" in opts else None
     if isinstance(value, Snapshot):
@@ -266,11 +271,7 @@ def _open(line: str) -> Any:
             return debug(value, loss_fn=loss_fn)
         except SnapshotError as e:
             raise MagicUsageError(str(e)) from None
-    if isinstance(value, (str, os.PathLike)):
-        return _snapshot(value, model, loss_fn)
-    raise MagicUsageError(
-        f"{first} is a {type(value).__qualname__}: expected a torch.nn.Module, a Snapshot or a snapshot path. {USAGE}"
-    )
+    return _snapshot(value, model, loss_fn)
 
 
 def _snapshot(path: Any, model: Any, loss_fn: Any = None) -> Any:
