@@ -59,24 +59,44 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[torch.Tensor]:
         yield t
 
 
-def named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in a nested tuple/list/dict/dataclass-like output.
 
-    Names read like Python: ``"output"``, ``"output[1]"``, ``"output['logits']"``.
+    Names read like Python: ``"output"``, ``"output[1]"``, ``"output['logits']"``. This
+    runs in every hook, so the common shapes (a tensor, a tuple of tensors) take the
+    shortest path.
     """
     if isinstance(obj, torch.Tensor):
-        yield prefix, obj
+        return [(prefix, obj)]
+    out: list[tuple[str, torch.Tensor]] = []
+    _collect(obj, prefix, out)
+    return out
+
+
+def _collect(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix, obj))
+        return
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        for i, v in enumerate(obj):
+            _collect(v, f"{prefix}[{i}]", out)
+    elif kind is dict:
+        if obj:
+            for k, v in obj.items():
+                _collect(v, f"{prefix}[{k!r}]", out)
+    elif obj is None or kind in (int, float, bool, str):
+        return
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from named_tensors(v, f"{prefix}[{k!r}]")
+            _collect(v, f"{prefix}[{k!r}]", out)
     elif isinstance(obj, (tuple, list)):
         fields = getattr(obj, "_fields", None)
         for i, v in enumerate(obj):
-            name = f"{prefix}.{fields[i]}" if fields else f"{prefix}[{i}]"
-            yield from named_tensors(v, name)
+            _collect(v, f"{prefix}.{fields[i]}" if fields else f"{prefix}[{i}]", out)
     elif hasattr(obj, "__dataclass_fields__"):
         for k in obj.__dataclass_fields__:
-            yield from named_tensors(getattr(obj, k, None), f"{prefix}.{k}")
+            _collect(getattr(obj, k, None), f"{prefix}.{k}", out)
 
 
 def batch_size(inputs: Any) -> int | None:
@@ -99,6 +119,10 @@ def describe(obj: Any) -> str:
     return type(obj).__qualname__
 
 
+class LossError(ValueError):
+    """No loss could be found, or it is not a scalar tensor (a bad input, not a model error)."""
+
+
 def compute_loss(
     output: Any, target: Any = None, loss_fn: Callable[..., Any] | None = None
 ) -> torch.Tensor:
@@ -106,7 +130,7 @@ def compute_loss(
 
     Raises
     ------
-    ValueError
+    LossError (a ValueError)
         When no loss can be found, or the loss is not a scalar tensor.
     """
     if loss_fn is not None:
@@ -120,14 +144,14 @@ def compute_loss(
         loss, source = output, "the model's scalar output"
     else:
         hint = " (a target was given but no loss_fn)" if target is not None else ""
-        raise ValueError(
+        raise LossError(
             "no loss to differentiate: expected loss_fn=..., an output with a 'loss' entry or "
             f"attribute, or a scalar output; the model returned {describe(output)}{hint}."
         )
     if not isinstance(loss, torch.Tensor):
-        raise ValueError(f"the loss must be a scalar tensor; {source} returned {type(loss).__qualname__}.")
+        raise LossError(f"the loss must be a scalar tensor; {source} returned {type(loss).__qualname__}.")
     if loss.numel() != 1:
-        raise ValueError(
+        raise LossError(
             f"the loss must be a scalar tensor; {source} returned a tensor of shape {tuple(loss.shape)} "
             "(reduce it, e.g. with .mean())."
         )

@@ -2,7 +2,7 @@
 
 :class:`PreservedState` records what a forward + backward can change on a model and in
 the process (buffers such as BatchNorm running statistics, ``.grad``, ``requires_grad``,
-train/eval flags, the parameters' post-accumulate hook dicts, the torch / CUDA / numpy /
+train/eval flags, the parameters' tensor-hook dicts, the torch / CUDA / numpy /
 Python RNG states) and puts it back. Parameters themselves are not copied (models can be
 large): nothing nbdebug runs writes to them, and :meth:`restore` checks their version
 counters to prove it.
@@ -64,7 +64,10 @@ class PreservedState:
             st.grads[id(p)] = p.grad
             st.requires_grad[id(p)] = p.requires_grad
             st.versions[id(p)] = p._version
-            st.post_hooks[id(p)] = getattr(p, "_post_accumulate_grad_hooks", None)
+            st.post_hooks[id(p)] = (
+                getattr(p, "_post_accumulate_grad_hooks", None),
+                p._backward_hooks,
+            )
         seen: set[int] = set()
         for m in model.modules():
             for key, b in m._buffers.items():
@@ -99,8 +102,11 @@ class PreservedState:
             p.grad = self.grads[id(p)]
             if p.requires_grad != self.requires_grad[id(p)]:
                 p.requires_grad_(self.requires_grad[id(p)])
+            post, backward = self.post_hooks[id(p)]
             if hasattr(p, "_post_accumulate_grad_hooks"):
-                p._post_accumulate_grad_hooks = self.post_hooks[id(p)]
+                p._post_accumulate_grad_hooks = post
+            if p._backward_hooks is not backward and not p._backward_hooks:
+                p._backward_hooks = backward
         for m in self.model.modules():
             flag = self.training.get(id(m))
             if flag is not None:

@@ -1,0 +1,104 @@
+"""Per-step cost of the always-on NaNGuard: guarded / unguarded training step.
+
+Two models, the DESIGN.md target being <= 1.03x per step:
+
+* an MLP (784-1024-1024-10, batch 256, Adam),
+* the DESIGN.md transformer: ``nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4,
+  batch_first=True), 4)``, sequence 64, batch 16, Adam.
+
+A step is forward + backward + ``guard.check`` + ``optimizer.step`` + ``zero_grad``. The
+guarded and unguarded variants run interleaved (ABAB...) on the same model and data so
+that machine noise hits both alike; the script prints the median step time of each and
+their ratio. Run: ``python benchmarks/bench_guard.py [--steps N] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+from nbdebug.core.guard import NaNGuard
+
+
+def mlp_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    x = torch.randn(256, 784)
+    y = torch.randint(0, 10, (256,))
+    return model, x, y
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, batch_first=True), 4)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x).mean(dim=1))
+
+
+def transformer_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    return Encoder(), torch.randn(16, 64, 128), torch.randint(0, 10, (16,))
+
+
+def measure(name: str, case, steps: int, warmup: int) -> float:
+    torch.manual_seed(0)
+    model, x, y = case()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    loss_fn = nn.functional.cross_entropy
+    with tempfile.TemporaryDirectory() as d:
+        guard = NaNGuard(model, opt, directory=d, loss_fn=loss_fn)
+
+        def plain() -> None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        def guarded() -> None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            if guard.check(loss, inputs=x, target=y):
+                opt.step()
+            opt.zero_grad()
+
+        for _ in range(warmup):
+            plain()
+            guarded()
+        times: dict[str, list[float]] = {"plain": [], "guarded": []}
+        for i in range(steps):
+            order = (("plain", plain), ("guarded", guarded)) if i % 2 == 0 else (("guarded", guarded), ("plain", plain))
+            for label, fn in order:
+                t0 = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - t0)
+        assert not guard.snapshots, "the benchmark step went non-finite"
+    p = statistics.median(times["plain"])
+    g = statistics.median(times["guarded"])
+    ratio = g / p
+    print(
+        f"{name}: unguarded {p * 1e3:.3f} ms/step, guarded {g * 1e3:.3f} ms/step, "
+        f"ratio {ratio:.3f}x (target <= 1.03x) {'OK' if ratio <= 1.03 else 'OVER'}"
+    )
+    return ratio
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=0, help="interleaved step pairs per model")
+    ap.add_argument("--quick", action="store_true", help="few steps (smoke run)")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    mlp_steps = args.steps or (10 if args.quick else 200)
+    tr_steps = args.steps or (4 if args.quick else 40)
+    measure("MLP 784-1024-1024-10, batch 256", mlp_case, mlp_steps, warmup=5)
+    measure("TransformerEncoder d=128 x4, seq 64, batch 16", transformer_case, tr_steps, warmup=3)
+
+
+if __name__ == "__main__":
+    main()

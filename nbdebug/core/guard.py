@@ -1,0 +1,630 @@
+"""A training-loop sentinel: :class:`NaNGuard` checks every step and writes a snapshot
+of the first step whose loss, gradients or weights are not finite.
+
+Three forms, all sharing one :meth:`NaNGuard.check`::
+
+    guard = nbdebug.NaNGuard(model, optimizer, directory="snapshots")
+
+    # 1. explicit: you keep your loop as it is
+    for step, (x, y) in enumerate(loader):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if guard.check(loss, inputs=x, target=y, step=step):   # False: non-finite
+            optimizer.step()
+        optimizer.zero_grad()
+
+    # 2. a guarded step: the guard steps the optimizer when the step is finite, and
+    #    zeroes the gradients
+    for step, (x, y) in enumerate(loader):
+        with guard.step(x, y, step=step) as s:
+            s.loss = loss_fn(model(x), y)
+            s.loss.backward()
+
+    # 3. a decorated step function returning the loss after its backward
+    @guard.wrap
+    def train_step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+With a ``torch.amp.GradScaler``, pass it as ``scaler=`` and step through it::
+
+    scaler.scale(loss).backward()
+    if guard.check(loss, inputs=x, target=y, step=step):   # pass the unscaled loss
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad()
+
+Inf/NaN gradients with a finite loss are then the scaler's business (it skips the step
+and lowers its scale): they are recorded as skipped, not reported, until the scale
+collapses (below ``min_scale``, or ``scaler_patience`` overflows in a row).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .batch import check_model
+from .snapshot import parse_recipe, save_snapshot, unique_path
+from .state import RngState, unique_parameters
+
+ACTIONS = ("skip", "raise", "continue")
+
+_last: NonFiniteError | None = None
+
+
+class NonFiniteError(RuntimeError):
+    """A guarded training step was not finite and the guard was told to stop.
+
+    Attributes
+    ----------
+    path : pathlib.Path or None
+        The snapshot of the first bad step of the current run of bad steps (``None``
+        only when ``max_snapshots`` was exhausted).
+    step : int
+        That step.
+    reason : dict
+        ``"kind"`` (``"loss"``, ``"grad"``, ``"weights"``, ``"scale"``) and ``"message"``,
+        with the measured values.
+    """
+
+    def __init__(self, message: str, *, path: Path | None, step: int, reason: dict[str, Any]):
+        super().__init__(message)
+        self.path = path
+        self.step = step
+        self.reason = reason
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_error, (str(self), self.path, self.step, self.reason))
+
+
+def _rebuild_error(message: str, path: Path | None, step: int, reason: dict[str, Any]) -> NonFiniteError:
+    return NonFiniteError(message, path=path, step=step, reason=reason)
+
+
+def last_error() -> NonFiniteError | None:
+    """The last :class:`NonFiniteError` a guard raised in this process (or, failing
+    that, the one IPython stored in ``sys.last_exc`` / ``sys.last_value``)."""
+    if _last is not None:
+        return _last
+    for name in ("last_exc", "last_value"):
+        err = getattr(sys, name, None)
+        if isinstance(err, NonFiniteError):
+            return err
+    return None
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "None"
+    return f"{v:.4g}" if math.isfinite(v) else str(v)
+
+
+class GuardedStep:
+    """What ``with guard.step(...) as s:`` yields: set ``s.loss`` in the block; after the
+    block ``s.ok`` tells whether the step was finite (and the optimizer stepped)."""
+
+    def __init__(self, guard: NaNGuard, inputs: Any, target: Any, step: int | None):
+        self.guard = guard
+        self.inputs = inputs
+        self.target = target
+        self.step = step
+        self.loss: Any = None
+        self.ok: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"GuardedStep(step={self.step}, ok={self.ok})"
+
+
+class NaNGuard:
+    """Watch a training loop; on the first non-finite step write a snapshot file.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    optimizer : torch.optim.Optimizer, optional
+        Its state goes into the snapshot; its first group's learning rate into the history.
+    scaler : torch.amp.GradScaler, optional
+        Gradients are measured unscaled; overflow steps the scaler skips are not failures.
+    scheduler : optional
+        A learning-rate scheduler; its state goes into the snapshot.
+    directory : str or PathLike
+        Where snapshots go (created on the first one): ``step-000048213.nbsnap``.
+    patience : int or None
+        How many consecutive bad steps are tolerated under ``"skip"``/``"continue"``: the
+        next one in a row raises :class:`NonFiniteError`. ``None``: never raise.
+    on_nonfinite : {"skip", "raise", "continue"}
+        ``"skip"``: clear the gradients (``p.grad = None``, so even an unconditional
+        ``optimizer.step()`` leaves the weights as they were) and return ``False``.
+        ``"raise"``: clear the gradients and raise :class:`NonFiniteError`.
+        ``"continue"``: only record (snapshot, history) and return ``False``.
+    history : int
+        Length of the rolling history kept and stored in snapshots.
+    loss_fn : callable, optional
+        The loss, stored by import path (``torch.nn.functional.cross_entropy``, an
+        ``nn.CrossEntropyLoss()``) so that ``snap.trace()`` replays without arguments.
+    recipe : str, optional
+        ``"package.module:factory"`` that builds the model, with ``recipe_kwargs`` (JSON):
+        lets ``load_snapshot(path, trust_recipe=True)`` rebuild it.
+    recipe_kwargs : dict, optional
+    min_scale : float
+        With a scaler: a scale below this is a failure (``kind="scale"``).
+    scaler_patience : int
+        With a scaler: this many overflow-skipped steps in a row is a failure.
+    max_snapshots : int or None
+        At most this many snapshot files per guard (later bad steps are only recorded).
+
+    Attributes
+    ----------
+    history : collections.deque of dict
+        ``step``, ``loss``, ``grad_norm`` (unscaled), ``param_norm``, ``lr``, ``scale``,
+        ``skipped``, ``nonfinite`` (the failure kind or ``None``), ``time``.
+    snapshots : list of pathlib.Path
+    ok : bool or None
+        Result of the last check.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        scaler: Any = None,
+        scheduler: Any = None,
+        directory: str | os.PathLike[str] = "nbdebug-snapshots",
+        patience: int | None = 1,
+        on_nonfinite: str = "skip",
+        history: int = 500,
+        loss_fn: Callable[..., Any] | None = None,
+        recipe: str | None = None,
+        recipe_kwargs: dict[str, Any] | None = None,
+        min_scale: float = 1.0,
+        scaler_patience: int = 20,
+        max_snapshots: int | None = 20,
+    ):
+        self.model = check_model(model)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}.")
+        if scaler is not None and not (hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__qualname__}.")
+        if scheduler is not None and not hasattr(scheduler, "state_dict"):
+            raise TypeError(f"scheduler must have a state_dict() (an LR scheduler); got {type(scheduler).__qualname__}.")
+        if on_nonfinite not in ACTIONS:
+            raise ValueError(f"on_nonfinite must be one of {ACTIONS}; got {on_nonfinite!r}.")
+        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 0):
+            raise ValueError(f"patience must be a non-negative int or None; got {patience!r}.")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history must be a positive int; got {history!r}.")
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a str or os.PathLike; got {type(directory).__qualname__}.")
+        if max_snapshots is not None and (not isinstance(max_snapshots, int) or max_snapshots < 1):
+            raise ValueError(f"max_snapshots must be a positive int or None; got {max_snapshots!r}.")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__qualname__}.")
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.directory = Path(directory)
+        self.patience = patience
+        self.on_nonfinite = on_nonfinite
+        self.loss_fn = loss_fn
+        self.recipe = parse_recipe(recipe, recipe_kwargs)
+        self.min_scale = float(min_scale)
+        self.scaler_patience = int(scaler_patience)
+        self.max_snapshots = max_snapshots
+
+        self.history: deque[dict[str, Any]] = deque(maxlen=history)
+        self.snapshots: list[Path] = []
+        self.ok: bool | None = None
+        self.bad_streak = 0
+        self.scaler_streak = 0
+        self._streak_first: tuple[Path | None, int, dict[str, Any]] | None = None
+        self._next_step = 0
+
+        self._params = unique_parameters(model)
+        self._names = [n for n, _ in model.named_parameters()]
+        seen = {id(p) for p in self._params}
+        self._extra = []  # optimizer parameters outside the model: their gradients are cleared too
+        if optimizer is not None:
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self._extra.append(p)
+        devices = {p.device for p in self._params}
+        self._device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        self._one_device = len(devices) <= 1
+        self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
+        self._rng_cuda = self._cuda_rng()
+
+    # ------------------------------------------------------------------ checking
+    @staticmethod
+    def _cuda_rng() -> list[torch.Tensor] | None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.get_rng_state_all()
+        return None
+
+    def _norm_total(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of all ``tensors`` together, on ``self._device``, without a host sync."""
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        if self._one_device:
+            norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+            return torch.linalg.vector_norm(torch.stack(norms))
+        by_dev: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dev.setdefault(t.device, []).append(t)
+        parts = [
+            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))).to(self._device)
+            for ts in by_dev.values()
+        ]
+        return torch.linalg.vector_norm(torch.stack(parts))
+
+    def _scale_info(self) -> tuple[Any, bool]:
+        """(the scaler's scale as a tensor or float or None, whether grads are still scaled)."""
+        sc = self.scaler
+        if sc is None or not getattr(sc, "is_enabled", lambda: True)():
+            return None, False
+        scale = getattr(sc, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            scale = float(sc.get_scale())
+        scaled = True
+        states = getattr(sc, "_per_optimizer_states", None)
+        if self.optimizer is not None and isinstance(states, dict):
+            stage = states.get(id(self.optimizer), {}).get("stage")
+            scaled = getattr(stage, "name", "") != "UNSCALED"  # unscale_() already ran
+        return scale, scaled
+
+    def check(
+        self,
+        loss: Any,
+        *,
+        inputs: Any = None,
+        target: Any = None,
+        step: int | None = None,
+    ) -> bool:
+        """Check one step after its backward and before the optimizer step.
+
+        Parameters
+        ----------
+        loss : Tensor (scalar) or float or None
+            The step's loss (unscaled when a GradScaler is used).
+        inputs, target : optional
+            The batch; stored in the snapshot when the step is not finite.
+        step : int, optional
+            The step number (default: one more than the last).
+
+        Returns
+        -------
+        bool
+            ``True`` when loss and gradients are finite (go on and step the optimizer);
+            ``False`` when they are not (a snapshot was written; see ``on_nonfinite``).
+
+        Raises
+        ------
+        NonFiniteError
+            ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
+        """
+        if step is None:
+            step = self._next_step
+        elif isinstance(step, bool) or not isinstance(step, int):
+            try:
+                step = int(step)
+            except (TypeError, ValueError):
+                raise TypeError(f"step must be an int; got {type(step).__qualname__}.") from None
+        self._next_step = step + 1
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"loss must be a scalar; got a tensor of shape {tuple(loss.shape)}.")
+            loss_t = loss.detach().reshape(()).to(self._device, torch.float32)
+        elif loss is None:
+            loss_t = torch.zeros((), dtype=torch.float32, device=self._device)
+        elif isinstance(loss, (int, float)):
+            loss_t = torch.tensor(float(loss), dtype=torch.float32, device=self._device)
+        else:
+            raise TypeError(f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}.")
+
+        grads = [p.grad for p in self._params if p.grad is not None]
+        scale, scaled = self._scale_info()
+        with torch.no_grad():
+            parts = [loss_t, self._norm_total(grads), self._norm_total(self._params)]
+        if isinstance(scale, torch.Tensor):
+            parts.append(scale.detach().reshape(()).to(self._device, torch.float32))
+        lr: Any = None
+        if self.optimizer is not None and self.optimizer.param_groups:
+            lr = self.optimizer.param_groups[0].get("lr")
+            if isinstance(lr, torch.Tensor):
+                parts.append(lr.detach().reshape(()).to(self._device, torch.float32))
+        values = torch.stack(parts).tolist()  # the one host synchronisation
+        loss_v = values[0] if loss is not None else None
+        gnorm, pnorm = values[1], values[2]
+        i = 3
+        if isinstance(scale, torch.Tensor):
+            scale = values[i]
+            i += 1
+        if isinstance(lr, torch.Tensor):
+            lr = values[i]
+        if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
+            gnorm = gnorm / scale
+
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": loss_v,
+            "grad_norm": gnorm,
+            "param_norm": pnorm,
+            "lr": float(lr) if isinstance(lr, (int, float)) else None,
+            "scale": scale,
+            "skipped": False,
+            "nonfinite": None,
+            "time": time.time(),
+        }
+        self.history.append(row)
+        loss_bad = loss_v is not None and not math.isfinite(loss_v)
+        kind: str | None = None
+        detail: dict[str, Any] = {}
+        if loss_bad or not math.isfinite(gnorm) or not math.isfinite(pnorm):
+            kind, detail = self._diagnose(loss_bad, grads, gnorm, pnorm, scale)
+        if kind == "grad" and scale is not None:
+            # the scaler sees the inf/NaN gradients and skips this update itself
+            kind = None
+            row["skipped"] = True
+            self.scaler_streak += 1
+            if self.scaler_streak >= self.scaler_patience:
+                kind = "scale"
+                detail["message_extra"] = f"{self.scaler_streak} overflow steps in a row"
+        elif scale is not None:
+            self.scaler_streak = 0
+        if kind is None and scale is not None and scale < self.min_scale:
+            kind = "scale"
+            detail["message_extra"] = f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
+
+        if kind is None:
+            self.bad_streak = 0
+            self._streak_first = None
+            self._rng_torch = torch.get_rng_state()
+            self._rng_cuda = self._cuda_rng()
+            self.ok = True
+            return True
+        return self._fail(kind, detail, row, step, loss_v, gnorm, pnorm, scale, inputs, target)
+
+    @torch.no_grad()
+    def _diagnose(
+        self, loss_bad: bool, grads: list[torch.Tensor], gnorm: float, pnorm: float, scale: Any
+    ) -> tuple[str | None, dict[str, Any]]:
+        """Element-wise look at what is not finite (only on a bad step)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+
+        def bad_of(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, dict[str, int]]:
+            out = {}
+            for name, t in pairs:
+                fin = torch.isfinite(t)
+                if not bool(fin.all()):
+                    n_nan = int(torch.isnan(t).sum())
+                    out[name] = {"nan": n_nan, "inf": int(t.numel() - int(fin.sum()) - n_nan)}
+            return out
+
+        weights = bad_of([(names.get(id(p), "?"), p.detach()) for p in self._params]) if not math.isfinite(pnorm) else {}
+        with_grad = [(names.get(id(p), "?"), p.grad) for p in self._params if p.grad is not None]
+        bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
+        grad_norms = {}
+        if with_grad:
+            norms = torch.stack(torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float32)).tolist()
+            div = scale if isinstance(scale, float) and scale > 0 and self.scaler is not None else 1.0
+            grad_norms = {n: v / div for (n, _), v in zip(with_grad, norms)}
+        detail: dict[str, Any] = {
+            "nonfinite_weights": weights,
+            "nonfinite_grads": bad_grads,
+            "grad_norms": grad_norms,
+            "param_norms": dict(
+                zip(
+                    [names.get(id(p), "?") for p in self._params],
+                    torch.stack(torch._foreach_norm([p.detach() for p in self._params], 2, dtype=torch.float32)).tolist()
+                    if self._params
+                    else [],
+                )
+            ),
+        }
+        if weights:
+            return "weights", detail
+        if loss_bad:
+            return "loss", detail
+        if bad_grads:
+            return "grad", detail
+        return None, detail  # a norm overflowed but every element is finite
+
+    def _message(self, kind: str, step: int, loss: float | None, gnorm: float, detail: dict[str, Any]) -> str:
+        def listing(d: dict[str, dict[str, int]]) -> str:
+            items = [f"{n} ({v['nan']} NaN, {v['inf']} Inf)" for n, v in list(d.items())[:5]]
+            more = f" and {len(d) - 5} more" if len(d) > 5 else ""
+            return ", ".join(items) + more
+
+        if kind == "weights":
+            return f"non-finite weights at step {step}: {listing(detail['nonfinite_weights'])}"
+        if kind == "loss":
+            grads = detail["nonfinite_grads"]
+            tail = f"; non-finite gradients in {listing(grads)}" if grads else ""
+            return f"non-finite loss ({_fmt(loss)}) at step {step}{tail}"
+        if kind == "grad":
+            return (
+                f"non-finite gradients at step {step} with a finite loss ({_fmt(loss)}): "
+                f"{listing(detail['nonfinite_grads'])}"
+            )
+        return f"GradScaler scale collapsing at step {step}: {detail.get('message_extra', '')}"
+
+    def _fail(
+        self,
+        kind: str,
+        detail: dict[str, Any],
+        row: dict[str, Any],
+        step: int,
+        loss: float | None,
+        gnorm: float,
+        pnorm: float,
+        scale: Any,
+        inputs: Any,
+        target: Any,
+    ) -> bool:
+        message = self._message(kind, step, loss, gnorm, detail)
+        detail.pop("message_extra", None)
+        reason: dict[str, Any] = {
+            "kind": kind,
+            "message": message,
+            "step": step,
+            "loss": loss,
+            "grad_norm": gnorm,
+            "param_norm": pnorm,
+            "scale": scale,
+            "action": self.on_nonfinite,
+            **detail,
+        }
+        row["nonfinite"] = kind
+        row["skipped"] = self.on_nonfinite != "continue"
+        path: Path | None = None
+        if self.max_snapshots is None or len(self.snapshots) < self.max_snapshots:
+            rng = RngState.capture()
+            rng.torch_cpu = self._rng_torch
+            rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
+            path = save_snapshot(
+                unique_path(self.directory, step),
+                self.model,
+                inputs,
+                target,
+                optimizer=self.optimizer,
+                scaler=self.scaler,
+                scheduler=self.scheduler,
+                step=step,
+                reason=reason,
+                history=list(self.history),
+                recipe=self.recipe,
+                loss_fn=self.loss_fn,
+                rng=rng,
+            )
+            self.snapshots.append(path)
+        self.bad_streak += 1
+        if self._streak_first is None:
+            self._streak_first = (path, step, reason)
+        if self.on_nonfinite != "continue":
+            self.clear_grads()
+        self.ok = False
+        self._rng_torch = torch.get_rng_state()
+        self._rng_cuda = self._cuda_rng()
+        too_many = self.patience is not None and self.bad_streak > self.patience
+        if self.on_nonfinite == "raise" or too_many:
+            first_path, first_step, first_reason = self._streak_first
+            if self.on_nonfinite == "raise":
+                text = f"{message}. Snapshot: {first_path}"
+            else:
+                text = (
+                    f"{self.bad_streak} non-finite steps in a row (patience={self.patience}); the first, "
+                    f"step {first_step}: {first_reason['message']}. Snapshot: {first_path}"
+                )
+            err = NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)
+            global _last
+            _last = err
+            raise err
+        return False
+
+    def clear_grads(self) -> None:
+        """Set every gradient of the model (and optimizer) to ``None``: an optimizer step
+        then leaves those parameters unchanged."""
+        for p in self._params:
+            p.grad = None
+        for p in self._extra:
+            p.grad = None
+
+    # ------------------------------------------------------------------ other forms
+    @contextmanager
+    def step(self, inputs: Any = None, target: Any = None, *, step: int | None = None) -> Iterator[GuardedStep]:
+        """A guarded training step (context manager).
+
+        In the block do the forward and backward and set ``s.loss``. On leaving it the
+        guard checks; when the step is finite it steps the optimizer (through the scaler,
+        then ``scaler.update()``, when there is one); then it zeroes the gradients. The
+        RNG state at the start of the block is what a replay uses.
+        """
+        s = GuardedStep(self, inputs, target, step)
+        self._rng_torch = torch.get_rng_state()
+        self._rng_cuda = self._cuda_rng()
+        yield s
+        self._finish(s)
+
+    def _finish(self, s: GuardedStep) -> None:
+        loss = s.loss
+        if isinstance(loss, (tuple, list)) and loss:
+            loss = loss[0]
+        if loss is None:
+            raise ValueError("set s.loss inside the guarded step (with guard.step(...) as s: s.loss = ...).")
+        opt = self.optimizer
+        try:
+            s.ok = self.check(loss, inputs=s.inputs, target=s.target, step=s.step)
+            if s.ok and opt is not None:
+                if self.scaler is not None:
+                    self.scaler.step(opt)
+                    self.scaler.update()
+                else:
+                    opt.step()
+        finally:
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+
+    def wrap(
+        self, fn: Callable[..., Any] | None = None, *, inputs: int | str = 0, target: int | str | None = 1
+    ) -> Any:
+        """Decorator for a step function that does forward + backward and returns the loss
+        (or a tuple starting with it): each call becomes a guarded step (see :meth:`step`).
+
+        ``inputs`` / ``target`` name the function's parameters holding the batch (position
+        or name; ``target=None`` for none). ``guard.ok`` tells whether the last call stepped.
+        """
+
+        def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+            sig = inspect.signature(f)
+            params = list(sig.parameters)
+
+            def pick(bound: inspect.BoundArguments, which: int | str | None) -> Any:
+                if which is None:
+                    return None
+                name = params[which] if isinstance(which, int) and which < len(params) else which
+                return bound.arguments.get(name) if isinstance(name, str) else None
+
+            @functools.wraps(f)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                bound = sig.bind(*args, **kwargs)
+                with self.step(pick(bound, inputs), pick(bound, target)) as s:
+                    out = f(*args, **kwargs)
+                    s.loss = out
+                return out
+
+            return wrapper
+
+        return deco(fn) if fn is not None else deco
+
+    # ------------------------------------------------------------------ views
+    def history_frame(self) -> Any:
+        """The rolling history as a DataFrame (same layout as ``Snapshot.history_frame()``)."""
+        from .snapshot import history_frame
+
+        return history_frame(list(self.history))
+
+    def __repr__(self) -> str:
+        last = self.history[-1] if self.history else None
+        where = f"last step {last['step']} loss={_fmt(last['loss'])}" if last else "no step yet"
+        return (
+            f"NaNGuard({type(self.model).__qualname__}, on_nonfinite={self.on_nonfinite!r}, "
+            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in {self.directory})"
+        )
+
+
+__all__ = ["NaNGuard", "NonFiniteError", "last_error"]

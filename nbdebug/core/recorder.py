@@ -1,0 +1,367 @@
+"""The hooks of one pass over a model: what :func:`nbdebug.trace` records.
+
+A pass installs a forward pre-hook and a forward hook on every module, a tensor hook on
+every module output that requires grad (and on every module input that no module
+produced), and a tensor hook on every parameter. Two modes:
+
+* quick (``exact=False``): statistics vectors stay on the device (:func:`quick_vector`);
+  nothing is synchronised until the pass is over.
+* exact (``exact=True``): run only when the quick pass saw a NaN/Inf. Element-wise
+  statistics, the batch rows holding non-finite values, which inputs of each module call
+  were finite, the data flow between calls, and a copy of the inputs of the calls still
+  able to be the origin (for the op-level replay). Synchronises per event; it is the slow
+  path of a failing step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .batch import named_tensors
+from .hooks import HookSet
+from .stats import assemble_quick, exact_vector, quick_parts, row_dim, row_flags, vector_is_finite
+
+
+@dataclass
+class RawEvent:
+    phase: str
+    kind: str
+    module: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    call: int
+    depth: int
+    module_type: str
+    vector: Any  # device tensor (quick) or numpy array (exact)
+    samples: list[int] = field(default_factory=list)
+    param: str | None = None
+    slot: int = -1  # exact mode: the tensor's slot
+
+
+@dataclass
+class CallRecord:
+    """One call of one module."""
+
+    call: int
+    module: str
+    module_type: str
+    depth: int
+    parent: int
+    input_slots: list[int] = field(default_factory=list)
+    output_slots: list[int] = field(default_factory=list)
+    inputs_finite: bool = True
+    inputs_has_nan: bool = False
+    output_events: list[int] = field(default_factory=list)
+    done: bool = False
+    capture: tuple[Any, Any, Any] | None = None  # (args, kwargs, rng state) copies
+
+
+@dataclass
+class Slot:
+    """A tensor seen in the exact pass: who produced it and whether it was finite."""
+
+    producer: int  # call id, or -1 for the batch / code outside any module
+    finite: bool
+    has_nan: bool
+    consumers: list[int] = field(default_factory=list)
+    grad_event: int = -1
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def clone_structure(obj: Any) -> Any:
+    """Detached copies of the tensors in a nested structure (other objects as they are)."""
+    if isinstance(obj, torch.Tensor):
+        c = obj.detach().clone()
+        return c
+    if isinstance(obj, dict):
+        return {k: clone_structure(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        items = [clone_structure(v) for v in obj]
+        if hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return type(obj)(items)
+    return obj
+
+
+class Recorder:
+    """Hooks and records of one pass. See the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        exact: bool,
+        batch_size: int | None,
+        capture: bool = False,
+    ) -> None:
+        self.model = model
+        self.exact = exact
+        self.capture = capture and exact
+        self.batch_size = batch_size
+        self.raw: list[RawEvent] = []
+        self.calls: list[CallRecord] = []
+        self.stack: list[int] = []
+        self.names: dict[int, str] = {}
+        self.types: dict[str, str] = {}
+        for name, m in model.named_modules():
+            self.names.setdefault(id(m), name)
+            self.types.setdefault(name, type(m).__name__)
+        # (id, version) -> (weakref, owners): one grad hook per tensor version
+        self._grad_hooked: dict[tuple[int, int], tuple[Any, list[tuple[int, str, str]]]] = {}
+        # exact mode: (id, version) -> (weakref, slot index)
+        self._slot_of: dict[tuple[int, int], tuple[Any, int]] = {}
+        self._measured: dict[tuple[int, int], tuple[Any, Any, list[int]]] = {}
+        self.slots: list[Slot] = []
+        self.param_names: dict[int, tuple[str, str, str]] = {}
+        for mname, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                qual = f"{mname}.{pname}" if mname else pname
+                self.param_names.setdefault(id(p), (mname, pname, qual))
+        self.origin_call: int = -1  # exact mode: the forward origin found on the fly
+        self.bad_params: dict[str, list[str]] = {}  # module -> non-finite params/buffers
+        self.first_bad_call: int = -1
+
+    # ------------------------------------------------------------------ installing
+    def install(self, hooks: HookSet, params: list[torch.nn.Parameter]) -> None:
+        for m in self.model.modules():
+            name = self.names[id(m)]
+            hooks.add(m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            hooks.add(m.register_forward_hook(self._post_hook(name), with_kwargs=True))
+        for p in params:
+            if p.requires_grad and id(p) in self.param_names:
+                hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)])))
+
+    # ------------------------------------------------------------------ statistics
+    def _record(
+        self,
+        phase: str,
+        kind: str,
+        module: str,
+        name: str,
+        t: torch.Tensor,
+        call: int,
+        depth: int,
+        *,
+        vector: Any = None,
+        samples: list[int] | None = None,
+        param: str | None = None,
+        slot: int = -1,
+    ) -> int:
+        if vector is None:
+            vector, samples = self.measure(t)
+        self.raw.append(
+            RawEvent(
+                phase, kind, module, name, tuple(t.shape), _dtype(t), call, depth,
+                self.types.get(module, "") if call >= 0 or param else "",
+                vector, samples or [], param, slot,
+            )
+        )
+        return len(self.raw) - 1
+
+    def measure(self, t: torch.Tensor) -> tuple[Any, list[int]]:
+        if not self.exact:
+            return quick_parts(t), []
+        v = exact_vector(t).cpu().numpy()
+        samples: list[int] = []
+        if not vector_is_finite(v):
+            d = row_dim(t.shape, self.batch_size)
+            if d is not None:
+                samples = torch.nonzero(row_flags(t, d)).flatten().tolist()
+        return v, samples
+
+    # ------------------------------------------------------------------ slots (exact)
+    def _slot_for(self, t: torch.Tensor) -> int:
+        hit = self._slot_of.get((id(t), t._version))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        return -1
+
+    def new_slot(self, t: torch.Tensor, producer: int, finite: bool, has_nan: bool) -> int:
+        self.slots.append(Slot(producer, finite, has_nan))
+        self._slot_of[(id(t), t._version)] = (weakref.ref(t), len(self.slots) - 1)
+        return len(self.slots) - 1
+
+    # ------------------------------------------------------------------ inputs
+    def record_batch(self, inputs: Any) -> None:
+        prefix = "x" if isinstance(inputs, torch.Tensor) else "inputs"
+        for name, t in named_tensors(inputs, prefix):
+            i = self._record("input", "input", "", name, t, -1, 0)
+            if self.exact:
+                fin = vector_is_finite(self.raw[i].vector)
+                self.raw[i].slot = self.new_slot(t, -1, fin, bool(self.raw[i].vector[6] > 0))
+
+    def record_loss(self, loss: torch.Tensor) -> int:
+        return self._record("loss", "loss", "", "loss", loss, -1, 0)
+
+    # ------------------------------------------------------------------ forward hooks
+    def _pre_hook(self, name: str):
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            parent = self.stack[-1] if self.stack else -1
+            rec = CallRecord(len(self.calls), name, type(module).__name__, len(self.stack), parent)
+            self.calls.append(rec)
+            self.stack.append(rec.call)
+            if self.exact:
+                self._inputs_exact(rec, args, kwargs)
+            for tname, t in named_tensors((args, kwargs), "input"):
+                if t.requires_grad and t.is_floating_point():
+                    self._hook_grad(t, rec.call, "grad_input", _input_name(tname), inputs=True)
+            return None
+
+        return pre
+
+    def _inputs_exact(self, rec: CallRecord, args: Any, kwargs: Any) -> None:
+        for _, t in named_tensors((args, kwargs), "input"):
+            s = self._slot_for(t)
+            if s < 0:
+                fin = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
+                nan = (not fin) and bool(torch.isnan(t).any())
+                s = self.new_slot(t, rec.parent, fin, nan)
+            slot = self.slots[s]
+            slot.consumers.append(rec.call)
+            rec.input_slots.append(s)
+            if not slot.finite:
+                rec.inputs_finite = False
+                rec.inputs_has_nan = rec.inputs_has_nan or slot.has_nan
+        if self.capture and rec.inputs_finite and self.origin_call < 0:
+            rec.capture = (clone_structure(args), clone_structure(kwargs), _rng_now())
+
+    def _post_hook(self, name: str):
+        def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            call = self.stack.pop()
+            rec = self.calls[call]
+            rec.done = True
+            any_bad = False
+            for oname, t in named_tensors(output, "output"):
+                key = (id(t), t._version)
+                hit = self._measured.get(key)
+                if hit is not None and hit[0]() is t:  # a container returning a child's output
+                    vector, samples = hit[1], hit[2]
+                else:
+                    vector, samples = self.measure(t)
+                    self._measured[key] = (weakref.ref(t), vector, samples)
+                i = self._record(
+                    "forward", "output", name, oname, t, call, rec.depth,
+                    vector=vector, samples=samples,
+                )
+                rec.output_events.append(i)
+                if self.exact:
+                    fin = vector_is_finite(vector)
+                    any_bad = any_bad or not fin
+                    s = self._slot_for(t)
+                    if s >= 0:
+                        self.slots[s].producer = call
+                    else:
+                        s = self.new_slot(t, call, fin, bool(vector[6] > 0))
+                    self.raw[i].slot = s
+                    rec.output_slots.append(s)
+                if t.requires_grad:
+                    self._hook_grad(t, call, "grad_output", oname)
+            if self.exact:
+                self._settle_capture(rec, any_bad)
+            return None
+
+        return post
+
+    def _settle_capture(self, rec: CallRecord, output_bad: bool) -> None:
+        """Keep the input copy of the first call that turned finite inputs into a
+        non-finite output (the forward origin candidate); drop all others."""
+        if output_bad and self.first_bad_call < 0:
+            self.first_bad_call = rec.call
+        if self.origin_call < 0 and output_bad and rec.inputs_finite:
+            self.origin_call = rec.call
+            return
+        if rec.call != self.origin_call:
+            rec.capture = None
+
+    # ------------------------------------------------------------------ backward hooks
+    def _hook_grad(self, t: torch.Tensor, call: int, kind: str, name: str, inputs: bool = False) -> None:
+        """One tensor hook per tensor version; each module that produced (``grad_output``)
+        or consumed (``grad_input``) the tensor owns an event when its gradient arrives."""
+        key = (id(t), t._version)
+        hit = self._grad_hooked.get(key)
+        if hit is not None and hit[0]() is t:
+            if all((o[0], o[1]) != (call, kind) for o in hit[1]):
+                hit[1].append((call, kind, name))
+            return
+        owners: list[tuple[int, str, str]] = [(call, kind, name)]
+        slot = self._slot_for(t) if self.exact else -1
+        self._grad_hooked[key] = (weakref.ref(t), owners)
+        t.register_hook(self._grad_hook(owners, slot))
+
+    def _grad_hook(self, owners: list[tuple[int, str, str]], slot: int):
+        def hook(grad: torch.Tensor) -> None:
+            vector, samples = self.measure(grad)
+            # the gradient leaves its consumers (grad_input), then reaches its producers
+            # from the outermost container inwards (grad_output)
+            ordered = [o for o in owners if o[1] == "grad_input"]
+            ordered += [o for o in reversed(owners) if o[1] == "grad_output"]
+            for call, kind, name in ordered:
+                rec = self.calls[call]
+                i = self._record(
+                    "backward", kind, rec.module, name, grad, call, rec.depth,
+                    vector=vector, samples=samples, slot=slot,
+                )
+                if slot >= 0 and self.slots[slot].grad_event < 0:
+                    self.slots[slot].grad_event = i
+            return None
+
+        return hook
+
+    def _param_hook(self, module: str, short: str, qual: str):
+        depth = module.count(".") + 1 if module else 0
+
+        def hook(grad: torch.Tensor) -> None:
+            self._record("backward", "param_grad", module, short, grad, -1, depth, param=qual)
+            return None
+
+        return hook
+
+    # ------------------------------------------------------------------ results
+    def host_vectors(self) -> list[np.ndarray]:
+        """All statistics vectors on the host: one transfer per device."""
+        if self.exact:
+            return [r.vector for r in self.raw]
+        out: list[Any] = [None] * len(self.raw)
+        by_device: dict[Any, list[int]] = {}
+        first: dict[int, int] = {}  # events sharing one measurement are assembled once
+        for i, r in enumerate(self.raw):
+            j = first.setdefault(id(r.vector), i)
+            if j == i:
+                dev = r.vector[0].device if r.vector else None
+                by_device.setdefault(dev, []).append(i)
+        for idx in by_device.values():
+            rows = assemble_quick([self.raw[i].vector for i in idx], [_numel(self.raw[i].shape) for i in idx])
+            for row, i in zip(rows, idx):
+                out[i] = row
+        return [out[first[id(r.vector)]] for r in self.raw]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _input_name(tname: str) -> str:
+    # "input[0][0]" -> "input[0]", "input[1]['mask']" -> "input['mask']"
+    if tname.startswith("input[0]"):
+        return "input" + tname[len("input[0]") :]
+    if tname.startswith("input[1]"):
+        return "input" + tname[len("input[1]") :]
+    return tname
+
+
+def _rng_now() -> Any:
+    from .state import RngState
+
+    return RngState.capture()

@@ -1,0 +1,197 @@
+"""Small models that fail in known ways: the public scenario suite of the trace tests
+(and of the health checks, the debugger and the notebooks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Scenario:
+    """A model, a batch and what ``nbdebug.trace`` must report for it."""
+
+    name: str
+    model: nn.Module
+    inputs: Any
+    target: Any = None
+    loss_fn: Callable[..., Any] | None = None
+    phase: str | None = None  # expected origin phase (None: healthy)
+    module: str | None = None  # expected origin module
+    samples: list[int] | None = None  # expected origin rows
+    op: str | None = None  # expected op (substring), when the scenario pins it
+    param: str | None = None
+
+
+class Normalize(nn.Module):
+    """A hand-written per-row normalisation without epsilon: 0/0 on constant rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        centered = x - x.mean(dim=1, keepdim=True)
+        return centered / centered.abs().amax(dim=1, keepdim=True)
+
+
+class ExpScore(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+class SqrtLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class SafeSqrt(nn.Module):
+    """The classic hidden NaN: the unselected branch of torch.where."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))
+
+
+class SqrtGate(nn.Module):
+    """Output x * sqrt(w): finite forward and input gradient, inf gradient of ``w`` at 0."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sqrt(self.w)
+
+
+class ParentDivides(nn.Module):
+    """The parent's own code makes the NaN (0/0) and a child passes it on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.child = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        zero = h - h
+        h = zero / zero.abs().sum(dim=1, keepdim=True)
+        return self.child(h)
+
+
+class LossInside(nn.Module):
+    """Takes a dict batch and returns its own loss (Hugging Face style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def handwritten_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy written by hand: log of a softmax that underflows to exactly 0."""
+    probs = torch.softmax(logits, dim=1)
+    onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)
+    return -(onehot * torch.log(probs)).sum(dim=1).mean()
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def scenarios() -> list[Scenario]:
+    torch.manual_seed(0)
+    out = []
+
+    x = torch.randn(8, 4)
+    x[3, 1] = float("nan")
+    out.append(Scenario("nan_in_batch", nn.Sequential(nn.Linear(4, 3)), x, torch.randint(0, 3, (8,)),
+                        F.cross_entropy, "input", "", [3]))
+
+    x = torch.randn(6, 5)
+    x[2] = 1.0
+    x[4] = -3.0
+    out.append(Scenario("zero_over_zero_norm", nn.Sequential(Normalize(), nn.Linear(5, 2)), x,
+                        torch.randn(6, 2), mse, "forward", "0", [2, 4], "div"))
+
+    x = torch.randn(5, 3)
+    x[1, 0] = 200.0
+    out.append(Scenario("exp_overflow", nn.Sequential(nn.Identity(), ExpScore(), nn.Linear(3, 1)), x,
+                        torch.randn(5, 1), mse, "forward", "1", [1], "exp"))
+
+    lin = nn.Linear(4, 4).half()
+    with torch.no_grad():
+        lin.weight.fill_(30.0)
+        lin.bias.zero_()
+    x = torch.ones(4, 4, dtype=torch.float16)
+    x[0] = 1.0
+    x[2] = 600.0
+    out.append(Scenario("fp16_linear_overflow", nn.Sequential(lin), x, None,
+                        lambda o: o.float().mean(), "forward", "0", [2], "linear"))
+
+    logits_model = nn.Sequential(nn.Linear(3, 3))
+    with torch.no_grad():
+        logits_model[0].weight.copy_(torch.eye(3) * 1000.0)
+        logits_model[0].bias.zero_()
+    x = torch.zeros(4, 3)
+    x[1] = torch.tensor([1.0, 0.0, 0.0])
+    y = torch.tensor([0, 1, 2, 0])
+    out.append(Scenario("log_zero_in_loss", logits_model, x, y, handwritten_nll, "loss", "", [1]))
+
+    x = torch.randn(6, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), SqrtLayer(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 6)
+    x[3, 2] = -1.0  # ReLU -> exactly 0 -> sqrt'(0) = inf in backward, row 3
+    out.append(Scenario("sqrt_zero_backward", model, x, torch.zeros(6, 1), mse, "backward", "2", [3], "sqrt"))
+
+    model = nn.Sequential(nn.Linear(4, 4), SafeSqrt(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 5)
+    x[1, 0] = -2.0
+    out.append(Scenario("where_sqrt_negative", model, x, torch.zeros(5, 1), mse, "backward", "1", [1], "sqrt"))
+
+    gate = SqrtGate(4)
+    with torch.no_grad():
+        gate.w[2] = 0.0
+    model = nn.Sequential(nn.Linear(4, 4), gate, nn.Linear(4, 1))
+    out.append(Scenario("param_grad_only", model, torch.randn(6, 4), torch.zeros(6, 1), mse,
+                        "backward", "1", None, "sqrt", "1.w"))
+
+    deep = nn.Sequential(nn.Linear(5, 5), nn.Sequential(nn.Tanh(), nn.Sequential(nn.Linear(5, 5), Normalize())),
+                         nn.Linear(5, 1))
+    with torch.no_grad():
+        deep[1][1][0].weight.zero_()
+        deep[1][1][0].bias.fill_(0.5)
+    out.append(Scenario("deep_nested", deep, torch.randn(7, 5), torch.zeros(7, 1), mse,
+                        "forward", "1.1.1", list(range(7)), "div"))
+
+    out.append(Scenario("parent_code", ParentDivides(), torch.randn(3, 4), torch.zeros(3, 2), mse,
+                        "forward", "", [0, 1, 2], "div"))
+
+    x = torch.randn(6, 4)
+    x[5, 0] = float("inf")
+    out.append(Scenario("dict_batch_own_loss", LossInside(), {"x": x, "labels": torch.tensor([0, 1, 2, 0, 1, 2])},
+                        None, None, "input", "", [5]))
+
+    lin = nn.Linear(4, 2)
+    with torch.no_grad():
+        lin.weight[1, 3] = float("nan")
+    out.append(Scenario("corrupted_weight", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), lin), torch.randn(5, 4),
+                        torch.zeros(5, 2), mse, "forward", "2", list(range(5)), "linear", "2.weight"))
+
+    healthy = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                            nn.Dropout(0.1), nn.Linear(4 * 8 * 8, 5))
+    out.append(Scenario("healthy", healthy, torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)), F.cross_entropy))
+    return out
+
+
+def by_name(name: str) -> Scenario:
+    return next(s for s in scenarios() if s.name == name)

@@ -1,0 +1,263 @@
+"""nbdebug.trace(): the public scenario suite, calling conventions, tables, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from models import LossInside, by_name, scenarios
+from torch import nn
+
+import nbdebug
+from nbdebug.core.batch import LossError
+
+SCENARIOS = {s.name: s for s in scenarios()}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_origin_scenarios(name: str) -> None:
+    s = by_name(name)
+    tr = nbdebug.trace(s.model, s.inputs, s.target, s.loss_fn)
+    if s.phase is None:
+        assert tr.origin is None
+        assert tr.first_nonfinite is None
+        assert tr.healthy
+        return
+    o = tr.origin
+    assert o is not None, f"{name}: no origin; first non-finite {tr.first_nonfinite}"
+    assert (o.phase, o.module) == (s.phase, s.module), f"{name}: got {o!r}"
+    if s.samples is not None:
+        assert o.samples == s.samples
+    if s.op is not None:
+        assert o.op is not None and s.op in o.op, f"{name}: op {o.op}"
+        expected = "torch/nn/modules/" if isinstance(s.model.get_submodule(s.module), nn.Linear) else "models.py:"
+        assert o.source is not None and o.source.startswith(expected), o.source
+    if s.param is not None:
+        assert o.param == s.param
+    # the origin is an event of the trace (jump-to-origin needs its index)
+    assert tr.events[o.index].phase == o.phase
+    assert tr.first_nonfinite is not None
+    assert tr.first_nonfinite.index <= o.index or o.phase in ("forward", "backward")
+
+
+def test_origin_source_line_points_at_the_producing_code() -> None:
+    import inspect
+
+    import models
+
+    s = by_name("zero_over_zero_norm")
+    tr = nbdebug.trace(s.model, s.inputs, s.target, s.loss_fn)
+    lines, start = inspect.getsourcelines(models.Normalize.forward)
+    div_line = start + next(i for i, line in enumerate(lines) if "/" in line)
+    assert tr.origin is not None
+    assert tr.origin.source == f"models.py:{div_line}"
+
+
+def test_first_nonfinite_is_the_first_event_holding_nan() -> None:
+    s = by_name("parent_code")
+    tr = nbdebug.trace(s.model, s.inputs, s.target, s.loss_fn)
+    first = tr.first_nonfinite
+    assert first is not None and first.module == "child"
+    assert all(e.finite for e in tr.events[: first.index])
+    assert tr.origin is not None and tr.origin.module == ""
+
+
+def test_events_cover_every_module_phase_and_parameter() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 2)))
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    tr = nbdebug.trace(model, x, y, F.mse_loss)
+    phases = [e.phase for e in tr.events]
+    assert phases[0] == "input"
+    assert phases.index("loss") > max(i for i, p in enumerate(phases) if p == "forward")
+    forward = [e.module for e in tr.events if e.phase == "forward"]
+    assert forward == ["0", "1.0", "1.1", "1", ""]  # completion order: children first
+    grads = {e.param for e in tr.events if e.kind == "param_grad"}
+    assert grads == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        ev = next(e for e in tr.events if e.param == name)
+        # the gradient statistics are those of the real gradient
+        g = torch.autograd.grad(F.mse_loss(model(x), y), p)[0]
+        assert ev.stats.norm == pytest.approx(float(g.norm()), rel=1e-5)
+    # backward events go from the output back to the input
+    back = [e.module for e in tr.events if e.kind == "grad_output"]
+    assert back.index("") < back.index("1") < back.index("1.1") < back.index("0")
+    # forward statistics match the tensor
+    out0 = model[0](x)
+    ev = next(e for e in tr.events if e.phase == "forward" and e.module == "0")
+    assert ev.stats.norm == pytest.approx(float(out0.norm()), rel=1e-5)
+    assert ev.stats.mean == pytest.approx(float(out0.mean()), abs=1e-5)
+    assert ev.stats.std == pytest.approx(float(out0.std(unbiased=False)), rel=1e-4)
+    assert ev.stats.min == pytest.approx(float(out0.min()))
+    assert ev.stats.max == pytest.approx(float(out0.max()))
+    assert ev.shape == (5, 8) and ev.dtype == "float32"
+    assert ev.hist.counts.sum() + ev.hist.n_zero == 40
+
+
+def test_multi_output_tuple_dict_integer_and_none_gradients() -> None:
+    class Multi(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.lstm = nn.LSTM(4, 3, batch_first=True)
+            self.head = nn.Linear(3, 2)
+            self.unused = nn.Linear(2, 2)  # its parameters get no gradient
+
+        def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> dict:
+            h, (hn, cn) = self.lstm(self.emb(tokens))
+            return {"logits": self.head(h[:, -1]), "lengths": lengths}
+
+    model = Multi()
+    tokens = torch.randint(0, 10, (4, 6))
+    tr = nbdebug.trace(model, (tokens, torch.full((4,), 6)), loss_fn=lambda o: o["logits"].pow(2).mean())
+    names = {(e.module, e.name) for e in tr.events if e.phase == "forward"}
+    assert ("lstm", "output[0]") in names and ("lstm", "output[1][1]") in names
+    assert ("", "output['logits']") in names and ("", "output['lengths']") in names
+    ints = next(e for e in tr.events if e.phase == "input" and e.dtype == "int64")
+    assert ints.stats.max <= 9
+    pf = tr.params_frame()
+    assert pf.loc["unused.weight", "grad_norm"] is None or np.isnan(pf.loc["unused.weight", "grad_norm"])
+    assert pf.loc["head.weight", "grad_norm"] > 0
+
+
+@pytest.mark.parametrize("form", ["tensor", "tuple", "list", "dict"])
+def test_calling_conventions(form: str) -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 1)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+            return self.fc(a if b is None else a + b)
+
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    inputs = {"tensor": a, "tuple": (a, b), "list": [a, b], "dict": {"a": a, "b": b}}[form]
+    tr = nbdebug.trace(Two(), inputs, torch.zeros(4, 1), F.mse_loss)
+    assert tr.loss is not None and tr.loss > 0
+    assert tr.batch_size == 4
+
+
+def test_loss_conventions() -> None:
+    x = torch.randn(4, 4)
+    labels = torch.tensor([0, 1, 2, 0])
+    # output["loss"]
+    m = LossInside()
+    tr = nbdebug.trace(m, {"x": x, "labels": labels})
+    assert tr.loss == pytest.approx(float(F.cross_entropy(m.fc(x), labels)), rel=1e-6)
+
+    class WithAttr(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor):
+            class Out:
+                pass
+
+            o = Out()
+            o.loss = self.fc(x).mean()  # type: ignore[attr-defined]
+            return o
+
+    assert nbdebug.trace(WithAttr(), x).loss is not None
+    scalar = nn.Sequential(nn.Linear(4, 1), nn.Flatten(0))
+    tr = nbdebug.trace(nn.Sequential(scalar, _Mean()), x)  # scalar output
+    assert tr.loss is not None
+    tr = nbdebug.trace(nn.Linear(4, 2), x, loss_fn=lambda o: o.sum())  # loss_fn(output)
+    assert tr.loss is not None
+
+
+class _Mean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean()
+
+
+def test_exact_loss_value() -> None:
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    tr = nbdebug.trace(model, x, y, F.mse_loss)
+    assert tr.loss == pytest.approx(float(F.mse_loss(model(x), y)), rel=1e-6)
+
+
+def test_frames_and_repr() -> None:
+    s = by_name("zero_over_zero_norm")
+    tr = nbdebug.trace(s.model, s.inputs, s.target, s.loss_fn)
+    df = tr.to_frame()
+    assert isinstance(df, pd.DataFrame) and len(df) == len(tr.events)
+    assert df["is_origin"].sum() == 1
+    assert df.loc[tr.origin.index, "module"] == "0"  # type: ignore[union-attr]
+    assert {"norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf"} <= set(df.columns)
+    pf = tr.params_frame()
+    assert list(pf.index) == [n for n, _ in s.model.named_parameters()]
+    assert {"norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf"} <= set(pf.columns)
+    text = repr(tr)
+    assert "Sequential" in text and "NaN produced in 0" in text and "div" in text
+    assert len(text.splitlines()) <= 5
+
+
+def test_ratio_matches_norms() -> None:
+    model = nn.Linear(6, 3)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    tr = nbdebug.trace(model, x, y, F.mse_loss)
+    pf = tr.params_frame()
+    g = torch.autograd.grad(F.mse_loss(model(x), y), model.weight)[0]
+    assert pf.loc["weight", "norm"] == pytest.approx(float(model.weight.norm()), rel=1e-6)
+    assert pf.loc["weight", "ratio"] == pytest.approx(float(g.norm() / model.weight.norm()), rel=1e-5)
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_inputs_raise_one_clear_sentence() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        nbdebug.trace(lambda x: x, torch.randn(2, 3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty"):
+        nbdebug.trace(model, torch.randn(0, 3), loss_fn=lambda o: o.sum())
+    with pytest.raises(ValueError, match="empty"):
+        nbdebug.trace(model, (), loss_fn=lambda o: o.sum())
+    with pytest.raises(TypeError, match="tensor"):
+        nbdebug.trace(model, "not a batch")
+    with pytest.raises(LossError, match=r"scalar.*\(2, 2\)"):
+        nbdebug.trace(model, torch.randn(2, 3), loss_fn=lambda o: o)
+    with pytest.raises(ValueError, match="no loss.*Tensor\\(2, 2\\)"):
+        nbdebug.trace(model, torch.randn(2, 3))
+    with pytest.raises(nbdebug.TraceError, match="rejected the batch"):
+        nbdebug.trace(model, (torch.randn(2, 3), torch.randn(2, 3)), loss_fn=lambda o: o.sum())
+
+
+def test_model_raising_gives_trace_error_with_partial_trace() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("kaboom")
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), Boom()))
+    with pytest.raises(nbdebug.TraceError) as info:
+        nbdebug.trace(model, torch.randn(2, 3), loss_fn=lambda o: o.sum())
+    err = info.value
+    assert err.module == "1.1"
+    assert "1.1 (Boom)" in str(err) and "kaboom" in str(err)
+    assert "Executed modules up to: 1.0" in str(err)
+    assert isinstance(err.__cause__, RuntimeError)
+    assert err.trace is not None
+    assert [e.module for e in err.trace.events if e.phase == "forward"] == ["0", "1.0"]
+
+
+def test_bad_target_gives_trace_error_naming_the_loss() -> None:
+    model = nn.Linear(3, 4)
+    with pytest.raises(nbdebug.TraceError, match="loss function raised") as info:
+        nbdebug.trace(model, torch.randn(2, 3), torch.tensor([0, 7]), F.cross_entropy)
+    assert info.value.__cause__ is not None
+
+
+def test_no_backward_when_nothing_requires_grad() -> None:
+    model = nn.Linear(3, 1).requires_grad_(False)
+    tr = nbdebug.trace(model, torch.randn(4, 3), loss_fn=lambda o: o.mean())
+    assert not any(e.phase == "backward" for e in tr.events)
+    assert any("backward pass was skipped" in n for n in tr.notes)
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_many_modules_trace_and_frame() -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(667)])
+    assert sum(1 for _ in model.modules()) > 2000
+    tr = nbdebug.trace(model, torch.randn(2, 4), loss_fn=lambda o: o.sum())
+    assert len(tr.to_frame()) == len(tr.events) > 4000
