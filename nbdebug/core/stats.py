@@ -195,7 +195,7 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     scal = torch.stack([x for i in live for x in parts[i][:4]]).to(torch.float64)
     samples = [parts[i][4] for i in live]
     lengths = torch.tensor([s.numel() for s in samples], device=samples[0].device)
-    cat = torch.cat([s.reshape(-1) for s in samples]).to(torch.float32)
+    cat = torch.cat([s.reshape(-1) for s in samples]).to(torch.float64)
     seg = torch.repeat_interleave(torch.arange(len(live), device=cat.device), lengths)
     hist = _segment_hist(cat, seg, len(live))
     host = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
@@ -271,7 +271,7 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
             n_fin,
         ]
     )
-    hist = _segment_hist(flat.to(torch.float32), torch.zeros(flat.numel(), dtype=torch.int64, device=dev), 1)
+    hist = _segment_hist(flat.to(torch.float64), torch.zeros(flat.numel(), dtype=torch.int64, device=dev), 1)
     return torch.cat([head, hist[0]])
 
 

@@ -1,0 +1,128 @@
+"""Tensor statistics against numpy, on random arrays with NaN/Inf sprinkled (hypothesis)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from nbdebug.core.stats import (
+    HIST_EDGES,
+    exact_vector,
+    finalize,
+    quick_vector,
+    row_flags,
+    tensor_stats,
+    vector_is_finite,
+)
+
+finite_floats = st.floats(-1e6, 1e6, allow_nan=False, width=32)
+specials = st.sampled_from([np.nan, np.inf, -np.inf, 0.0])
+
+
+@st.composite
+def sprinkled(draw: st.DrawFn) -> np.ndarray:
+    shape = draw(st.tuples(st.integers(1, 7), st.integers(1, 9)))
+    a = draw(arrays(np.float32, shape, elements=finite_floats))
+    n_special = draw(st.integers(0, a.size))
+    idx = draw(st.lists(st.integers(0, a.size - 1), min_size=n_special, max_size=n_special))
+    vals = draw(st.lists(specials, min_size=len(idx), max_size=len(idx)))
+    flat = a.reshape(-1)
+    for i, v in zip(idx, vals):
+        flat[i] = v
+    return a
+
+
+def _expected(a: np.ndarray) -> dict[str, float]:
+    a64 = a.astype(np.float64)
+    fin = a64[np.isfinite(a64)]
+    return {
+        "n_nan": int(np.isnan(a64).sum()),
+        "n_inf": int(np.isinf(a64).sum()),
+        "norm": float(np.sqrt((fin**2).sum())) if fin.size else 0.0,
+        "mean": float(fin.mean()) if fin.size else float("nan"),
+        "std": float(fin.std()) if fin.size else float("nan"),
+        "min": float(fin.min()) if fin.size else float("nan"),
+        "max": float(fin.max()) if fin.size else float("nan"),
+        "zero_frac": float((a64 == 0).sum() / a64.size),
+    }
+
+
+def _close(a: float, b: float, scale: float) -> bool:
+    if np.isnan(b):
+        return bool(np.isnan(a))
+    return abs(a - b) <= 1e-4 * max(scale, 1.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sprinkled())
+def test_exact_stats_match_numpy(a: np.ndarray) -> None:
+    s = tensor_stats(torch.from_numpy(a))
+    e = _expected(a)
+    scale = float(np.abs(a[np.isfinite(a)]).max()) if np.isfinite(a).any() else 1.0
+    assert s.n_nan == e["n_nan"] and s.n_inf == e["n_inf"]
+    assert s.finite == (e["n_nan"] == 0 and e["n_inf"] == 0)
+    for k in ("norm", "mean", "min", "max"):
+        assert _close(getattr(s, k), e[k], scale * (a.size if k == "norm" else 1)), (k, getattr(s, k), e[k])
+    if not np.isnan(e["std"]):
+        assert abs(s.std - e["std"]) <= 1e-3 * max(scale, 1.0)
+    assert s.zero_frac == pytest.approx(e["zero_frac"])
+    assert s.absmax == pytest.approx(max(abs(e["min"]), abs(e["max"]))) if not np.isnan(e["min"]) else True
+
+
+@settings(max_examples=150, deadline=None)
+@given(sprinkled())
+def test_quick_vector_agrees_on_finiteness_and_matches_finite_stats(a: np.ndarray) -> None:
+    t = torch.from_numpy(a)
+    q = quick_vector(t)
+    assert vector_is_finite(q) == bool(np.isfinite(a).all())
+    if np.isfinite(a).all():
+        qs, _ = finalize(q)
+        es, _ = finalize(exact_vector(t).numpy())
+        for k in ("norm", "mean", "min", "max", "zero_frac"):
+            assert getattr(qs, k) == pytest.approx(getattr(es, k), rel=1e-5, abs=1e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sprinkled())
+def test_histogram_counts_every_element_once(a: np.ndarray) -> None:
+    _, h = finalize(exact_vector(torch.from_numpy(a)).numpy())
+    assert h.counts.sum() + h.n_zero + h.n_nonfinite == a.size == h.total
+    mags = np.abs(a[np.isfinite(a) & (a != 0)]).astype(np.float64)
+    expected = np.histogram(np.clip(np.log10(mags), HIST_EDGES[0], HIST_EDGES[-1] - 1e-9), HIST_EDGES)[0]
+    assert np.array_equal(h.counts, expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sprinkled())
+def test_row_flags(a: np.ndarray) -> None:
+    flags = row_flags(torch.from_numpy(a), 0).numpy()
+    assert np.array_equal(flags, ~np.isfinite(a).all(axis=1))
+    flags1 = row_flags(torch.from_numpy(a), 1).numpy()
+    assert np.array_equal(flags1, ~np.isfinite(a).all(axis=0))
+
+
+def test_dtypes_half_int_bool_complex_empty() -> None:
+    h = torch.tensor([1.0, 60000.0, -2.0], dtype=torch.float16)
+    assert tensor_stats(h).max == 60000.0
+    i = torch.tensor([1, 2, 3])
+    assert tensor_stats(i).mean == 2.0
+    b = torch.tensor([True, False])
+    assert tensor_stats(b).zero_frac == 0.5
+    c = torch.tensor([3 + 4j])
+    assert tensor_stats(c).norm == pytest.approx(5.0)
+    e = torch.zeros(0, 3)
+    s = tensor_stats(e)
+    assert s.numel == 0 and s.finite
+    assert vector_is_finite(quick_vector(e))
+
+
+def test_quick_histogram_is_sampled_for_big_tensors() -> None:
+    t = torch.randn(100_000)
+    _, h = finalize(quick_vector(t))
+    assert h.sampled and h.total <= 4096 + 1
+    _, h2 = finalize(quick_vector(torch.randn(100)))
+    assert not h2.sampled and h2.total == 100
