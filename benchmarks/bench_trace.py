@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import cnn, mean_square, transformer  # noqa: E402
+from models import cnn, mean_square, transformer
 
-import nbdebug  # noqa: E402
+import nbdebug
 
 MODELS = {"transformer": transformer, "cnn": cnn}
 

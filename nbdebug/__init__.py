@@ -82,6 +82,10 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core.events import Event, ParamInfo
-    from .core.stats import Histogram, TensorStats
-    from .core.trace import Trace, TraceError, trace
+    from .core.events import Event as Event
+    from .core.events import ParamInfo as ParamInfo
+    from .core.stats import Histogram as Histogram
+    from .core.stats import TensorStats as TensorStats
+    from .core.trace import Trace as Trace
+    from .core.trace import TraceError as TraceError
+    from .core.trace import trace as trace

@@ -105,7 +105,7 @@ def test_multi_output_tuple_dict_integer_and_none_gradients() -> None:
             self.unused = nn.Linear(2, 2)  # its parameters get no gradient
 
         def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> dict:
-            h, (hn, cn) = self.lstm(self.emb(tokens))
+            h, (_hn, _cn) = self.lstm(self.emb(tokens))
             return {"logits": self.head(h[:, -1]), "lengths": lengths}
 
     model = Multi()
@@ -208,7 +208,7 @@ def test_ratio_matches_norms() -> None:
 # ---------------------------------------------------------------------- bad input
 def test_bad_inputs_raise_one_clear_sentence() -> None:
     model = nn.Linear(3, 2)
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         nbdebug.trace(lambda x: x, torch.randn(2, 3))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty"):
         nbdebug.trace(model, torch.randn(0, 3), loss_fn=lambda o: o.sum())
@@ -218,7 +218,7 @@ def test_bad_inputs_raise_one_clear_sentence() -> None:
         nbdebug.trace(model, "not a batch")
     with pytest.raises(LossError, match=r"scalar.*\(2, 2\)"):
         nbdebug.trace(model, torch.randn(2, 3), loss_fn=lambda o: o)
-    with pytest.raises(ValueError, match="no loss.*Tensor\\(2, 2\\)"):
+    with pytest.raises(ValueError, match=r"no loss.*Tensor\(2, 2\)"):
         nbdebug.trace(model, torch.randn(2, 3))
     with pytest.raises(nbdebug.TraceError, match="rejected the batch"):
         nbdebug.trace(model, (torch.randn(2, 3), torch.randn(2, 3)), loss_fn=lambda o: o.sum())

@@ -194,9 +194,13 @@ class _Spy(TorchFunctionMode):
                     self.nodes[t.grad_fn] = (op_name(func), user_source())
         if self.found is None:
             ins = [t for t in _tensors((args, kwargs)) if not isinstance(t, torch.nn.Parameter)]
-            if self.kind == "nan" and self.first_inf is None:
-                if any(_has(t, "inf") for t in outs) and not any(_has(t, "inf") or _has(t, "nan") for t in ins):
-                    self.first_inf = (op_name(func), user_source())
+            if (
+                self.kind == "nan"
+                and self.first_inf is None
+                and any(_has(t, "inf") for t in outs)
+                and not any(_has(t, "inf") or _has(t, "nan") for t in ins)
+            ):
+                self.first_inf = (op_name(func), user_source())
             bad_out = [t for t in outs if _has(t, self.kind)]
             if bad_out and not any(_has(t, self.kind) for t in ins):
                 self.found = OpFinding(op_name(func), user_source(), _rows(bad_out[0], self.batch_size))

@@ -90,7 +90,7 @@ class PreservedState:
                 if owner._buffers.get(key) is not buf:  # the forward re-assigned it
                     owner._buffers[key] = buf
                 if buf.shape != saved.shape:
-                    buf.set_(saved.clone())
+                    buf.set_(saved.clone())  # type: ignore[call-overload]
                 else:
                     buf.copy_(saved)
         if self.rng is not None:

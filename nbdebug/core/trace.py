@@ -134,9 +134,7 @@ def _run(
                 if exact:
                     outcome.output = clone_structure(output)
                 stage = "backward"
-                leaves = [p for p in st.params if p.requires_grad]
-                if not leaves:
-                    leaves = [t for _, t in named_tensors(inputs) if t.requires_grad]
+                leaves = _leaves(st, inputs)
                 if loss.requires_grad and leaves:
                     torch.autograd.grad(loss, leaves, allow_unused=True)
                 else:
@@ -146,6 +144,14 @@ def _run(
         except Exception as e:
             raise _trace_error(model, inputs, target, rec, stage, e, output) from e
     return rec, outcome
+
+
+def _leaves(st: PreservedState, inputs: Any) -> list[torch.Tensor]:
+    """What the backward differentiates: the parameters that require grad, else the
+    inputs that do. ``torch.autograd.grad`` returns the gradients instead of
+    accumulating them, so neither the user's ``.grad`` nor the batch is touched."""
+    params: list[torch.Tensor] = [p for p in st.params if p.requires_grad]
+    return params or [t for _, t in named_tensors(inputs) if t.requires_grad]
 
 
 def _trace_error(
@@ -162,15 +168,17 @@ def _trace_error(
     if stage == "forward":
         module = rec.calls[rec.stack[-1]].module if rec.stack else None
         if module == "" and len(rec.calls) == 1 and isinstance(e, TypeError):
-            how = {dict: "model(**inputs)", tuple: "model(*inputs)", list: "model(*inputs)"}.get(
-                type(inputs), "model(x)"
+            how = (
+                "model(**inputs)" if isinstance(inputs, dict)
+                else "model(*inputs)" if isinstance(inputs, (tuple, list))
+                else "model(x)"
             )
             msg = (
                 f"the model rejected the batch: it was called as {how} with {describe(inputs)} "
                 f"and raised {err}"
             )
         else:
-            where = "<model>" if not module else module
+            where = module or "<model>"
             mtype = rec.types.get(module or "", "")
             msg = f"{type(e).__name__} in {where} ({mtype}) during the forward pass: {e}.{upto}"
     elif stage == "loss":
@@ -306,9 +314,7 @@ def _capture(
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
         output = call_model(model, inputs)
         loss = compute_loss(output, target, loss_fn)
-        leaves = [p for p in st.params if p.requires_grad] or [
-            t for _, t in named_tensors(inputs) if t.requires_grad
-        ]
+        leaves = _leaves(st, inputs)
         if loss.requires_grad and leaves:
             torch.autograd.grad(loss, leaves, allow_unused=True)
     return got
@@ -368,8 +374,9 @@ def _norms(tensors: list[torch.Tensor]) -> np.ndarray:
         groups.setdefault((t.device, t.dtype), []).append(i)
     for idx in groups.values():
         ts = [tensors[i] for i in idx]
+        ns: list[torch.Tensor]
         try:
-            ns = torch._foreach_norm(ts)
+            ns = list(torch._foreach_norm(ts))
         except (RuntimeError, TypeError):
             ns = [torch.linalg.vector_norm(t.double()) for t in ts]
         host = torch.stack([n.double() for n in ns]).cpu().numpy()
@@ -387,7 +394,7 @@ def _result(
     health: _ParamHealth,
 ) -> Trace:
     grads = {e.param: e for e in events if e.kind == "param_grad"}
-    params = []
+    params: list[ParamInfo] = []
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
             qual = f"{mname}.{pname}" if mname else pname
@@ -409,7 +416,8 @@ def _result(
     first = next((e for e in events if not e.finite), None)
     if origin is None and first is None and health.bad:
         # corrupted weights that no event saw (e.g. an unused parameter)
-        out.notes.append(f"non-finite parameters or buffers: {sorted(sum(health.bad.values(), []))}")
+        names = sorted(n for group in health.bad.values() for n in group)
+        out.notes.append(f"non-finite parameters or buffers: {names}")
     return Trace(
         events=events,
         origin=origin,
