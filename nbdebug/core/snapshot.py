@@ -564,8 +564,8 @@ def read_payload(
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
             what = f" (such as {found.group(1)})" if found else ""
             raise SnapshotError(
-                f"{p} holds Python objects other than tensors and plain containers{what}; it was "
-                "not written by nbdebug and is refused (loading it could run code)."
+                f"{p} holds Python objects other than tensors and plain containers{what}: it is "
+                "corrupt or was not written by nbdebug, and is refused (loading it could run code)."
             ) from e
         if "central directory" in msg or "failed reading zip archive" in msg:
             raise SnapshotError(f"{p} is truncated or corrupt: its zip archive cannot be read.") from e
@@ -614,7 +614,13 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
         raise SnapshotError(f"{path} is corrupt: history rows are not dictionaries.")
     if obj["rng"] is not None:
         try:
-            rng_from_payload(obj["rng"])
+            st = rng_from_payload(obj["rng"])
+            st.cuda = None
+            caller = RngState.capture()
+            try:
+                st.restore()  # the only full check of the generators' own formats
+            finally:
+                caller.restore()
         except Exception as e:
             raise SnapshotError(f"{path} is corrupt: its RNG state cannot be read ({_first_line(e)}).") from e
     recipe = obj["recipe"]
