@@ -1,0 +1,433 @@
+"""The statistics of :func:`nbdebug.drift`: per-feature two-sample tests, multiple-testing
+correction, clustering of samples in SHAP space, the cluster-share test, the classifier
+two-sample test and the PCA map. scipy and scikit-learn do the work.
+
+Every test here is label-free on the pooled data except through the batch labels it
+tests: clusters and PCA are fitted without knowing which batch a row came from, so the
+cluster x batch contingency table is a valid test of "same distribution".
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+CORRECTIONS = {"fdr": "Benjamini-Hochberg", "bonferroni": "Bonferroni"}
+CLUSTER_METHODS = ("kmeans", "agglomerative")
+QUADRANTS = ("input+explanation", "input only", "explanation only", "none")
+MAX_AUTO_K = 8
+SILHOUETTE_SAMPLE = 2000
+AGGLOMERATIVE_MAX_ROWS = 2000
+
+
+def scaled_wasserstein(ref: np.ndarray, cur: np.ndarray) -> float:
+    """Wasserstein-1 distance between two samples, in units of the reference std.
+
+    Falls back to the pooled std when the reference is constant; 0 when both are the
+    same constant, ``inf`` when a constant reference moved.
+    """
+    from scipy.stats import wasserstein_distance
+
+    w = float(wasserstein_distance(ref, cur))
+    if w == 0.0:
+        return 0.0
+    sd = float(np.std(ref))
+    if sd == 0.0:
+        sd = float(np.std(np.concatenate([ref, cur])))
+    return w / sd if sd > 0 else math.inf
+
+
+def feature_tests(
+    xr: np.ndarray, xc: np.ndarray, sr: np.ndarray, sc: np.ndarray, names: list[str]
+) -> pd.DataFrame:
+    """Per-feature KS tests and scaled Wasserstein distances on inputs and SHAP values.
+
+    Parameters
+    ----------
+    xr, xc : numpy.ndarray
+        Inputs, float64, ``(n_reference, d)`` and ``(n_current, d)``.
+    sr, sc : numpy.ndarray
+        SHAP values, same shapes.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Index ``feature``; columns ``ks``, ``ks_p``, ``wasserstein``, ``shap_ks``,
+        ``shap_ks_p``, ``shap_wasserstein``, ``mean_shift`` (current minus reference mean,
+        in reference stds) and ``shap_importance`` (mean |SHAP| on the reference).
+    """
+    from scipy.stats import ks_2samp
+
+    rows = []
+    for j, name in enumerate(names):
+        a, b = xr[:, j], xc[:, j]
+        sa, sb = sr[:, j], sc[:, j]
+        ks = ks_2samp(a, b)
+        sks = ks_2samp(sa, sb)
+        sd = float(np.std(a))
+        shift = float(np.mean(b) - np.mean(a))
+        rows.append(
+            {
+                "feature": name,
+                "ks": float(ks.statistic),
+                "ks_p": float(ks.pvalue),
+                "wasserstein": scaled_wasserstein(a, b),
+                "shap_ks": float(sks.statistic),
+                "shap_ks_p": float(sks.pvalue),
+                "shap_wasserstein": scaled_wasserstein(sa, sb),
+                "mean_shift": shift / sd if sd > 0 else (0.0 if shift == 0 else math.copysign(math.inf, shift)),
+                "shap_importance": float(np.mean(np.abs(sa))),
+            }
+        )
+    return pd.DataFrame(rows).set_index("feature")
+
+
+def correct(pvalues: np.ndarray, method: str) -> np.ndarray:
+    """Adjusted p-values: Benjamini-Hochberg (``"fdr"``) or Bonferroni. NaN stays NaN."""
+    from scipy.stats import false_discovery_control
+
+    p = np.asarray(pvalues, dtype=np.float64)
+    out = np.full_like(p, np.nan)
+    ok = np.isfinite(p)
+    if not ok.any():
+        return out
+    if method == "fdr":
+        out[ok] = false_discovery_control(np.clip(p[ok], 0.0, 1.0), method="bh")
+    elif method == "bonferroni":
+        out[ok] = np.minimum(p[ok] * ok.sum(), 1.0)
+    else:  # pragma: no cover - validated by drift()
+        raise ValueError(f"correction must be one of {tuple(CORRECTIONS)}; got {method!r}.")
+    return out
+
+
+def hierarchical(
+    families: dict[str, np.ndarray], method: str, alpha: float
+) -> tuple[dict[str, np.ndarray], pd.DataFrame]:
+    """Two-level multiple-testing correction (Benjamini and Bogomolov, 2014).
+
+    1. Each family's p-values are corrected within the family (``method``); the smallest
+       corrected value is the family's global p-value (Simes' test for BH, Bonferroni's
+       for Bonferroni).
+    2. The families' global p-values are corrected across families; the ``R`` families at
+       or below ``alpha`` have drifted. ``alarm = R > 0``: under no drift at all this
+       fires with probability at most ``alpha``.
+    3. Inside the drifted families, a test is flagged when its within-family corrected
+       p-value, scaled by ``m / R`` (``m`` families), is at or below ``alpha``; that scaled
+       value is what is returned, so "adjusted p <= alpha" reads the same everywhere and
+       a flagged test always lies in a drifted family.
+
+    Parameters
+    ----------
+    families : dict of str to numpy.ndarray
+        Family name -> float p-values (NaN for a test that could not run).
+
+    Returns
+    -------
+    (adjusted, table)
+        ``adjusted``: family name -> adjusted p-values as above (NaN stays NaN);
+        ``table``: index ``family``; columns ``n_tests``, ``p_value`` (global),
+        ``p_adjusted`` (across families) and ``drift`` (bool).
+    """
+    within = {k: correct(v, method) for k, v in families.items()}
+    glob = np.array(
+        [np.nanmin(w) if np.isfinite(w).any() else np.nan for w in within.values()], dtype=np.float64
+    )
+    top = correct(glob, method)
+    m = int(np.isfinite(glob).sum())
+    drifted = np.where(np.isfinite(top), top <= alpha, False)
+    r = int(drifted.sum())
+    scale = m / max(r, 1)
+    adjusted = {k: np.minimum(w * scale, 1.0) for k, w in within.items()}
+    for (k, w), t in zip(adjusted.items(), top):
+        if len(w) == 1:  # a family of one test: its adjusted p is the across-family one
+            adjusted[k] = np.array([t])
+    table = pd.DataFrame(
+        {
+            "family": list(families),
+            "n_tests": [len(v) for v in families.values()],
+            "p_value": glob,
+            "p_adjusted": top,
+            "drift": drifted.astype(bool),
+        }
+    ).set_index("family")
+    return adjusted, table
+
+
+def quadrant(drifted_input: bool, drifted_explanation: bool) -> str:
+    if drifted_input and drifted_explanation:
+        return QUADRANTS[0]
+    if drifted_input:
+        return QUADRANTS[1]
+    if drifted_explanation:
+        return QUADRANTS[2]
+    return QUADRANTS[3]
+
+
+# ---------------------------------------------------------------------------- clustering
+
+
+@dataclass
+class Clustering:
+    """Cluster labels of the pooled rows (reference rows first)."""
+
+    labels: np.ndarray  # (n_reference + n_current,) int64, 0..k-1
+    k: int
+    method: str
+    silhouette: float  # NaN when k was not chosen by silhouette or only one cluster
+    scores: dict[int, float]  # silhouette per k tried (auto only)
+
+
+def auto_max_k(n_reference: int, n_current: int) -> int:
+    """Largest k for ``n_clusters="auto"``: 8, or fewer so that an average cluster holds
+    at least 10 rows of the smaller batch (many tiny clusters dilute the share test)."""
+    return max(2, min(MAX_AUTO_K, min(n_reference, n_current) // 10))
+
+
+def _fit_labels(s: np.ndarray, k: int, method: str, random_state: int) -> np.ndarray:
+    from sklearn.cluster import AgglomerativeClustering, KMeans
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ConvergenceWarning on duplicate points
+        if method == "kmeans":
+            return KMeans(n_clusters=k, n_init=3, random_state=random_state).fit_predict(s)
+        if len(s) <= AGGLOMERATIVE_MAX_ROWS:
+            return AgglomerativeClustering(n_clusters=k, linkage="ward").fit_predict(s)
+        # ward needs O(n^2) memory: fit on a sample, give every row its nearest centroid
+        rng = np.random.default_rng(random_state)
+        idx = rng.choice(len(s), size=AGGLOMERATIVE_MAX_ROWS, replace=False)
+        sub = AgglomerativeClustering(n_clusters=k, linkage="ward").fit_predict(s[idx])
+        centers = np.stack([s[idx][sub == c].mean(axis=0) for c in range(k)])
+        d2 = ((s[:, None, :] - centers[None, :, :]) ** 2).sum(axis=2)
+        return d2.argmin(axis=1)
+
+
+def _relabel_by_size(labels: np.ndarray) -> np.ndarray:
+    """Clusters numbered 0..k-1 by decreasing size (stable, readable ids)."""
+    uniq, counts = np.unique(labels, return_counts=True)
+    order = uniq[np.argsort(-counts, kind="stable")]
+    mapping = {int(old): new for new, old in enumerate(order)}
+    return np.array([mapping[int(v)] for v in labels], dtype=np.int64)
+
+
+def cluster_shap(
+    s: np.ndarray,
+    *,
+    n_clusters: Any = "auto",
+    method: str = "kmeans",
+    random_state: int = 0,
+    progress: bool = False,
+    max_k: int = MAX_AUTO_K,
+) -> Clustering:
+    """Cluster the pooled SHAP rows.
+
+    Parameters
+    ----------
+    s : numpy.ndarray
+        float64 ``(n, d)``: SHAP values of both batches, stacked. SHAP values share the
+        model output's unit, so no scaling is applied.
+    n_clusters : "auto" or int
+        ``"auto"``: k in 2..``max_k`` with the best silhouette (on at most 2,000 sampled
+        rows).
+    max_k : int
+        Largest k tried by ``"auto"`` (:func:`auto_max_k` keeps clusters big enough for
+        the chi-square test).
+    method : {"kmeans", "agglomerative"}
+        Agglomerative (Ward) is fitted on at most 2,000 rows; the others join the nearest
+        cluster centre.
+    """
+    from sklearn.metrics import silhouette_score
+    from tqdm.auto import tqdm
+
+    n_distinct = len(np.unique(np.round(s, 12), axis=0))
+    if n_distinct < 2:
+        return Clustering(np.zeros(len(s), dtype=np.int64), 1, method, math.nan, {})
+    if n_clusters != "auto":
+        k = min(int(n_clusters), n_distinct)
+        labels = _fit_labels(s, k, method, random_state)
+        return Clustering(_relabel_by_size(labels), len(np.unique(labels)), method, math.nan, {})
+    ks = list(range(2, min(max_k, n_distinct - 1, len(s) - 1) + 1)) or [2]
+    scores: dict[int, float] = {}
+    best: tuple[float, int, np.ndarray] | None = None
+    sample = min(len(s), SILHOUETTE_SAMPLE)
+    for k in tqdm(ks, desc="clusters (silhouette)", delay=1.0, disable=not progress, leave=False):
+        labels = _fit_labels(s, k, method, random_state)
+        n_lab = len(np.unique(labels))
+        if n_lab < 2 or n_lab > len(s) - 1:
+            continue
+        score = float(silhouette_score(s, labels, sample_size=sample, random_state=random_state))
+        scores[k] = score
+        if best is None or score > best[0]:
+            best = (score, k, labels)
+    if best is None:
+        return Clustering(np.zeros(len(s), dtype=np.int64), 1, method, math.nan, scores)
+    return Clustering(_relabel_by_size(best[2]), len(np.unique(best[2])), method, best[0], scores)
+
+
+def cluster_name(
+    members: np.ndarray, s: np.ndarray, x: np.ndarray, names: list[str], top: int = 2
+) -> str:
+    """A short name from the SHAP features that set a cluster apart.
+
+    The ``top`` features whose mean SHAP value in the cluster differs most from the pooled
+    mean, each labelled "high"/"low"/"mid" by the cluster's mean input value (in pooled
+    stds): e.g. "high `worst radius`, low `mean texture`".
+    """
+    if members.all():
+        return "all rows"
+    diff = s[members].mean(axis=0) - s.mean(axis=0)
+    order = np.argsort(-np.abs(diff), kind="stable")[:top]
+    sd = x.std(axis=0)
+    parts = []
+    for j in order:
+        z = (x[members, j].mean() - x[:, j].mean()) / sd[j] if sd[j] > 0 else 0.0
+        level = "high" if z > 0.25 else "low" if z < -0.25 else "mid"
+        parts.append(f"{level} `{names[j]}`")
+    return ", ".join(parts)
+
+
+def cluster_table(
+    clustering: Clustering, is_current: np.ndarray, s: np.ndarray, x: np.ndarray, names: list[str]
+) -> tuple[pd.DataFrame, float, float, int]:
+    """Shares of each cluster in the two batches and a chi-square test on them.
+
+    Returns
+    -------
+    (table, chi2, p_value, dof)
+        ``table``: index ``cluster``; columns ``name``, ``n_reference``, ``n_current``,
+        ``share_reference``, ``share_current``, ``change`` (current minus reference share)
+        and ``residual`` (adjusted Pearson residual of the current count: above 2 in
+        absolute value means this cluster's share moved).
+    """
+    from scipy.stats import chi2_contingency
+
+    labels = clustering.labels
+    k = clustering.k
+    n_ref, n_cur = int((~is_current).sum()), int(is_current.sum())
+    counts = np.zeros((2, k), dtype=np.int64)
+    for c in range(k):
+        counts[0, c] = int(((labels == c) & ~is_current).sum())
+        counts[1, c] = int(((labels == c) & is_current).sum())
+    if k >= 2:
+        res = chi2_contingency(counts, correction=False)
+        chi2, p, dof = float(res.statistic), float(res.pvalue), int(res.dof)
+        expected = res.expected_freq
+    else:
+        chi2, p, dof = 0.0, 1.0, 0
+        expected = counts.astype(float)
+    n = counts.sum()
+    col = counts.sum(axis=0) / n
+    row = np.array([n_ref, n_cur]) / n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        resid = (counts[1] - expected[1]) / np.sqrt(expected[1] * (1 - row[1]) * (1 - col))
+    resid = np.where(np.isfinite(resid), resid, 0.0)
+    table = pd.DataFrame(
+        {
+            "cluster": np.arange(k),
+            "name": [cluster_name(labels == c, s, x, names) for c in range(k)],
+            "n_reference": counts[0],
+            "n_current": counts[1],
+            "share_reference": counts[0] / max(n_ref, 1),
+            "share_current": counts[1] / max(n_cur, 1),
+        }
+    ).set_index("cluster")
+    table["change"] = table["share_current"] - table["share_reference"]
+    table["residual"] = resid
+    return table, chi2, p, dof
+
+
+# ---------------------------------------------------------------------------- classifier test
+
+
+@dataclass
+class ClassifierResult:
+    auc: float
+    p_value: float
+    n_permutations: int
+    n_splits: int
+    classifier: str
+
+
+def classifier_test(
+    s: np.ndarray,
+    is_current: np.ndarray,
+    *,
+    n_permutations: int = 1000,
+    random_state: int = 0,
+) -> ClassifierResult:
+    """Classifier two-sample test on the SHAP matrix.
+
+    A standardised logistic regression is cross-fitted (stratified k-fold, k <= 5) to tell
+    current rows from reference rows; its out-of-fold scores give the AUC. The p-value is
+    the one-sided permutation p-value of that AUC: the batch labels are permuted over the
+    fixed out-of-fold scores ``n_permutations`` times, ``p = (1 + #{AUC_perm >= AUC}) /
+    (1 + n_permutations)``. (Cross-fitted AUCs under no drift sit at or below 0.5, so the
+    test errs on the conservative side.)
+
+    Parameters
+    ----------
+    s : numpy.ndarray
+        float64 ``(n, d)`` pooled SHAP values.
+    is_current : numpy.ndarray
+        bool ``(n,)``.
+    """
+    from scipy.stats import rankdata
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    y = is_current.astype(np.int64)
+    n1 = int(y.sum())
+    n0 = len(y) - n1
+    n_splits = min(5, n1, n0)
+    name = "logistic regression (standardised SHAP), cross-fitted"
+    if n_splits < 2:
+        return ClassifierResult(math.nan, math.nan, 0, 0, name)
+    clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
+    cv = StratifiedKFold(n_splits=n_splits, shuffle=True, random_state=random_state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        scores = cross_val_predict(clf, s, y, cv=cv, method="decision_function")
+    auc = float(roc_auc_score(y, scores))
+    ranks = rankdata(scores)
+    observed = ranks[y == 1].sum()
+    rng = np.random.default_rng(random_state)
+    hits = 0
+    chunk = max(1, min(n_permutations, 2_000_000 // max(len(y), 1)))
+    done = 0
+    while done < n_permutations:
+        c = min(chunk, n_permutations - done)
+        perm = rng.permuted(np.broadcast_to(ranks, (c, len(ranks))), axis=1)
+        hits += int((perm[:, :n1].sum(axis=1) >= observed - 1e-9).sum())
+        done += c
+    p = (1 + hits) / (1 + n_permutations)
+    return ClassifierResult(auc, float(p), int(n_permutations), int(n_splits), name)
+
+
+def pca_map(s: np.ndarray, random_state: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """2-D PCA coordinates of the pooled SHAP rows and the explained variance ratios.
+
+    Returns
+    -------
+    (coords, ratio)
+        ``coords`` float64 ``(n, 2)`` (a zero second column when there is one feature);
+        ``ratio`` float64 ``(2,)``.
+    """
+    from sklearn.decomposition import PCA
+
+    n_comp = min(2, s.shape[1], s.shape[0])
+    coords = np.zeros((len(s), 2))
+    ratio = np.zeros(2)
+    if np.allclose(s, s[:1]):
+        return coords, ratio
+    pca = PCA(n_components=n_comp, random_state=random_state)
+    coords[:, :n_comp] = pca.fit_transform(s)
+    ratio[:n_comp] = pca.explained_variance_ratio_
+    return coords, ratio

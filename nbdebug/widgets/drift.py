@@ -1,0 +1,102 @@
+"""The drift panel: a :class:`~nbdebug.analysis.drift.DriftReport` shown as a widget.
+
+Layout: the summary (with the alarm), the feature table sorted by drift with quadrants
+coloured, a feature selector driving the raw / SHAP overlay, the PCA map of SHAP space and
+the cluster share bars. Wiring only: every number comes from the report, every figure from
+:mod:`nbdebug.figures.drift` through :class:`~nbdebug.widgets.plot.PlotView`.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from ..figures import drift as figs
+from .plot import PlotView
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..analysis.drift import DriftReport
+
+
+class DriftPanel:
+    """Interactive view of a drift report.
+
+    Parameters
+    ----------
+    report : DriftReport
+    backend : {"auto", "figurewidget", "output"}, optional
+        How figures are drawn (see :mod:`nbdebug.widgets.plot`).
+
+    Attributes
+    ----------
+    widget : ipywidgets.VBox
+        Put this in a layout or display it.
+    feature : ipywidgets.Dropdown
+        The feature shown in the overlay; its options are sorted by drift.
+    table, overlay, map, shares : PlotView
+    """
+
+    def __init__(self, report: DriftReport, *, backend: str | None = None):
+        from ..analysis.drift import DriftReport
+
+        if not isinstance(report, DriftReport):
+            raise TypeError(f"DriftPanel needs a DriftReport (from nbdebug.drift); got {type(report).__qualname__}.")
+        self.report = report
+        order = [str(f) for f in report.features.index]
+        quadrants = list(report.features["quadrant"])
+        self.summary = widgets.HTML(self._summary_html())
+        self.table = PlotView(figs.feature_table(report), backend=backend)
+        self.feature = widgets.Dropdown(
+            options=[(f"{f}  [{q}]", f) for f, q in zip(order, quadrants)],
+            value=order[0],
+            description="feature",
+            layout=widgets.Layout(width="420px"),
+        )
+        self.overlay = PlotView(figs.feature_overlay(report, order[0]), backend=backend)
+        self.map = PlotView(figs.shap_map(report, max_points=20_000), backend=backend)
+        self.shares = PlotView(figs.cluster_shares(report), backend=backend)
+        self.feature.observe(self._on_feature, names="value")
+        half = widgets.Layout(width="50%")
+        self.widget = widgets.VBox(
+            [
+                self.summary,
+                self.table.widget,
+                widgets.VBox([self.feature, self.overlay.widget]),
+                widgets.HBox(
+                    [widgets.Box([self.map.widget], layout=half), widgets.Box([self.shares.widget], layout=half)]
+                ),
+            ]
+        )
+
+    def _summary_html(self) -> str:
+        r = self.report
+        color = "#d62728" if r.alarm else "#2ca02c"
+        badge = "DRIFT" if r.alarm else "no drift"
+        return (
+            f'<div style="line-height:1.4"><span style="background:{color};color:white;'
+            f'padding:2px 8px;border-radius:4px;font-weight:bold">{badge}</span> '
+            f"{html.escape(r.summary)}</div>"
+        )
+
+    def select(self, feature: str) -> None:
+        """Show ``feature`` in the overlay (same as choosing it in the dropdown)."""
+        if feature not in self.report.feature_names:
+            raise ValueError(f"unknown feature {feature!r}; expected one of {self.report.feature_names[:5]}...")
+        self.feature.value = feature
+
+    def _on_feature(self, change: dict[str, Any]) -> None:
+        feature = change["new"]
+        new = figs.feature_overlay(self.report, feature)
+        with self.overlay.batch_update() as f:
+            for old, tr in zip(f.data, new.data):
+                old.x = tr.x
+            for ann, text in zip(f.layout.annotations, figs.overlay_titles(self.report, feature)):
+                ann.text = text
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, features={len(self.report.feature_names)})"
