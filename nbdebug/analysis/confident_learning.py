@@ -1,0 +1,174 @@
+"""Confident learning, vectorised in numpy.
+
+Written from the definitions in Northcutt, Jiang & Chuang, "Confident Learning: Estimating
+Uncertainty in Dataset Labels" (JAIR 2021):
+
+* per-class thresholds ``t_j``: the mean predicted probability of class ``j`` over the
+  examples *labelled* ``j``;
+* the confident joint ``C[i, j]``: examples labelled ``i`` whose probability of ``j`` reaches
+  ``t_j`` (the most probable such ``j`` when several do);
+* calibration: each row of ``C`` rescaled to the number of examples labelled ``i``, the
+  whole divided by ``n``, gives the joint ``Q[i, j] ~ p(given=i, true=j)``;
+* prune by noise rate: for every off-diagonal ``(i, j)``, the ``round(n * Q[i, j])``
+  examples labelled ``i`` with the largest margin ``p_j - p_i`` are label issues.
+
+Every function takes ``pred_probs`` of shape ``(n, K)`` (float) and ``labels`` of shape
+``(n,)`` (int64, values in ``0..K-1``), already validated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def class_counts(labels: np.ndarray, n_classes: int) -> np.ndarray:
+    """Number of examples per given label, shape ``(K,)`` int64."""
+    return np.bincount(labels, minlength=n_classes).astype(np.int64)
+
+
+def self_confidence(pred_probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """``p[given]`` per example, shape ``(n,)``."""
+    return pred_probs[np.arange(len(labels)), labels]
+
+
+def max_other(pred_probs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The largest probability among the classes other than the given one, and that class.
+
+    Returns
+    -------
+    (values, classes) : float array ``(n,)`` and int64 array ``(n,)``
+    """
+    rows = np.arange(len(labels))
+    masked = pred_probs.copy()
+    masked[rows, labels] = -np.inf
+    cls = masked.argmax(axis=1)
+    return masked[rows, cls], cls
+
+
+def per_class_thresholds(
+    pred_probs: np.ndarray, labels: np.ndarray, counts: np.ndarray
+) -> np.ndarray:
+    """``t_j`` = mean of ``p_j`` over the examples labelled ``j``; ``inf`` for an empty class."""
+    k = pred_probs.shape[1]
+    sums = np.bincount(labels, weights=self_confidence(pred_probs, labels), minlength=k)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t = sums / counts
+    t[counts == 0] = np.inf
+    return t
+
+
+def confident_assignment(pred_probs: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """For each example, the most probable class among those reaching their threshold,
+    or ``-1`` when none does. Shape ``(n,)`` int64."""
+    # a small tolerance so that an example exactly at the mean counts
+    above = pred_probs >= thresholds[None, :] - 1e-9
+    scored = np.where(above, pred_probs, -1.0)
+    best = scored.argmax(axis=1)
+    best[~above.any(axis=1)] = -1
+    return best
+
+
+def confident_joint(
+    labels: np.ndarray, assigned: np.ndarray, n_classes: int
+) -> np.ndarray:
+    """Counts ``C[given, confidently-assigned]``, shape ``(K, K)`` int64."""
+    ok = assigned >= 0
+    flat = labels[ok] * n_classes + assigned[ok]
+    return np.bincount(flat, minlength=n_classes * n_classes).reshape(n_classes, n_classes)
+
+
+def calibrate(cj: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Rows of the confident joint rescaled to the class counts (sums to ``n``).
+
+    A class whose examples were all below every threshold gets its count on the diagonal
+    (no evidence of noise).
+    """
+    cj = cj.astype(np.float64)
+    row = cj.sum(axis=1)
+    out = np.zeros_like(cj)
+    has = row > 0
+    out[has] = cj[has] / row[has, None] * counts[has, None]
+    empty = np.flatnonzero(~has)
+    out[empty, empty] = counts[empty]
+    return out
+
+
+def prune_by_noise_rate(
+    pred_probs: np.ndarray,
+    labels: np.ndarray,
+    calibrated: np.ndarray,
+    counts: np.ndarray,
+    *,
+    min_keep: int = 1,
+) -> np.ndarray:
+    """Boolean mask ``(n,)`` of label issues found by pruning by noise rate.
+
+    For each off-diagonal ``(i, j)`` the ``round(calibrated[i, j])`` examples labelled ``i``
+    with the largest margin ``p_j - p_i`` are flagged; at least ``min_keep`` examples of each
+    class are never flagged.
+    """
+    n = pred_probs.shape[0]
+    to_remove = np.rint(calibrated).astype(np.int64)
+    np.fill_diagonal(to_remove, 0)
+    flagged = np.zeros(n, dtype=bool)
+    order = np.argsort(labels, kind="stable")
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    for i in np.flatnonzero(to_remove.sum(axis=1) > 0):
+        rows = order[starts[i] : starts[i + 1]]
+        budget = max(len(rows) - min_keep, 0)
+        if budget == 0:
+            continue
+        p_rows = pred_probs[rows]
+        margins = p_rows - p_rows[:, i : i + 1]
+        hit = np.zeros(len(rows), dtype=bool)
+        for j in np.flatnonzero(to_remove[i]):
+            m = min(int(to_remove[i, j]), budget)
+            if m <= 0:
+                continue
+            col = margins[:, j]
+            top = np.argpartition(-col, m - 1)[:m] if m < len(rows) else np.arange(len(rows))
+            hit[top] = True
+        if hit.sum() > budget:  # keep the least suspicious ones (smallest max margin)
+            mm = np.where(hit, margins.max(axis=1), -np.inf)
+            keep = np.argsort(mm, kind="stable")[: len(rows) - budget]
+            hit[keep] = False
+        flagged[rows[hit]] = True
+    return flagged
+
+
+def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` most probable classes per example, most probable first.
+
+    Returns
+    -------
+    (classes, probs) : int64 ``(n, k)`` and float ``(n, k)``
+    """
+    n, n_classes = pred_probs.shape
+    k = min(k, n_classes)
+    if k < n_classes:
+        part = np.argpartition(-pred_probs, k - 1, axis=1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(n_classes), (n, n_classes)).copy()
+    vals = np.take_along_axis(pred_probs, part, axis=1)
+    o = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(part, o, axis=1).astype(np.int64), np.take_along_axis(vals, o, axis=1)
+
+
+def prune_global(
+    scores: np.ndarray, candidates: np.ndarray, n_remove: int
+) -> np.ndarray:
+    """Boolean mask ``(n,)``: the ``n_remove`` candidates with the lowest ``scores``.
+
+    With ``scores`` the self-confidence, ``candidates`` the samples whose most probable
+    class is not their label and ``n_remove`` the calibrated estimate of the number of
+    issues (``n * (1 - trace(Q))``), this prunes by the estimated noise rate with one
+    ranking over all classes instead of one per (given, true) pair.
+    """
+    flagged = np.zeros(len(scores), dtype=bool)
+    idx = np.flatnonzero(candidates)
+    if n_remove <= 0 or len(idx) == 0:
+        return flagged
+    if n_remove < len(idx):
+        idx = idx[np.argpartition(scores[idx], n_remove - 1)[:n_remove]]
+    flagged[idx] = True
+    return flagged

@@ -1,0 +1,96 @@
+"""Out-of-fold predicted probabilities for :func:`nbdebug.find_label_issues`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .label_inputs import _torch
+
+
+def _default_model(random_state: int) -> Any:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
+
+
+def _wrap_model(model: Any, random_state: int) -> Any:
+    torch = _torch()
+    if torch is not None and isinstance(model, torch.nn.Module):
+        from .torch_classifier import TorchClassifier
+
+        return TorchClassifier(model, random_state=random_state)
+    if not (hasattr(model, "fit") and hasattr(model, "predict_proba")):
+        raise TypeError(
+            "model must be a scikit-learn classifier with fit and predict_proba, or a "
+            f"torch.nn.Module; got {type(model).__qualname__}."
+        )
+    return model
+
+
+def _model_name(model: Any) -> str:
+    inner = getattr(model, "module", None)
+    if inner is not None and type(model).__name__ == "TorchClassifier":
+        return f"torch {type(inner).__name__}"
+    steps = getattr(model, "steps", None)
+    if steps:
+        return type(steps[-1][1]).__name__
+    return type(model).__name__
+
+
+def out_of_fold_probs(
+    X: Any, labels: np.ndarray, model: Any, *, cv: int = 5, random_state: int = 0
+) -> np.ndarray:
+    """Out-of-fold probabilities ``(n, K)`` from ``cross_val_predict`` with stratified folds.
+
+    ``model`` is cloned per fold by scikit-learn (the one passed is not fitted); a torch
+    module is wrapped in :class:`~nbdebug.analysis.torch_classifier.TorchClassifier`.
+    """
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+
+    if not isinstance(cv, (int, np.integer)) or isinstance(cv, bool) or cv < 2:
+        raise ValueError(f"cv must be an integer number of folds >= 2; got {cv!r}.")
+    Xa: Any = X
+    torch = _torch()
+    if torch is not None and isinstance(X, torch.Tensor):
+        Xa = X.detach().cpu().numpy()
+    n_x = Xa.shape[0] if hasattr(Xa, "shape") else len(Xa)
+    if n_x != len(labels):
+        raise ValueError(
+            f"X has {n_x} rows but there are {len(labels)} labels: expected one row per label."
+        )
+    counts = np.bincount(labels)
+    present = counts[counts > 0]
+    if present.max() < cv:
+        raise ValueError(
+            f"cv={cv} folds need at least {cv} samples in some class; the largest class has "
+            f"{present.max()}."
+        )
+    est = _wrap_model(model, random_state)
+    folds = StratifiedKFold(n_splits=int(cv), shuffle=True, random_state=random_state)
+    with warnings.catch_warnings():
+        # small classes: reported once, clearly, by find_label_issues
+        warnings.filterwarnings("ignore", message=".*least populated class.*")
+        warnings.filterwarnings("ignore", message=".*Number of classes in training fold.*")
+        probs = cross_val_predict(est, Xa, labels, cv=folds, method="predict_proba")
+    k = int(labels.max()) + 1
+    if probs.shape[1] < k:  # classes absent from y entirely are absent from the columns
+        probs = np.pad(probs, ((0, 0), (0, k - probs.shape[1])))
+    return np.asarray(probs, dtype=np.float64)
+
+
+def _default_ensemble(random_state: int) -> list[Any]:
+    from sklearn.ensemble import RandomForestClassifier
+    from sklearn.neighbors import KNeighborsClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return [
+        _default_model(random_state),
+        RandomForestClassifier(n_estimators=200, random_state=random_state),
+        make_pipeline(StandardScaler(), KNeighborsClassifier(n_neighbors=10)),
+    ]

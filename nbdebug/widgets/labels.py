@@ -1,0 +1,435 @@
+"""The label-review widget: :class:`LabelCleaner`.
+
+Wiring only: the queue, the decisions and the journal live in
+:class:`~nbdebug.analysis.review.LabelReview`; the numbers come from
+:func:`nbdebug.find_label_issues`; the figures from :mod:`nbdebug.figures.labels` through
+:class:`~nbdebug.widgets.plot.PlotView`.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ipywidgets as widgets
+import numpy as np
+import pandas as pd
+
+from ..analysis.review import LabelReview
+from ..figures import labels as figs
+from .plot import PlotView
+
+KEYS = {"k": "keep", "r": "relabel", "x": "exclude", "s": "skip", "u": "undo"}
+
+_KEYS_ESM = """
+function render({ model, el }) {
+  const box = document.createElement("div");
+  box.tabIndex = 0;
+  box.textContent = "\u2328 click here, then press k keep \u00b7 r relabel to suggestion \u00b7 x exclude \u00b7 s skip \u00b7 u undo";
+  box.style.cssText = "padding:4px 8px;border:1px dashed #999;border-radius:4px;font-size:12px;color:#555;cursor:pointer;outline:none";
+  box.addEventListener("focus", () => { box.style.borderColor = "#1f77b4"; box.style.color = "#1f77b4"; });
+  box.addEventListener("blur", () => { box.style.borderColor = "#999"; box.style.color = "#555"; });
+  box.addEventListener("keydown", (e) => {
+    if (["k", "r", "x", "s", "u"].includes(e.key)) { e.preventDefault(); model.send({ key: e.key }); }
+  });
+  el.appendChild(box);
+}
+export default { render };
+"""
+
+
+def _key_widget() -> Any:
+    """A focusable strip that sends key presses to Python (anywidget); None without anywidget."""
+    try:
+        import anywidget
+    except ImportError:  # pragma: no cover - anywidget is a dependency
+        return None
+
+    class KeyCapture(anywidget.AnyWidget):
+        _esm = _KEYS_ESM
+
+    return KeyCapture()
+
+
+def _sample_kind(data: Any, image_shape: Sequence[int] | None, render: Any) -> str:
+    if render is not None:
+        return "custom"
+    if isinstance(data, pd.DataFrame):
+        return "table"
+    if hasattr(data, "detach") or isinstance(data, np.ndarray):
+        arr = data
+        if arr.dtype == object or str(arr.dtype).startswith("<U") or str(arr.dtype).startswith("<S"):
+            return "text"
+        if image_shape is not None or arr.ndim >= 3:
+            return "image"
+        if arr.ndim == 2 and figs.as_image(arr[0]) is not None:
+            return "image"
+        return "table"
+    if len(data) and isinstance(data[0], str):
+        return "text"
+    return "repr"
+
+
+class LabelCleaner:
+    """Review suspicious labels one by one, with every decision journaled.
+
+    Parameters
+    ----------
+    data : array, tensor, DataFrame or list, length n
+        The samples, shown as pictures (``(n, h, w)``, ``(n, c, h, w)``, ``(n, h, w, c)``,
+        or ``(n, 64)``-like flat square images such as sklearn's digits), as a compact
+        table (a DataFrame or a 2-D array of features), or as text (a list of strings).
+    labels : array-like of int, shape (n,)
+        The given labels.
+    issues : pandas.DataFrame
+        :func:`nbdebug.find_label_issues` for these labels; its flagged rows are the queue.
+    class_names : sequence of str, optional
+    render : callable, optional
+        ``render(sample, index)`` returning an ipywidget, a plotly figure, an HTML string
+        or anything IPython can display; replaces the built-in rendering.
+    journal : str or Path
+        The JSONL journal: every decision is appended and fsync'ed at once; reopening the
+        same file with the same data resumes; a journal of other data is refused.
+    is_test : bool
+        A test split: relabeling and excluding are refused unless ``force=True``.
+    force : bool
+    image_shape : tuple of int, optional
+        Reshape each flat sample to this image shape.
+    backend : {"auto", "figurewidget", "output"}, optional
+        How figures are drawn (see :mod:`nbdebug.widgets.plot`).
+
+    Attributes
+    ----------
+    widget : ipywidgets.VBox
+    review : LabelReview
+        The state: queue, decisions, journal.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        labels: Any,
+        issues: Any,
+        *,
+        class_names: Sequence[Any] | None = None,
+        render: Callable[[Any, int], Any] | None = None,
+        journal: str | os.PathLike[str] = "labels.journal.jsonl",
+        is_test: bool = False,
+        force: bool = False,
+        image_shape: Sequence[int] | None = None,
+        backend: str | None = None,
+    ):
+        if data is None or not hasattr(data, "__len__"):
+            raise TypeError(
+                "data must hold the samples (array, tensor, DataFrame or list); got "
+                f"{type(data).__qualname__}."
+            )
+        if render is not None and not callable(render):
+            raise TypeError(f"render must be a callable render(sample, index); got {type(render).__qualname__}.")
+        self.review = LabelReview(labels, issues, data=data, journal=journal, is_test=is_test, force=force)
+        if len(data) != len(self.review.labels):
+            raise ValueError(
+                f"data has {len(data)} samples but there are {len(self.review.labels)} labels: "
+                "expected one sample per label."
+            )
+        self.data = data
+        self.render = render
+        self.image_shape = None if image_shape is None else tuple(int(s) for s in image_shape)
+        self.kind = _sample_kind(data, self.image_shape, render)
+        k = self.review.n_classes
+        self.names = figs.class_labels(k, class_names)
+        self._item: int | None = None
+
+        # ---- widgets
+        self.status = widgets.HTML()
+        self.info = widgets.HTML(layout=widgets.Layout(min_width="280px"))
+        self.message = widgets.HTML()
+        self.sample_out = widgets.Output(layout=widgets.Layout(min_width="280px"))
+        self.sample_html = widgets.HTML()
+        self.image: PlotView | None = None
+        if self.kind == "image":
+            self.image = PlotView(figs.sample_image_figure(np.zeros((8, 8))), backend=backend)
+        sample_box = self.image.widget if self.image is not None else (
+            self.sample_out if self.kind == "custom" else self.sample_html
+        )
+
+        btn = widgets.Layout(width="auto")
+        self.keep_button = widgets.Button(description="Keep (k)", button_style="success", layout=btn)
+        self.relabel_button = widgets.Button(description="Relabel to suggestion (r)", button_style="warning", layout=btn)
+        self.relabel_to = widgets.Dropdown(options=[(n, i) for i, n in enumerate(self.names)], value=0,
+                                           layout=widgets.Layout(width="140px"))
+        self.relabel_to_button = widgets.Button(description="Relabel to", layout=btn)
+        self.exclude_button = widgets.Button(description="Exclude (x)", button_style="danger", layout=btn)
+        self.skip_button = widgets.Button(description="Skip (s)", layout=btn)
+        self.undo_button = widgets.Button(description="Undo (u)", icon="undo", layout=btn)
+        self.keep_button.on_click(lambda _: self._act("keep"))
+        self.relabel_button.on_click(lambda _: self._act("relabel"))
+        self.relabel_to_button.on_click(lambda _: self._act("relabel_to"))
+        self.exclude_button.on_click(lambda _: self._act("exclude"))
+        self.skip_button.on_click(lambda _: self._act("skip"))
+        self.undo_button.on_click(lambda _: self._act("undo"))
+        self.keys = _key_widget()
+        if self.keys is not None:
+            self.keys.on_msg(self._on_key)
+
+        self.threshold = widgets.BoundedFloatText(value=0.95, min=0.0, max=1.0, step=0.01,
+                                                  description="p(suggested) ≥", layout=widgets.Layout(width="200px"),
+                                                  style={"description_width": "initial"})
+        self.bulk_button = widgets.Button(button_style="warning", layout=btn)
+        self.threshold.observe(lambda _: self._refresh_bulk(), names="value")
+        self.bulk_button.on_click(lambda _: self._act("bulk"))
+
+        any_opt = [("any", -1)]
+        self.filter_given = widgets.Dropdown(options=any_opt + [(n, i) for i, n in enumerate(self.names)], value=-1,
+                                             description="given", layout=widgets.Layout(width="190px"))
+        self.filter_suggested = widgets.Dropdown(options=any_opt + [(n, i) for i, n in enumerate(self.names)],
+                                                 value=-1, description="suggested",
+                                                 layout=widgets.Layout(width="210px"))
+        self.clear_filter = widgets.Button(description="All pairs", layout=btn)
+        self.filter_given.observe(self._on_filter, names="value")
+        self.filter_suggested.observe(self._on_filter, names="value")
+        self.clear_filter.on_click(lambda _: self.set_filter(None, None))
+
+        self.heatmap = PlotView(figs.confident_joint_figure(issues, class_names=class_names), backend=backend)
+        if self.heatmap.backend == "figurewidget":
+            self.heatmap.figure.data[0].on_click(self._on_cell_click)
+
+        actions = [self.keep_button, self.relabel_button, self.relabel_to, self.relabel_to_button,
+                   self.exclude_button, self.skip_button, self.undo_button]
+        self.widget = widgets.VBox(
+            [
+                self.status,
+                widgets.HBox([sample_box, self.info]),
+                widgets.HBox(actions, layout=widgets.Layout(flex_flow="row wrap")),
+                *([self.keys] if self.keys is not None else []),
+                widgets.HBox([widgets.HTML("<b>Bulk</b>&nbsp;"), self.threshold, self.bulk_button]),
+                widgets.HBox([widgets.HTML("<b>Filter</b>&nbsp;"), self.filter_given, self.filter_suggested,
+                              self.clear_filter]),
+                self.message,
+                widgets.HTML("<small>Click a cell of the heatmap (or use the filter above) to review one "
+                             "given/suggested pair.</small>"),
+                self.heatmap.widget,
+            ]
+        )
+        if not self.review.can_relabel:
+            for b in (self.relabel_button, self.relabel_to_button, self.exclude_button, self.bulk_button):
+                b.disabled = True
+                b.tooltip = "is_test=True: pass force=True to relabel or exclude test samples"
+        self._show()
+
+    # ---- results as data -----------------------------------------------------------
+    @property
+    def current(self) -> int | None:
+        """The sample position shown (None when the filtered queue is done)."""
+        return self._item
+
+    @property
+    def decisions(self) -> pd.DataFrame:
+        """One row per decided sample: item, old_label, new_label, action, score, method, time."""
+        return self.review.decisions
+
+    def cleaned_labels(self) -> np.ndarray:
+        """A copy of the labels with every relabel applied."""
+        return self.review.cleaned_labels()
+
+    def mask(self) -> np.ndarray:
+        """``True`` for the samples kept (not excluded)."""
+        return self.review.mask()
+
+    def export(self, path: str | os.PathLike[str]) -> Path:
+        """Write every sample's given label, cleaned label, kept flag and decision to
+        ``.csv`` or ``.parquet`` (needs pyarrow)."""
+        return self.review.export(path)
+
+    def set_filter(self, given: int | None = None, suggested: int | None = None) -> None:
+        """Review only one given/suggested pair (None: any)."""
+        self.review.set_filter(given, suggested)
+        with self.widget.hold_sync():
+            self._syncing = True
+            try:
+                self.filter_given.value = -1 if given is None else int(given)
+                self.filter_suggested.value = -1 if suggested is None else int(suggested)
+            finally:
+                self._syncing = False
+        self._show()
+
+    # ---- events --------------------------------------------------------------------
+    _syncing = False
+
+    def _on_filter(self, _change: Any) -> None:
+        if self._syncing:
+            return
+        g, s = self.filter_given.value, self.filter_suggested.value
+        self.set_filter(None if g < 0 else g, None if s < 0 else s)
+
+    def _on_cell_click(self, trace: Any, points: Any, state: Any) -> None:
+        if not points.point_inds:
+            return
+        self.set_filter(int(points.ys[0]), int(points.xs[0]))
+
+    def _on_key(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        action = KEYS.get(content.get("key", "") if isinstance(content, dict) else "")
+        if action is not None:
+            self._act(action)
+
+    def _act(self, action: str) -> None:
+        r = self.review
+        try:
+            if action == "undo":
+                undone = r.undo()
+                msg = (f"undid {undone[0]['action']} of sample {undone[0]['item']}" if len(undone) == 1
+                       else f"undid a bulk relabel of {len(undone)} samples" if undone else "nothing to undo")
+            elif action == "bulk":
+                t = float(self.threshold.value)
+                msg = f"relabeled {r.accept_above(t)} samples to their suggestion (p ≥ {t:g})"
+            else:
+                item = self._item
+                if item is None:
+                    msg = "nothing left to review under this filter"
+                elif action == "keep":
+                    r.keep(item)
+                    msg = f"kept the label of sample {item}"
+                elif action == "relabel":
+                    rec = r.relabel(item=item)
+                    msg = f"sample {item} relabeled {self.names[rec['old_label']]} → {self.names[rec['new_label']]}"
+                elif action == "relabel_to":
+                    rec = r.relabel(int(self.relabel_to.value), item=item)
+                    msg = f"sample {item} relabeled {self.names[rec['old_label']]} → {self.names[rec['new_label']]}"
+                elif action == "exclude":
+                    r.exclude(item)
+                    msg = f"sample {item} excluded"
+                else:
+                    r.skip(item)
+                    msg = f"sample {item} skipped"
+        except ValueError as e:  # the guard and impossible actions: shown, not raised into the UI
+            self.message.value = f'<span style="color:#d62728">{html.escape(str(e))}</span>'
+            return
+        self._show(msg)
+
+    # ---- drawing -------------------------------------------------------------------
+    def _sample(self, item: int) -> Any:
+        if isinstance(self.data, pd.DataFrame):
+            return self.data.iloc[item]
+        return self.data[item]
+
+    def _draw_sample(self, item: int | None) -> None:
+        if item is None:
+            if self.kind == "custom":
+                self.sample_out.clear_output()
+            elif self.image is None:
+                self.sample_html.value = "<i>done</i>"
+            return
+        s = self._sample(item)
+        if self.kind == "image":
+            assert self.image is not None
+            img = figs.as_image(s, self.image_shape)
+            self.image.replace(figs.sample_image_figure(img, title=f"sample {item}"))
+        elif self.kind == "custom":
+            assert self.render is not None
+            out = self.render(s, item)
+            self.sample_out.clear_output(wait=True)
+            with self.sample_out:
+                from IPython.display import HTML, display
+
+                display(HTML(out) if isinstance(out, str) else out)
+        elif self.kind == "table":
+            self.sample_html.value = _table_html(s)
+        elif self.kind == "text":
+            self.sample_html.value = (
+                '<div style="white-space:pre-wrap;max-width:480px;max-height:240px;overflow:auto;'
+                f'border:1px solid #ddd;padding:6px">{html.escape(str(s))}</div>'
+            )
+        else:
+            self.sample_html.value = f"<pre>{html.escape(repr(s)[:2000])}</pre>"
+
+    def _info_html(self, item: int | None) -> str:
+        if item is None:
+            return "<b>Nothing left to review under this filter.</b>"
+        row = self.review.row(item)
+        given, sug = int(row["given_label"]), int(row["suggested_label"])
+        sug_txt = html.escape(self.names[sug]) if sug >= 0 else "<i>none agreed</i>"
+        tops = []
+        for r in (1, 2, 3):
+            c, p = row.get(f"top{r}"), row.get(f"top{r}_prob")
+            if c is not None and int(c) >= 0 and p is not None and not np.isnan(p):
+                tops.append(f"<tr><td>{html.escape(self.names[int(c)])}</td><td>{float(p):.3f}</td></tr>")
+        prev = self.review.decision(item)
+        prev_txt = f"<br>decided: {html.escape(prev['action'])}" if prev else ""
+        return (
+            f'<div style="line-height:1.5">sample <b>{item}</b><br>'
+            f'given <b style="color:#d62728">{html.escape(self.names[given])}</b> → suggested '
+            f'<b style="color:#2ca02c">{sug_txt}</b><br>'
+            f"score (label quality) {float(row['label_quality']):.4f}"
+            f"{' · ' + html.escape(str(row['method'])) if 'method' in row and str(row['method']) else ''}"
+            f"{prev_txt}<br>"
+            f'<table style="margin-top:4px"><tr><th>top-3</th><th>p</th></tr>{"".join(tops)}</table></div>'
+        )
+
+    def _refresh_bulk(self) -> None:
+        n = self.review.count_above(float(self.threshold.value))
+        self.bulk_button.description = f"Accept {n} suggestion{'s' if n != 1 else ''}"
+        if self.review.can_relabel:
+            self.bulk_button.disabled = n == 0
+
+    def _show(self, msg: str = "") -> None:
+        r = self.review
+        self._item = r.current
+        pr = r.progress()
+        est = r.issues.attrs.get("label_noise")
+        g, s = r.filter
+        filt = "all pairs" if g is None and s is None else (
+            f"given {self.names[g] if g is not None else 'any'} → suggested {self.names[s] if s is not None else 'any'}"
+        )
+        with self.widget.hold_sync():
+            self.status.value = (
+                f"<b>{pr['decided']}</b> of {pr['suspects']} suspects decided "
+                f"({pr['relabel']} relabeled, {pr['exclude']} excluded, {pr['keep']} kept, {pr['skip']} skipped) · "
+                f"{pr['pending']} pending in {html.escape(filt)}"
+                + (f"<br><small>{html.escape(est.summary())}</small>" if est is not None else "")
+                + ("<br><small style='color:#d62728'>test split: relabel/exclude disabled</small>"
+                   if not r.can_relabel else "")
+            )
+            self.info.value = self._info_html(self._item)
+            if self._item is not None:
+                sug = int(r.row(self._item)["suggested_label"])
+                self.relabel_button.disabled = sug < 0 or not r.can_relabel
+                if sug >= 0:
+                    self.relabel_to.value = sug
+            self.message.value = html.escape(msg)
+            self._refresh_bulk()
+        self._draw_sample(self._item)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def __repr__(self) -> str:
+        pr = self.review.progress()
+        return (
+            f"LabelCleaner({pr['decided']}/{pr['suspects']} suspects decided, "
+            f"{pr['relabel']} relabeled, {pr['exclude']} excluded, current={self._item}, "
+            f"journal={str(self.review.journal.path)!r})"
+        )
+
+
+def _table_html(sample: Any, most: int = 24) -> str:
+    """A sample's features as a compact two-column table."""
+    if isinstance(sample, pd.Series):
+        items = list(sample.items())
+    else:
+        arr = np.asarray(sample.detach().cpu() if hasattr(sample, "detach") else sample).ravel()
+        items = [(f"x[{i}]", v) for i, v in enumerate(arr)]
+    rows = "".join(
+        f"<tr><td style='padding:0 8px'>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in items[:most]
+    )
+    more = f"<tr><td colspan=2><i>… {len(items) - most} more</i></td></tr>" if len(items) > most else ""
+    return f'<table style="font-size:12px;border:1px solid #ddd">{rows}{more}</table>'
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.4g}"
+    return str(v)
