@@ -336,7 +336,7 @@ class NaNGuard:
         else:
             raise TypeError(f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}.")
 
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = [g for g in (p.grad for p in self._params) if g is not None]
         scale, scaled = self._scale_info()
         with torch.no_grad():
             parts = [loss_t, self._norm_total(grads), self._norm_total(self._params)]

@@ -1,0 +1,512 @@
+"""core.guard: NaNGuard in real training loops, its actions, the GradScaler rules, the
+context-manager and decorator forms, and replay of the snapshots it writes."""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import nbdebug
+from nbdebug.core import guard as guardmod
+from nbdebug.core.guard import NaNGuard, NonFiniteError, last_error
+from nbdebug.core.snapshot import load_snapshot
+
+mse = nn.functional.mse_loss
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def _data(n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 8, generator=g) * 3
+    y = x @ torch.randn(8, 1, generator=g) * 5
+    return x, y
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, bs: int = 16):
+    step = 0
+    while True:
+        i = (step * bs) % len(x)
+        yield step, x[i : i + bs], y[i : i + bs]
+        step += 1
+
+
+def _bad(model: nn.Module, loss: torch.Tensor) -> bool:
+    tensors = [loss] + [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    return not all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    m = model.get_submodule(name)
+    assert isinstance(m, nn.Linear)
+    return m
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _origin_key(tr) -> tuple:
+    o = tr.origin
+    assert o is not None, tr
+    return (o.phase, o.module, o.kind, o.name, o.samples, o.param, o.op)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_divergence_end_to_end(tmp_path):
+    """A learning rate that makes training diverge: the guard fires at the first bad step,
+    the snapshot replays to the origin a direct trace finds, and skipping keeps the weights."""
+    x, y = _data()
+    torch.manual_seed(0)
+    init = _mlp()
+
+    # oracle: the same run without a guard; find the first non-finite step by brute force
+    oracle = copy.deepcopy(init)
+    opt = torch.optim.SGD(oracle.parameters(), lr=0.5)
+    first_bad = None
+    for step, xb, yb in _batches(x, y):
+        snapshot_of_oracle = copy.deepcopy(oracle)
+        loss = mse(oracle(xb), yb)
+        loss.backward()
+        if _bad(oracle, loss):
+            first_bad, bad_batch, bad_model = step, (xb, yb), snapshot_of_oracle
+            break
+        opt.step()
+        opt.zero_grad()
+        assert step < 200, "the oracle run did not diverge"
+    assert first_bad is not None and first_bad > 3
+
+    # guarded run
+    model = copy.deepcopy(init)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    guard = NaNGuard(model, opt, directory=tmp_path / "snaps", loss_fn=mse, patience=None)
+    for step, xb, yb in _batches(x, y):
+        loss = mse(model(xb), yb)
+        loss.backward()
+        before = _state(model)
+        ok = guard.check(loss, inputs=xb, target=yb, step=step)
+        if ok:
+            opt.step()
+        opt.zero_grad()
+        if not ok:
+            break
+    assert step == first_bad and guard.ok is False
+    # skip: the weights after the bad step are those before it (and the oracle's)
+    assert _same_state(_state(model), before)
+    assert _same_state(before, _state(bad_model))
+    assert all(p.grad is None for p in model.parameters())
+
+    # exactly one snapshot, named after the step, holding that step's batch and weights
+    assert [p.name for p in guard.snapshots] == [f"step-{first_bad:09d}.nbsnap"]
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [f"step-{first_bad:09d}.nbsnap"]
+    snap = nbdebug.load_snapshot(guard.snapshots[0], _mlp)
+    assert snap.step == first_bad and snap.reason["kind"] in ("loss", "grad")
+    assert torch.equal(snap.inputs, bad_batch[0]) and torch.equal(snap.target, bad_batch[1])
+    assert _same_state(snap.model_state, before)
+    h = snap.history_frame()
+    assert h["step"].tolist() == list(range(first_bad + 1))
+    assert bool(h["skipped"].iloc[-1]) and not h["skipped"].iloc[:-1].any()
+    assert h["loss"].iloc[:-1].map(math.isfinite).all() and not math.isfinite(h["loss"].iloc[-1])
+    assert h["lr"].eq(0.5).all()
+
+    # replay reproduces the origin that tracing the oracle's model on that batch finds
+    replay = snap.trace()
+    direct = nbdebug.trace(bad_model, bad_batch[0], target=bad_batch[1], loss_fn=mse)
+    assert _origin_key(replay) == _origin_key(direct)
+    assert replay.loss is not None and direct.loss is not None
+    assert replay.loss == direct.loss or (math.isnan(replay.loss) and math.isnan(direct.loss))
+
+
+def test_nan_in_the_batch_replays_to_the_input(tmp_path):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = NaNGuard(model, opt, directory=tmp_path, loss_fn=mse)
+    x, y = _data(64)
+    for step, xb, yb in _batches(x, y):
+        if step == 2:
+            xb = xb.clone()
+            xb[3, 5] = float("nan")
+            xb[11, 0] = float("nan")
+        loss = mse(model(xb), yb)
+        loss.backward()
+        ok = guard.check(loss, inputs=xb, target=yb, step=step)
+        if ok:
+            opt.step()
+        opt.zero_grad()
+        if step == 2:
+            break
+    assert not ok and len(guard.snapshots) == 1
+    snap = load_snapshot(guard.snapshots[0], model)
+    assert snap.reason["kind"] == "loss"
+    assert set(snap.reason["nonfinite_grads"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    tr = snap.trace()
+    assert tr.origin is not None and tr.origin.phase == "input" and tr.origin.samples == [3, 11]
+    assert _origin_key(tr) == _origin_key(nbdebug.trace(model, snap.inputs, target=snap.target, loss_fn=mse))
+
+
+def test_corrupted_weight_is_named_and_replays(tmp_path):
+    torch.manual_seed(0)
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path, loss_fn=mse)
+    x, y = _data(16)
+    with torch.no_grad():
+        _linear(model, "2").weight[0, 7] = float("inf")
+    loss = mse(model(x), y)
+    loss.backward()
+    assert guard.check(loss, inputs=x, target=y, step=40) is False
+    snap = load_snapshot(guard.snapshots[0], _mlp)
+    assert snap.reason["kind"] == "weights"
+    assert snap.reason["nonfinite_weights"] == {"2.weight": {"nan": 0, "inf": 1}}
+    assert snap.reason["message"] == "non-finite weights at step 40: 2.weight (0 NaN, 1 Inf)"
+    tr = snap.trace()
+    assert tr.origin is not None and tr.origin.module == "2" and tr.origin.param == "2.weight", tr
+    assert _origin_key(tr) == _origin_key(nbdebug.trace(model, x, target=y, loss_fn=mse))
+
+
+# --------------------------------------------------------------------------- actions
+
+
+def _bad_step(model: nn.Module, guard: NaNGuard, step: int, *, bad: bool = True) -> bool:
+    x = torch.randn(4, 8)
+    if bad:
+        x[1, 2] = float("nan")
+    loss = mse(model(x), torch.zeros(4, 1))
+    loss.backward()
+    return guard.check(loss, inputs=x, target=torch.zeros(4, 1), step=step)
+
+
+def test_skip_clears_grads_so_even_an_unconditional_step_keeps_weights(tmp_path):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    guard = NaNGuard(model, opt, directory=tmp_path)
+    before = _state(model)
+    assert _bad_step(model, guard, 0) is False
+    opt.step()  # the user ignored the answer
+    assert _same_state(_state(model), before)
+    assert opt.state_dict()["state"] == {}  # Adam never saw the step
+
+
+def test_patience_raise_and_continue(tmp_path):
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path / "a", patience=2)
+    assert _bad_step(model, guard, 10) is False
+    assert _bad_step(model, guard, 11) is False
+    assert _bad_step(model, guard, 12, bad=False) is True  # streak broken
+    assert _bad_step(model, guard, 13) is False
+    assert _bad_step(model, guard, 14) is False
+    with pytest.raises(NonFiniteError) as info:
+        _bad_step(model, guard, 15)
+    err = info.value
+    assert err.step == 13 and err.path == guard.snapshots[2] and err.path.name == "step-000000013.nbsnap"
+    assert err.reason["kind"] == "loss" and "3 non-finite steps in a row (patience=2)" in str(err)
+    assert last_error() is err and guardmod.last_error() is err
+    assert len(guard.snapshots) == 5 and all(p.is_file() for p in guard.snapshots)
+    assert [h["nonfinite"] for h in guard.history] == ["loss", "loss", None, "loss", "loss", "loss"]
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.step, back.path, str(back)) == (err.step, err.path, str(err))
+
+    # "raise": at once, gradients cleared, the snapshot on the error
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path / "b", on_nonfinite="raise")
+    with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap") as info:
+        _bad_step(model, guard, 3)
+    assert info.value.path == tmp_path / "b" / "step-000000003.nbsnap" and info.value.path.is_file()  # type: ignore[union-attr]
+    assert all(p.grad is None for p in model.parameters())
+
+    # "continue": only records; gradients left for inspection; never raises with patience=None
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path / "c", on_nonfinite="continue", patience=None, max_snapshots=2)
+    for s in range(4):
+        assert _bad_step(model, guard, s) is False
+    assert all(p.grad is not None for p in model.parameters())
+    assert len(guard.snapshots) == 2 and len(list((tmp_path / "c").iterdir())) == 2  # capped
+    assert [h["skipped"] for h in guard.history] == [False] * 4
+
+
+def test_history_is_measured_right(tmp_path):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = NaNGuard(model, opt, directory=tmp_path, history=3)
+    x, y = _data(64)
+    expected = []
+    for step, xb, yb in _batches(x, y):
+        loss = mse(model(xb), yb)
+        loss.backward()
+        grads = torch.cat([_grad(p).reshape(-1) for p in model.parameters()])
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        expected.append((step * 10, loss.item(), grads.norm().item(), params.norm().item()))
+        assert guard.check(loss, inputs=xb, target=yb, step=step * 10)
+        opt.step()
+        opt.zero_grad()
+        if step == 4:
+            break
+    assert len(guard.history) == 3  # rolling
+    for row, (s, lv, gn, pn) in zip(guard.history, expected[-3:]):
+        assert row["step"] == s and row["loss"] == pytest.approx(lv, rel=1e-6)
+        assert row["grad_norm"] == pytest.approx(gn, rel=1e-5) and row["param_norm"] == pytest.approx(pn, rel=1e-5)
+        assert row["lr"] == 0.01 and row["scale"] is None and row["skipped"] is False
+    df = guard.history_frame()
+    assert df["step"].tolist() == [20, 30, 40] and not guard.snapshots
+    # the next step number defaults to one more than the last
+    loss = mse(model(x[:4]), y[:4])
+    loss.backward()
+    guard.check(loss)
+    assert guard.history[-1]["step"] == 41
+
+
+class _Count(TorchFunctionMode):
+    READS: ClassVar[set[str]] = {"item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name != "__get__":  # attribute reads such as p.grad
+            self.ops.append(name)
+        if name in self.READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_fused_host_read_per_healthy_step(tmp_path):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])  # 24 parameters
+    guard = NaNGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), directory=tmp_path)
+    loss = model(torch.randn(4, 16)).pow(2).mean()
+    loss.backward()
+    with _Count() as c:
+        assert guard.check(loss, step=0)
+    assert c.reads == ["tolist"]  # one read of [loss, grad norm, param norm], not one per parameter
+    # fused: one foreach-norm over all gradients and one over all parameters
+    assert c.ops.count("_foreach_norm") == 2 and len(c.ops) < 20, c.ops
+
+
+def test_healthy_check_changes_nothing(tmp_path):
+    model = _mlp()
+    model.eval()
+    x, y = _data(8)
+    mse(model(x), y).backward()
+    grads = {n: _grad(p).clone() for n, p in model.named_parameters()}
+    before = _state(model)
+    versions = [p._version for p in model.parameters()]
+    rng = torch.get_rng_state()
+    guard = NaNGuard(model, directory=tmp_path / "never")
+    assert guard.check(mse(model(x), y).detach(), inputs=x, target=y)
+    assert _same_state(before, _state(model)) and versions == [p._version for p in model.parameters()]
+    assert all(torch.equal(grads[n], _grad(p)) for n, p in model.named_parameters())
+    assert not model.training and torch.equal(rng, torch.get_rng_state())
+    assert not (tmp_path / "never").exists()  # the directory appears with the first snapshot
+
+
+# --------------------------------------------------------------------------- GradScaler
+
+
+def test_gradscaler_overflow_is_not_a_failure_until_the_scale_collapses(tmp_path):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = NaNGuard(model, opt, scaler=scaler, directory=tmp_path, scaler_patience=4, patience=None)
+    x, y = _data(16)
+
+    def step(i: int, overflow: bool) -> bool:
+        loss = mse(model(x), y)
+        scaler.scale(loss).backward()
+        if overflow:
+            _grad(_linear(model, "0").weight)[0, 0] = float("inf")
+        ok = guard.check(loss, inputs=x, target=y, step=i)
+        if ok:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        return ok
+
+    twin = copy.deepcopy(model)
+    mse(twin(x), y).backward()
+    unscaled = torch.cat([_grad(p).reshape(-1) for p in twin.parameters()]).norm().item()
+    assert step(0, False)
+    row = guard.history[-1]
+    # recorded unscaled, with the scale of that step
+    assert row["scale"] == 2.0**10 and row["grad_norm"] == pytest.approx(unscaled, rel=1e-4)
+    before = _state(model)
+    for i in range(1, 4):  # three overflows: the scaler skips them, the guard lets it
+        assert step(i, True)
+        assert guard.history[-1]["skipped"] is True and guard.history[-1]["nonfinite"] is None
+    assert _same_state(before, _state(model)) and scaler.get_scale() == 2.0**7
+    assert not guard.snapshots
+    assert step(4, True) is False  # the fourth in a row: the scale is collapsing
+    snap = load_snapshot(guard.snapshots[0], _mlp)
+    assert snap.reason["kind"] == "scale" and "4 overflow steps in a row" in snap.reason["message"]
+    assert snap.scaler_state is not None and snap.scaler_state["scale"] == 2.0**7
+    assert snap.history_frame()["scale"].tolist() == [2.0**10, 2.0**10, 2.0**9, 2.0**8, 2.0**7]
+
+    # a scale below min_scale is a failure too
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=0.5)
+    guard2 = NaNGuard(model, opt, scaler=scaler2, directory=tmp_path / "low", min_scale=1.0)
+    loss = mse(model(x), y)
+    scaler2.scale(loss).backward()
+    assert guard2.check(loss, step=0) is False
+    reason = load_snapshot(guard2.snapshots[0]).reason
+    assert reason["kind"] == "scale" and "the scale fell to 0.5 (< min_scale=1)" in reason["message"]
+
+
+def test_gradscaler_nan_loss_is_a_failure(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = NaNGuard(model, opt, scaler=scaler, directory=tmp_path)
+    x = torch.randn(4, 8)
+    x[0, 0] = float("nan")
+    loss = mse(model(x), torch.zeros(4, 1))
+    scaler.scale(loss).backward()
+    assert guard.check(loss, inputs=x, step=0) is False
+    assert load_snapshot(guard.snapshots[0]).reason["kind"] == "loss"
+
+
+# --------------------------------------------------------------------------- other forms
+
+
+class Dropper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.relu(self.fc(x))))
+
+
+def test_context_manager_steps_when_finite_and_replays_the_dropout(tmp_path):
+    torch.manual_seed(0)
+    model = Dropper()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = NaNGuard(model, opt, directory=tmp_path, loss_fn=mse)
+    x, y = _data(16)
+    before = _state(model)
+    with guard.step(x, y, step=0) as s:
+        s.loss = mse(model(x), y)
+        s.loss.backward()
+    assert s.ok is True and not _same_state(before, _state(model))  # stepped
+    assert all(p.grad is None for p in model.parameters())  # and zeroed
+
+    xb = x.clone()
+    xb[:, 0] = 1e30  # finite input, overflows to inf inside fc -> relu -> dropout -> out
+    before = _state(model)
+    with guard.step(xb, y, step=1) as s:
+        s.loss = mse(model(xb), y)
+        s.loss.backward()
+        recorded = s.loss.item()
+    assert s.ok is False and _same_state(before, _state(model))
+    assert "ok=False" in repr(s)
+    # the replay draws the same dropout mask: same loss as the failing step
+    snap = load_snapshot(guard.snapshots[0], Dropper)
+    tr = snap.trace()
+    assert tr.loss == recorded or (math.isnan(tr.loss) and math.isnan(recorded))
+    h = snap.history_frame()
+    assert h["step"].tolist() == [0, 1] and h["skipped"].tolist() == [False, True]
+
+    with pytest.raises(ValueError, match=r"set s\.loss"), guard.step(x, y) as s:
+        pass
+    with pytest.raises(RuntimeError, match="boom"), guard.step(x, y) as s:
+        raise RuntimeError("boom")  # an error in the block propagates, nothing is checked
+
+
+def test_decorated_step_function(tmp_path):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = NaNGuard(model, opt, directory=tmp_path)
+
+    @guard.wrap
+    def train_step(batch, labels):
+        loss = mse(model(batch), labels)
+        loss.backward()
+        return loss, "extra"
+
+    x, y = _data(16)
+    out = train_step(x, y)
+    assert out[1] == "extra" and guard.ok is True
+    xb = x.clone()
+    xb[5] = float("nan")
+    train_step(labels=y, batch=xb)
+    assert guard.ok is False and train_step.__name__ == "train_step"
+    snap = load_snapshot(guard.snapshots[0])
+    torch.testing.assert_close(snap.inputs, xb, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(snap.target, y) and snap.step == 1
+
+    @guard.wrap(inputs="b", target=None)
+    def other(a, b):
+        loss = model(b).pow(2).mean()
+        loss.backward()
+        return loss
+
+    other(0, x)
+    assert guard.ok is True and guard.history[-1]["step"] == 2
+
+
+def test_recipe_and_loss_stored_for_replay(tmp_path):
+    model = nn.Linear(8, 1)
+    guard = NaNGuard(
+        model, directory=tmp_path, loss_fn=nn.MSELoss(reduction="sum"),
+        recipe="torch.nn:Linear", recipe_kwargs={"in_features": 8, "out_features": 1},
+    )
+    x = torch.randn(4, 8)
+    x[2, 2] = float("inf")
+    y = torch.zeros(4, 1)
+    loss = nn.MSELoss(reduction="sum")(model(x), y)
+    loss.backward()
+    assert not guard.check(loss, inputs=x, target=y)
+    snap = load_snapshot(guard.snapshots[0], trust_recipe=True)
+    assert isinstance(snap.model, nn.Linear) and snap.model is not model
+    assert snap.loss_fn_spec is not None and snap.loss_fn_spec["name"] == "torch.nn.modules.loss:MSELoss"
+    tr = snap.trace()  # no arguments: model from the recipe, loss from its import path
+    assert tr.origin is not None and tr.origin.phase == "input" and tr.origin.samples == [2]
+    assert not math.isfinite(tr.loss)
+
+
+def test_bad_arguments(tmp_path):
+    model = _mlp()
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        NaNGuard("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer must be"):
+        NaNGuard(model, "adam")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        NaNGuard(model, on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="patience must be"):
+        NaNGuard(model, patience=-1)
+    with pytest.raises(ValueError, match="history must be"):
+        NaNGuard(model, history=0)
+    with pytest.raises(ValueError, match="recipe must be an import path"):
+        NaNGuard(model, recipe="my model")
+    guard = NaNGuard(model, directory=tmp_path)
+    with pytest.raises(ValueError, match=r"loss must be a scalar; got a tensor of shape \(4, 1\)"):
+        guard.check(torch.zeros(4, 1))
+    with pytest.raises(TypeError, match="loss must be a scalar tensor, a float or None"):
+        guard.check("0.3")
+    assert nbdebug.NaNGuard is NaNGuard and nbdebug.NonFiniteError is NonFiniteError
+    assert "NaNGuard(Sequential" in repr(guard)
