@@ -768,6 +768,8 @@ def _second_order_problem(p: _Problem, seed: int) -> _Problem:
             grads = torch.autograd.grad(
                 [y for y, _ in live], x_in, [g for _, g in live], create_graph=True, allow_unused=True
             )
+        if any(g is not None and type(g.grad_fn).__name__ in ("Error", "DelayedError") for g in grads):
+            raise _FnRaised(f"the backward of {p.fn_name} is marked @once_differentiable")
         return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, x_in)]
 
     v_names = [f"grad_output {o}" if len(out_names) > 1 else "grad_output" for o in out_names]
@@ -831,12 +833,12 @@ def _run_gradcheck(
         problem.outputs(problem.diff)
     except _FnRaised as e64:
         if native == torch.float64:
-            raise ValueError(str(e64)) from e64.__cause__
+            raise ValueError(_sentence(e64)) from e64.__cause__
         problem = make(dtype=None)
         try:
             problem.outputs(problem.diff)
         except _FnRaised as e:
-            raise ValueError(str(e)) from e.__cause__
+            raise ValueError(_sentence(e)) from e.__cause__
         dtype_used = _dtype_name(native)
         notes.append(
             f"{fn_name} does not run on float64 copies ({e64}); the check ran in {dtype_used}, so "
@@ -851,7 +853,7 @@ def _run_gradcheck(
     try:
         pairs, sample_notes = check(problem, analyze=True, check_determinism=True)
     except _FnRaised as e:
-        raise ValueError(str(e)) from e.__cause__
+        raise ValueError(_sentence(e)) from e.__cause__
     notes.extend(sample_notes)
     second_error = None
     if second_order:
@@ -859,9 +861,7 @@ def _run_gradcheck(
             q = _second_order_problem(problem, random_state)
             pairs2, notes2 = check(q, analyze=True, check_determinism=False)
         except _FnRaised as e:
-            second_error = (
-                f"backward is wrong: the backward of {fn_name} cannot be differentiated (second order), {e}."
-            )
+            second_error = f"backward is wrong: second order cannot be checked: {e}, so its own gradient is missing."
         else:
             for p in pairs2:
                 p.order = 2
@@ -1052,7 +1052,9 @@ class _Layout:
                 continue
             chosen: set[int] = set()
             sets = [hit for hit in influenced[k] if hit.size]
-            quota = (3 * max_elements) // 4
+            n_hit = np.unique(np.concatenate(sets)).size if sets else 0
+            # all moved elements when they fit, else 3/4 of the budget (the rest: random ones)
+            quota = max_elements if n_hit <= max_elements else (3 * max_elements) // 4
             for j, hit in enumerate(sets):
                 share = (quota - len(chosen)) // (len(sets) - j)
                 if share > 0:
@@ -1544,6 +1546,11 @@ def _checked_text(p: PairCheck) -> str:
 
 def _dtype_name(d: torch.dtype | None) -> str:
     return str(d).replace("torch.", "") if d is not None else "unknown"
+
+
+def _sentence(e: BaseException) -> str:
+    text = str(e).rstrip()
+    return text if text.endswith((".", "?", "!")) else text + "."
 
 
 def _first_line(e: BaseException) -> str:
