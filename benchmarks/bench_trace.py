@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import cnn, mean_square, transformer
+from models import cnn, mean_square, narrow_cnn, transformer
 
 import nbdebug
 
-MODELS = {"transformer": transformer, "cnn": cnn}
+MODELS = {"transformer": transformer, "cnn": cnn, "narrow_cnn": narrow_cnn}
 
 
 def variants(model: nn.Module, x: torch.Tensor):
@@ -75,19 +75,30 @@ def report(title: str, res: dict[str, dict[str, float]]) -> None:
         )
 
 
-def peak_memory_child(model_name: str, variant: str) -> None:
-    import resource
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
+
+def peak_memory_child(model_name: str, variant: str) -> None:
+    """Peak resident memory above the resting level during one call (Linux: the peak is
+    reset through /proc/self/clear_refs before the call)."""
     model, x = MODELS[model_name]()
     f = variants(model, x)[variant]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    f()  # warm-up: allocator pools, lazy imports
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    base = _status_kib("VmRSS")
     f()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kib("VmHWM")
     print(json.dumps({"delta_mib": (peak - base) / 1024}))
 
 
 def peak_memory() -> None:
-    print("-- peak memory growth of one call (fresh process each, MiB of max RSS)")
+    print("-- peak memory above resting RSS during one call (fresh process each, MiB)")
     for name in MODELS:
         row = []
         for v in ("plain", "trace", "detect_anomaly"):

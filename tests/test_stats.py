@@ -11,6 +11,7 @@ from hypothesis.extra.numpy import arrays
 
 from nbdebug.core.stats import (
     HIST_EDGES,
+    HIST_SAMPLE,
     exact_vector,
     finalize,
     quick_vector,
@@ -123,6 +124,6 @@ def test_dtypes_half_int_bool_complex_empty() -> None:
 def test_quick_histogram_is_sampled_for_big_tensors() -> None:
     t = torch.randn(100_000)
     _, h = finalize(quick_vector(t))
-    assert h.sampled and h.total <= 4096 + 1
+    assert h.sampled and h.total <= HIST_SAMPLE + 1
     _, h2 = finalize(quick_vector(torch.randn(100)))
     assert not h2.sampled and h2.total == 100

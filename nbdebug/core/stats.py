@@ -29,7 +29,7 @@ HIST_LO = -8.0
 HIST_HI = 8.0
 HIST_EDGES = np.linspace(HIST_LO, HIST_HI, HIST_BINS + 1)
 #: The quick kernel draws its histogram from at most this many evenly strided elements.
-HIST_SAMPLE = 4096
+HIST_SAMPLE = 1024
 
 # Layout of a statistics vector.
 _NUMEL, _SUM, _NORM, _MIN, _MAX, _NNZ, _NNAN, _NINF, _NFIN = range(9)
@@ -195,7 +195,7 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     scal = torch.stack([x for i in live for x in parts[i][:4]]).to(torch.float64)
     samples = [parts[i][4] for i in live]
     lengths = torch.tensor([s.numel() for s in samples], device=samples[0].device)
-    cat = torch.cat([s.reshape(-1) for s in samples]).to(torch.float64)
+    cat = torch.cat([s.reshape(-1) for s in samples]).to(torch.float32)
     seg = torch.repeat_interleave(torch.arange(len(live), device=cat.device), lengths)
     hist = _segment_hist(cat, seg, len(live))
     host = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
