@@ -1,0 +1,411 @@
+"""find_label_issues: detection quality on digits with injected noise, the confident-learning
+kernels against hand computations and properties, the torch adapter, bad inputs."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.datasets import load_digits
+from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import StratifiedKFold, cross_val_predict
+from sklearn.neighbors import KNeighborsClassifier
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+import nbdebug
+from nbdebug.analysis import confident_learning as cl
+from nbdebug.analysis.labels import LabelNoise, find_label_issues
+from nbdebug.analysis.torch_classifier import TorchClassifier
+
+COLUMNS = [
+    "given_label", "suggested_label", "suggested_prob", "label_quality", "self_confidence",
+    "normalized_margin", "is_issue", "method", "top1", "top1_prob", "top2", "top2_prob",
+    "top3", "top3_prob",
+]
+
+
+def flip(y: np.ndarray, rate: float, seed: int, k: int = 10) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    noisy = y.copy()
+    idx = rng.choice(len(y), int(rate * len(y)), replace=False)
+    noisy[idx] = (y[idx] + rng.integers(1, k, len(idx))) % k
+    return noisy
+
+
+def prf(flags: np.ndarray, truth: np.ndarray) -> tuple[float, float]:
+    tp = int((flags & truth).sum())
+    return tp / max(int(flags.sum()), 1), tp / int(truth.sum())
+
+
+@pytest.fixture(scope="module")
+def digits_oof():
+    """Digits with 10% uniform flips (seed 0) and 5-fold out-of-fold probabilities of two
+    fast models (LDA, k-NN)."""
+    X, y = load_digits(return_X_y=True)
+    noisy = flip(y, 0.10, seed=0)
+    folds = StratifiedKFold(5, shuffle=True, random_state=0)
+    knn = make_pipeline(StandardScaler(), KNeighborsClassifier(10))
+    p_lda = cross_val_predict(LinearDiscriminantAnalysis(), X, noisy, cv=folds, method="predict_proba")
+    p_knn = cross_val_predict(knn, X, noisy, cv=folds, method="predict_proba")
+    return X, y, noisy, p_lda, p_knn
+
+
+def flags_of(df: pd.DataFrame) -> np.ndarray:
+    return df.sort_index()["is_issue"].to_numpy()
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def test_confident_learning_finds_injected_noise_on_digits(digits_oof):
+    _, y, noisy, p_lda, _ = digits_oof
+    truth = noisy != y
+    df = find_label_issues(noisy, pred_probs=p_lda)
+    precision, recall = prf(flags_of(df), truth)
+    assert precision >= 0.75 and recall >= 0.9, (precision, recall)
+    est = df.label_issues
+    # 10% injected: the calibrated estimate is in the right range, and flagged == estimated
+    assert 0.06 <= est.noise_rate <= 0.16
+    assert est.n_flagged == int(df["is_issue"].sum())
+    assert est.n_flagged <= est.n_estimated
+    # the suggestion is the true label for most correctly flagged samples
+    hit = df[df["is_issue"] & truth[df.index]]
+    assert (hit["suggested_label"].to_numpy() == y[hit.index]).mean() >= 0.8
+
+
+def test_prune_by_noise_rate_and_predicted_neq_given(digits_oof):
+    _, y, noisy, p_lda, _ = digits_oof
+    truth = noisy != y
+    pbnr = find_label_issues(noisy, pred_probs=p_lda, prune="noise_rate")
+    precision, recall = prf(flags_of(pbnr), truth)
+    assert precision >= 0.75 and recall >= 0.85, (precision, recall)
+    neq = find_label_issues(noisy, pred_probs=p_lda, method="predicted_neq_given")
+    np.testing.assert_array_equal(flags_of(neq), p_lda.argmax(1) != noisy)
+    assert set(neq.loc[neq["is_issue"], "method"]) == {"predicted_neq_given"}
+    assert set(neq.loc[~neq["is_issue"], "method"]) == {""}
+
+
+def test_ensemble_vote_is_precise_and_only_suggests_agreed_labels(digits_oof):
+    _, y, noisy, p_lda, p_knn = digits_oof
+    truth = noisy != y
+    df = find_label_issues(noisy, pred_probs=[p_lda, p_knn], method="ensemble", tau=0.4)
+    precision, recall = prf(flags_of(df), truth)
+    assert precision >= 0.8 and recall >= 0.9, (precision, recall)
+    s = df.sort_index()
+    agreed = (p_lda.argmax(1) == p_knn.argmax(1)) & (p_lda.argmax(1) != noisy)
+    conf = np.minimum(p_lda[np.arange(len(y)), p_lda.argmax(1)], p_knn[np.arange(len(y)), p_lda.argmax(1)])
+    proposes = agreed & (conf >= 0.4)
+    np.testing.assert_array_equal(s["suggested_label"].to_numpy() >= 0, proposes)
+    np.testing.assert_array_equal(s.loc[proposes, "suggested_label"].to_numpy(), p_lda.argmax(1)[proposes])
+    assert s.loc[~proposes, "suggested_prob"].isna().all()
+    # every agreed correction is flagged
+    assert s.loc[proposes, "is_issue"].all()
+    # a stack (M, n, K) is the same as a list
+    df2 = find_label_issues(noisy, pred_probs=np.stack([p_lda, p_knn]), method="ensemble", tau=0.4)
+    pd.testing.assert_frame_equal(df, df2)
+
+
+def test_frame_layout_ranking_and_accessor():
+    P = np.array([[0.9, 0.05, 0.05], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [0.95, 0.03, 0.02]] * 5)
+    y = np.array([0, 1, 2, 0] * 5)
+    y[3] = 2  # p[2] = 0.02: a clear issue, suggested 0
+    y[7] = 1  # p[1] = 0.03
+    df = find_label_issues(y, pred_probs=P)
+    assert list(df.columns) == COLUMNS
+    assert df.index.name == "index"
+    assert sorted(df.index) == list(range(20))
+    # flagged first, each block ranked by label quality ascending
+    flags = df["is_issue"].to_numpy()
+    assert not (np.diff(flags.astype(int)) > 0).any()
+    for block in (df[df["is_issue"]], df[~df["is_issue"]]):
+        assert block["label_quality"].is_monotonic_increasing
+    assert df.index[0] == 3 and df.loc[3, "suggested_label"] == 0
+    assert df.loc[3, "self_confidence"] == pytest.approx(0.02)
+    assert df.loc[3, "normalized_margin"] == pytest.approx((0.02 - 0.95 + 1) / 2)
+    assert df.loc[3, "top1"] == 0 and df.loc[3, "top1_prob"] == pytest.approx(0.95)
+    assert df.loc[3, "top2"] == 1 and df.loc[3, "top3"] == 2
+    assert list(df.index[df["is_issue"]]) == [3, 7]
+    est = df.attrs["label_noise"]
+    assert isinstance(est, LabelNoise)
+    assert df.label_issues.confident_joint is est.confident_joint
+    assert est.confident_joint.shape == (3, 3)
+    assert f"{est.n_flagged} of 20" in est.summary() and f"estimates {est.n_estimated}" in est.summary()
+    assert "n_flagged=" in repr(est)
+    # results concatenate (attrs compared by identity, no ambiguous array truth value)
+    assert len(pd.concat([df, df])) == 40
+    with pytest.raises(AttributeError, match="find_label_issues"):
+        _ = pd.DataFrame({"a": [1]}).label_issues
+    by_margin = find_label_issues(y, pred_probs=P, rank_by="normalized_margin")
+    np.testing.assert_allclose(by_margin["label_quality"], by_margin["normalized_margin"])
+
+
+def test_public_name():
+    assert nbdebug.find_label_issues is find_label_issues
+
+
+# --------------------------------------------------------------------------- the kernels
+
+
+def test_confident_joint_matches_a_hand_computation():
+    P = np.array(
+        [
+            [0.8, 0.2, 0.0],  # label 0
+            [0.6, 0.4, 0.0],  # label 0
+            [0.1, 0.9, 0.0],  # label 0, confidently class 1
+            [0.3, 0.7, 0.0],  # label 1
+            [0.2, 0.5, 0.3],  # label 1
+            [0.0, 0.1, 0.9],  # label 2
+            [0.5, 0.0, 0.5],  # label 2
+        ]
+    )
+    y = np.array([0, 0, 0, 1, 1, 2, 2])
+    counts = cl.class_counts(y, 3)
+    t = cl.per_class_thresholds(P, y, counts)
+    np.testing.assert_allclose(t, [(0.8 + 0.6 + 0.1) / 3, (0.7 + 0.5) / 2, (0.9 + 0.5) / 2])
+    assigned = cl.confident_assignment(P, t)
+    # t = [0.5, 0.6, 0.7]: row 1 -> 0 (0.6 >= 0.5); row 4 -> none; row 6 -> 0 (0.5 >= 0.5, 0.5 < 0.7)
+    np.testing.assert_array_equal(assigned, [0, 0, 1, 1, -1, 2, 0])
+    cj = cl.confident_joint(y, assigned, 3)
+    np.testing.assert_array_equal(cj, [[2, 1, 0], [0, 1, 0], [1, 0, 1]])
+    cal = cl.calibrate(cj, counts)
+    np.testing.assert_allclose(cal.sum(axis=1), counts)
+    np.testing.assert_allclose(cal[1], [0, 2, 0])
+    np.testing.assert_allclose(cal[2], [1, 0, 1])
+
+
+def test_prune_by_noise_rate_takes_the_largest_margins():
+    # 6 samples labelled 0; two of them look like 1; calibrated says 2 issues (0 -> 1)
+    P = np.array([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.3, 0.7], [0.1, 0.9]] + [[0.1, 0.9]] * 6)
+    y = np.array([0] * 6 + [1] * 6)
+    counts = cl.class_counts(y, 2)
+    cal = np.array([[4.0, 2.0], [0.0, 6.0]])
+    flagged = cl.prune_by_noise_rate(P, y, cal, counts)
+    np.testing.assert_array_equal(np.flatnonzero(flagged), [4, 5])
+    # never all of a class
+    cal = np.array([[0.0, 6.0], [0.0, 6.0]])
+    assert cl.prune_by_noise_rate(P, y, cal, counts).sum() == 5
+
+
+probs_and_labels = st.integers(2, 6).flatmap(
+    lambda k: st.tuples(
+        st.just(k),
+        st.integers(k * 2, 60),
+        st.integers(0, 2**31 - 1),
+    )
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(probs_and_labels)
+def test_estimates_are_consistent(args):
+    k, n, seed = args
+    rng = np.random.default_rng(seed)
+    y = np.concatenate([np.arange(k), np.arange(k), rng.integers(0, k, n - 2 * k)])
+    P = rng.dirichlet(np.ones(k) * 0.5, size=n)
+    df = find_label_issues(y, pred_probs=P)
+    est = df.label_issues
+    assert est.confident_joint.sum() <= n
+    np.testing.assert_allclose(est.joint.sum(), 1.0)
+    np.testing.assert_allclose(est.noise_matrix.sum(axis=0), 1.0)
+    np.testing.assert_array_equal(est.class_counts, np.bincount(y, minlength=k))
+    s = df.sort_index()
+    flagged = s["is_issue"].to_numpy()
+    # never flags a sample whose label is the prediction; never more than estimated
+    assert not (flagged & (P.argmax(1) == y)).any()
+    assert est.n_flagged == flagged.sum() <= max(est.n_estimated, 0)
+    np.testing.assert_allclose(s["self_confidence"], P[np.arange(n), y])
+    # the same data in another row order gives the same flags
+    perm = rng.permutation(n)
+    s2 = find_label_issues(y[perm], pred_probs=P[perm]).sort_index()
+    np.testing.assert_allclose(s2["self_confidence"].to_numpy(), P[perm, y[perm]])
+    assert s2["is_issue"].sum() == flagged.sum()
+
+
+def test_top_k_orders_classes():
+    P = np.array([[0.1, 0.5, 0.15, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    cls, p = cl.top_k(P, 3)
+    np.testing.assert_array_equal(cls[0], [1, 3, 2])
+    np.testing.assert_allclose(p[0], [0.5, 0.25, 0.15])
+    assert cls[1, 0] == 0
+
+
+# --------------------------------------------------------------------------- computing probabilities
+
+
+def test_out_of_fold_from_sklearn_model_leaves_model_unfitted():
+    X, y = load_digits(return_X_y=True)
+    X, y = X[:400], flip(y[:400], 0.1, seed=3)
+    model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=500))
+    df = find_label_issues(y, X=X, model=model, cv=3)
+    assert not hasattr(model[-1], "coef_")
+    assert df.label_issues.models == ["LogisticRegression"]
+    assert df["is_issue"].sum() > 0
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x / 16.0)
+
+
+def test_torch_classifier_per_fold_leaves_the_module_and_rng_alone():
+    X, y = load_digits(return_X_y=True)
+    X, y_true = X[:500], y[:500]
+    noisy = flip(y_true, 0.1, seed=4)
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    rng_before = torch.get_rng_state()
+    df = find_label_issues(noisy, X=torch.as_tensor(X, dtype=torch.float32), model=model, cv=3)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    precision, recall = prf(flags_of(df), noisy != y_true)
+    assert precision >= 0.5 and recall >= 0.6, (precision, recall)
+    assert df.label_issues.models == ["torch MLP"]
+
+
+def test_torch_classifier_is_a_sklearn_estimator():
+    X, y = load_digits(return_X_y=True)
+    clf = TorchClassifier(MLP, epochs=5, random_state=1).fit(X[:300], y[:300])
+    p = clf.predict_proba(X[300:360])
+    assert p.shape == (60, 10)
+    np.testing.assert_allclose(p.sum(axis=1), 1.0)
+    assert (clf.predict(X[300:360]) == y[300:360]).mean() > 0.6
+    # same seed, same result
+    p2 = TorchClassifier(MLP, epochs=5, random_state=1).fit(X[:300], y[:300]).predict_proba(X[300:360])
+    np.testing.assert_allclose(p, p2)
+    with pytest.raises(TypeError, match=r"must return a torch\.nn\.Module"):
+        TorchClassifier(lambda: 3).fit(X[:10], y[:10])
+
+
+def test_default_ensemble_from_features():
+    X, y = load_digits(return_X_y=True)
+    X, y_true = X[:300], y[:300]
+    noisy = flip(y_true, 0.1, seed=5)
+    df = find_label_issues(noisy, X=X, method="ensemble", cv=3)
+    assert len(df.label_issues.models) == 3
+    precision, _ = prf(flags_of(df), noisy != y_true)
+    assert precision >= 0.6
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def good():
+    P = np.full((6, 3), 0.1)
+    P[np.arange(6), [0, 1, 2, 0, 1, 2]] = 0.8
+    return np.array([0, 1, 2, 0, 1, 2]), P
+
+
+@pytest.mark.parametrize(
+    "labels, probs, exc, match",
+    [
+        (np.array([0, 1, 3, 0, 1, 2]), None, ValueError, r"labels must lie in 0\.\.2 .* sample 2 has label 3"),
+        (np.array([0, 1, -1, 0, 1, 2]), None, ValueError, r"sample 2 has label -1"),
+        (np.array([0, 1, 2, 0, 1]), None, ValueError, r"pred_probs has 6 rows but there are 5 labels"),
+        (np.array(["a", "b", "c", "a", "b", "c"]), None, TypeError, r"integer class indices.*LabelEncoder"),
+        (np.array([0, 1, 2.5, 0, 1, 2]), None, ValueError, r"sample 2 has label 2\.5"),
+        (np.zeros((6, 2), dtype=int), None, ValueError, r"labels must be 1-D"),
+        (np.array([], dtype=int), None, ValueError, r"labels is empty"),
+        (None, "nan", ValueError, r"must be finite; row 1"),
+        (None, "neg", ValueError, r"non-negative probabilities; row 4.*not the logits"),
+        (None, "1d", ValueError, r"pred_probs must be 2-D"),
+        (None, "zero", ValueError, r"row 0 is all zeros"),
+    ],
+)
+def test_bad_input_messages(labels, probs, exc, match):
+    y, P = good()
+    if labels is not None:
+        y = labels
+    if probs == "nan":
+        P[1, 1] = np.nan
+    elif probs == "neg":
+        P[4, 0] = -0.2
+    elif probs == "1d":
+        P = P[:, 0]
+    elif probs == "zero":
+        P[0] = 0
+    with pytest.raises(exc, match=match):
+        find_label_issues(y, pred_probs=P)
+
+
+def test_bad_options():
+    y, P = good()
+    with pytest.raises(ValueError, match="method must be one of"):
+        find_label_issues(y, pred_probs=P, method="vote")
+    with pytest.raises(ValueError, match="tau must be a probability"):
+        find_label_issues(y, pred_probs=[P, P], method="ensemble", tau=1.5)
+    with pytest.raises(ValueError, match=r"needs pred_probs=.*or X="):
+        find_label_issues(y)
+    with pytest.raises(ValueError, match="at least 2 models"):
+        find_label_issues(y, pred_probs=[P], method="ensemble")
+    with pytest.raises(ValueError, match="needs several models"):
+        find_label_issues(y, pred_probs=P, method="ensemble")
+    with pytest.raises(ValueError, match="is for method='ensemble'"):
+        find_label_issues(y, pred_probs=[P, P])
+    with pytest.raises(ValueError, match="cv must be an integer"):
+        find_label_issues(y, X=np.zeros((6, 2)), cv=1)
+    with pytest.raises(TypeError, match="model must be a scikit-learn classifier"):
+        find_label_issues(y, X=np.zeros((6, 2)), model=object(), cv=2)
+    with pytest.raises(ValueError, match="X has 5 rows but there are 6 labels"):
+        find_label_issues(y, X=np.zeros((5, 2)), cv=2)
+    with pytest.raises(ValueError, match="prune must be one of"):
+        find_label_issues(y, pred_probs=P, prune="both")
+
+
+def test_rows_not_summing_to_one_are_normalised_with_a_warning():
+    y, P = good()
+    scaled = P * 3.0
+    scaled_before = scaled.copy()
+    with pytest.warns(UserWarning, match=r"6 rows do not sum to 1 \(row 0 sums to 3"):
+        df = find_label_issues(y, pred_probs=scaled)
+    np.testing.assert_array_equal(scaled, scaled_before)  # the caller's array is untouched
+    ref = find_label_issues(y, pred_probs=P)
+    pd.testing.assert_frame_equal(df.sort_index(), ref.sort_index())
+
+
+def test_a_class_with_one_sample_cannot_be_assessed():
+    rng = np.random.default_rng(0)
+    y = np.array([0] * 10 + [1] * 10 + [2])
+    P = rng.dirichlet(np.ones(3), size=21)
+    P[20] = [0.98, 0.01, 0.01]  # the lone class-2 sample looks like class 0
+    with pytest.warns(UserWarning, match=r"class \[2\] has fewer than 2 samples and cannot be assessed"):
+        df = find_label_issues(y, pred_probs=P)
+    assert not df.loc[20, "is_issue"]
+    assert df.label_issues.unassessed == [2]
+
+
+def test_in_sample_probabilities_warn_and_out_of_fold_do_not(digits_oof):
+    _, _, noisy, p_lda, _ = digits_oof
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        find_label_issues(noisy, pred_probs=p_lda)
+    X, y = load_digits(return_X_y=True)
+    model = KNeighborsClassifier(1).fit(X, y)  # predicting its own training data
+    with pytest.warns(UserWarning, match="look in-sample"):
+        find_label_issues(y, pred_probs=model.predict_proba(X))
+
+
+def test_inputs_are_not_changed(digits_oof):
+    _, _, noisy, p_lda, p_knn = digits_oof
+    series = pd.Series(noisy.copy())
+    P = p_lda.copy()
+    t = torch.as_tensor(noisy.copy())
+    find_label_issues(series, pred_probs=P)
+    find_label_issues(t, pred_probs=[P, p_knn], method="ensemble")
+    np.testing.assert_array_equal(series.to_numpy(), noisy)
+    np.testing.assert_array_equal(P, p_lda)
+    assert torch.equal(t, torch.as_tensor(noisy))
