@@ -9,6 +9,8 @@ import copy
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import nbdebug
@@ -175,6 +177,53 @@ def test_jacobians_match_torch_autograd_functional():
     np.testing.assert_allclose(res.pair(input="input[1]").analytic, jb.reshape(6, 9).numpy(), atol=1e-12)
     wrong = torch.autograd.functional.jacobian(lambda x: MatMulTransposed.apply(x, b), a).reshape(6, 6)
     np.testing.assert_allclose(res.pair(input="input[0]").analytic, wrong.numpy(), atol=1e-12)
+
+
+class ScaledSin(torch.autograd.Function):
+    factor = 1.0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return ScaledSin.factor * x.cos() * g
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    m=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    factor=st.sampled_from([-1.0, 0.5, 1.1, 2.0]),
+)
+def test_property_true_jacobian_passes_and_scaled_backward_fails(n, m, seed, factor):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, m, generator=g, dtype=f64).requires_grad_()
+    w = torch.randn(m, 3, generator=g, dtype=f64).requires_grad_()
+
+    def fn(a, b):
+        return torch.tanh(a @ b) * 2
+
+    res = gradcheck(fn, x, w)
+    assert res.verdict == "ok"
+    ja, jb = torch.autograd.functional.jacobian(fn, (x, w))
+    np.testing.assert_allclose(res.pair(input="input[0]").analytic, ja.reshape(n * 3, n * m).numpy(), atol=1e-12)
+    np.testing.assert_allclose(res.pair(input="input[1]").numerical, jb.reshape(n * 3, m * 3).numpy(), atol=1e-7)
+
+    ScaledSin.factor = factor
+    try:
+        bad = gradcheck(ScaledSin.apply, x)
+    finally:
+        ScaledSin.factor = 1.0
+    expected = "backward is wrong" if bool((x.detach().cos().abs() > 0.05).any()) else None
+    if expected:
+        assert bad.verdict == expected
+        assert f"{factor:.4g} times the true gradient" in bad.message or "wrong sign" in bad.message
+    assert gradcheck(ScaledSin.apply, x).verdict == "ok"
 
 
 def test_to_frame_and_repr():
@@ -426,6 +475,17 @@ def test_the_module_and_tensors_are_unchanged():
     assert model[0].weight.dtype == torch.float32
 
 
+def test_in_place_operations_in_fn():
+    x = torch.randn(6, dtype=f64, requires_grad=True)
+    x_before = x.detach().clone()
+    res = gradcheck(nn.ReLU(inplace=True), x)
+    assert res.verdict == "ok"
+    assert torch.equal(x.detach(), x_before)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 2))
+    df = gradcheck_modules(model, torch.randn(4, 3))
+    assert list(df["passed"]) == [True, True, True], list(df["reason"])
+
+
 def test_module_passed_as_bound_forward_runs_on_a_copy():
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
     before = _state(model)
@@ -494,9 +554,12 @@ def test_module_sweep_bad_input():
         def forward(self, x):
             return self.a(x)[:, 10]
 
+    boom = Boom().train()
+    before = _state(boom)
     with pytest.raises(ValueError, match=r"the model raised IndexError .*Executed modules up to: a\.") as e:
-        gradcheck_modules(Boom(), torch.randn(4, 3))
+        gradcheck_modules(boom, torch.randn(4, 3))
     assert "\n" not in str(e.value)
+    _assert_same(before, _state(boom))  # no hook left behind, flags as before
 
 
 # --------------------------------------------------------------------------- bad input

@@ -192,3 +192,18 @@ def test_show_returns_the_panel_widget(result):
     empty = GradcheckPanel()
     assert empty.result is None and "no result yet" in empty.title.value
     assert len(empty.view.figure.data) == 0
+
+
+def test_displaying_the_result_shows_the_panel_in_a_kernel(result, monkeypatch):
+    import nbdebug.analysis.gradcheck as gc
+
+    plain = result._repr_mimebundle_()
+    assert set(plain) == {"text/plain", "text/html"}  # no kernel: text and a table
+    assert "backward is wrong" in plain["text/html"]
+    monkeypatch.setattr(gc, "_in_kernel", lambda: True)
+    bundle = result._repr_mimebundle_()
+    view = bundle["application/vnd.jupyter.widget-view+json"]
+    assert view["model_id"] and bundle["text/plain"] == repr(result)
+    from ipywidgets.widgets.widget import _instances
+
+    assert isinstance(_instances[view["model_id"]], widgets.VBox)

@@ -733,11 +733,13 @@ def _make_problem(
     fn = mod if mod is not None else target
 
     def call(xs: list[torch.Tensor]) -> Any:
-        vals = list(leaves)
+        # fresh copies on every call: an in-place op in fn (ReLU(inplace=True)) must neither
+        # move the point of the check nor hit a leaf that requires grad
+        vals = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
         params: dict[str, torch.Tensor] = {}
         for (kind, key), x in zip(specs, xs):
             if kind == "leaf":
-                vals[key] = x
+                vals[key] = x.clone()
             else:
                 params[key] = x
         args, kwargs = tree_unflatten(vals, spec)
