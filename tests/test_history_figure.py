@@ -95,3 +95,11 @@ def test_bad_input():
         history_figure(pd.DataFrame({"loss": [1.0]}))
     with pytest.raises(TypeError, match="failing_step"):
         history_figure(_history(), failing_step="9")  # type: ignore[arg-type]
+
+
+def test_diverging_loss_gets_a_log_axis():
+    h = pd.DataFrame({"step": range(6), "loss": [1.0, 10.0, 1e3, 1e6, 1e12, math.inf], "grad_norm": [1.0] * 6})
+    fig = history_figure(h, failing_step=5)
+    assert fig.layout.yaxis.type == "log"
+    assert list(_trace(fig, "loss non-finite").x) == [5]
+    assert list(_trace(fig, "loss non-finite").y) == [1e12]

@@ -256,21 +256,27 @@ class NaNGuard:
             return torch.cuda.get_rng_state_all()
         return None
 
-    def _norm_total(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _norm_total(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """L2 norm of all ``tensors`` together, on ``self._device``, without a host sync."""
         if not tensors:
-            return torch.zeros((), dtype=torch.float32, device=self._device)
+            return torch.zeros((), dtype=dtype, device=self._device)
         if self._one_device:
-            norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+            norms = torch._foreach_norm(list(tensors), 2, dtype=dtype)
             return torch.linalg.vector_norm(torch.stack(norms))
         by_dev: dict[torch.device, list[torch.Tensor]] = {}
         for t in tensors:
             by_dev.setdefault(t.device, []).append(t)
         parts = [
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))).to(self._device)
+            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=dtype))).to(self._device)
             for ts in by_dev.values()
         ]
         return torch.linalg.vector_norm(torch.stack(parts))
+
+    def _exact_norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        """The norm in float64: finite elements whose float32 sum of squares overflowed
+        (a diverging run, |x| ~ 1e19) still give a finite norm. Only when float32 said inf."""
+        with torch.no_grad():
+            return float(self._norm_total([t.detach() for t in tensors], torch.float64))
 
     def _scale_info(self) -> tuple[Any, bool]:
         """(the scaler's scale as a tensor or float or None, whether grads are still scaled)."""
@@ -356,6 +362,10 @@ class NaNGuard:
             i += 1
         if isinstance(lr, torch.Tensor):
             lr = values[i]
+        if math.isinf(gnorm):
+            gnorm = self._exact_norm(grads)
+        if math.isinf(pnorm):
+            pnorm = self._exact_norm(self._params)
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
 
@@ -420,7 +430,7 @@ class NaNGuard:
         bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
         grad_norms = {}
         if with_grad:
-            norms = torch.stack(torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float32)).tolist()
+            norms = torch.stack(torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float64)).tolist()
             div = scale if isinstance(scale, float) and scale > 0 and self.scaler is not None else 1.0
             grad_norms = {n: v / div for (n, _), v in zip(with_grad, norms)}
         detail: dict[str, Any] = {
@@ -430,7 +440,7 @@ class NaNGuard:
             "param_norms": dict(
                 zip(
                     [names.get(id(p), "?") for p in self._params],
-                    torch.stack(torch._foreach_norm([p.detach() for p in self._params], 2, dtype=torch.float32)).tolist()
+                    torch.stack(torch._foreach_norm([p.detach() for p in self._params], 2, dtype=torch.float64)).tolist()
                     if self._params
                     else [],
                 )

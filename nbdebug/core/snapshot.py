@@ -835,11 +835,12 @@ class Snapshot:
         return history_frame(self.history)
 
     def param_norms(self) -> dict[str, float]:
-        """L2 norm of every floating tensor of the stored model state."""
+        """L2 norm (computed in float64) of every floating tensor of the stored model state."""
         out = {}
         for k, v in self.model_state.items():
             if v.is_floating_point() or v.is_complex():
-                out[k] = float(torch.linalg.vector_norm(v.detach().float() if not v.is_complex() else v.abs()))
+                x = v.detach().abs() if v.is_complex() else v.detach()
+                out[k] = float(torch.linalg.vector_norm(x, dtype=torch.float64))
         return out
 
     # ----------------------------------------------------------------- replay

@@ -57,8 +57,8 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         One row per panel, shared x axis ``step``. Traces are named after the column
         (``"loss"``, ``"grad_norm"``, ...); non-finite values are a separate marker trace
         per panel named ``"<column> non-finite"``; skipped steps a trace named
-        ``"skipped"`` in the loss panel. Norms, learning rate and scale use a log axis
-        when all their finite values are positive.
+        ``"skipped"`` in the loss panel. A panel uses a log axis when all its finite
+        values are positive and span more than 20x (the loss: more than 1000x).
 
     Raises
     ------
@@ -117,7 +117,8 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         )
         fin_vals = shown[finite]
         positive = fin_vals.size > 0 and bool((fin_vals > 0).all())
-        log = col != "loss" and positive and float(fin_vals.max()) / float(fin_vals.min()) > 20
+        # log axis when the values span decades (a diverging loss, exploding norms)
+        log = positive and float(fin_vals.max()) / float(fin_vals.min()) > (1e3 if col == "loss" else 20)
         if log:
             fig.update_yaxes(type="log", row=row, col=1)
         # Non-finite values sit at the top of the panel: plotly cannot draw inf or NaN.

@@ -1,0 +1,241 @@
+"""What a snapshot says, for a terminal and for a self-contained HTML page.
+
+Pure functions: a :class:`~nbdebug.core.snapshot.Snapshot` (and, when the step could be
+replayed, its :class:`~nbdebug.core.result.Trace`) in; facts, tables or an HTML string out.
+:func:`report_html` inlines plotly.js once so the page works offline (no CDN).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import math
+from typing import Any
+
+from ..core.batch import describe
+from ..core.result import Trace
+from ..core.snapshot import Snapshot
+
+
+def fmt(v: Any) -> str:
+    """A number as the tables show it: 4 significant digits, ``nan``/``inf`` spelled out."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, (int, float)):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    return str(v)
+
+
+def largest(values: dict[str, float], k: int = 10) -> list[tuple[str, float]]:
+    """The ``k`` largest entries, non-finite ones (NaN, inf) first."""
+
+    def key(item: tuple[str, float]) -> tuple[int, float]:
+        v = item[1]
+        if isinstance(v, float) and math.isnan(v):
+            return (0, 0.0)
+        if math.isinf(v):
+            return (1, 0.0)
+        return (2, -v)
+
+    clean = [(n, float(v)) for n, v in values.items() if isinstance(v, (int, float))]
+    return sorted(clean, key=key)[:k]
+
+
+def grad_norms(snap: Snapshot) -> dict[str, float]:
+    """Per-parameter gradient norms the guard measured at the failing step (unscaled)."""
+    d = snap.reason.get("grad_norms")
+    return {str(k): float(v) for k, v in d.items() if isinstance(v, (int, float))} if isinstance(d, dict) else {}
+
+
+def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
+    """(label, value) rows describing where the replay found the first NaN/Inf."""
+    if trace is None:
+        return []
+    rows = [("summary", trace.summary())]
+    o = trace.origin
+    if o is not None:
+        rows += [
+            ("phase", o.phase),
+            ("module", "-" if o.phase in ("input", "loss") else (o.module or "<model>") + (f" ({o.module_type})" if o.module_type else "")),
+            ("tensor", f"{o.kind} {o.name} {tuple(o.shape)} {o.dtype}"),
+            ("op", o.op or "-"),
+            ("source", o.source or "-"),
+            ("samples", _rows(o.samples)),
+        ]
+        if o.param:
+            rows.append(("parameter", o.param))
+        if o.note:
+            rows.append(("note", o.note))
+    elif trace.first_nonfinite is not None:
+        rows.append(("first non-finite", trace.first_nonfinite.label))
+    return rows
+
+
+def _rows(samples: list[int], most: int = 16) -> str:
+    if not samples:
+        return "-"
+    more = f" ... ({len(samples)} rows)" if len(samples) > most else ""
+    return ", ".join(map(str, samples[:most])) + more
+
+
+def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
+    """(label, value) rows: file, step, reason, model, batch, environment."""
+    env = snap.environment
+    when = _dt.datetime.fromtimestamp(snap.time).strftime("%Y-%m-%d %H:%M:%S")
+    n_params = sum(v.numel() for v in snap.model_state.values() if v.is_floating_point())
+    model = f"{snap.model_class} ({len(snap.model_state)} tensors, {n_params:,} floating-point values)"
+    rows = [
+        ("file", f"{snap.path} (format {snap.version}, written {when})"),
+        ("step", fmt(snap.step)),
+        ("reason", f"{snap.kind}: {snap.message}"),
+        ("model", model),
+        ("batch", f"inputs {describe(snap.inputs)}; target {describe(snap.target) if snap.target is not None else '-'}"),
+        ("loss", f"{fmt(snap.reason.get('loss'))}" + (f", action {snap.reason['action']}" if "action" in snap.reason else "")),
+        (
+            "environment",
+            f"torch {env.get('torch', '?')}, python {env.get('python', '?')}, devices "
+            f"{', '.join(env.get('devices', [])) or '?'}, dtypes {', '.join(env.get('dtypes', [])) or '?'}"
+            + (f", GPU {env['gpu']}" if env.get("gpu") else ""),
+        ),
+    ]
+    if snap.recipe is not None:
+        rows.append(("recipe", f"{snap.recipe['factory']}(**{snap.recipe['kwargs']})"))
+    if snap.loss_fn_spec:
+        rows.append(("loss_fn", str(snap.loss_fn_spec.get("name") or snap.loss_fn_spec.get("repr"))))
+    if snap.optimizer_class:
+        rows.append(("optimizer", snap.optimizer_class))
+    if snap.dropped:
+        rows.append(("not stored", ", ".join(snap.dropped)))
+    return rows
+
+
+def history_table(snap: Snapshot, rows: int = 10) -> Any:
+    """The last ``rows`` history rows as display strings (DataFrame; no ``time`` column).
+
+    Loss and norms are recorded every step, so a NaN there reads ``nan``; learning rate,
+    scale and failure kind read ``-`` where nothing was recorded."""
+    import pandas as pd
+
+    df = snap.history_frame()
+    df = df[[c for c in df.columns if c != "time"]].tail(rows)
+    out = pd.DataFrame(index=df.index)
+    for c in df.columns:
+        if c in ("loss", "grad_norm", "param_norm"):
+            out[c] = [fmt(float(v)) for v in df[c]]
+        else:
+            out[c] = ["-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v) for v in df[c]]
+    return out
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f'<table class="facts">{body}</table>'
+
+
+def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
+    if not items:
+        return ""
+    body = "".join(
+        f"<tr><td>{html.escape(n)}</td><td class=\"{'bad' if not math.isfinite(v) else ''}\">{fmt(v)}</td></tr>"
+        for n, v in items
+    )
+    return (
+        f"<div><h3>{html.escape(title)}</h3>"
+        f"<table class=\"norms\"><tr><th>tensor</th><th>L2 norm</th></tr>{body}</table></div>"
+    )
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: .5em 0; font-size: .9em; }
+th, td { padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top; }
+table.facts th { color: #555; white-space: nowrap; }
+.bad { color: #d62728; font-weight: 600; }
+.note { color: #666; font-style: italic; }
+.cols { display: flex; gap: 3em; flex-wrap: wrap; }
+"""
+
+
+def report_html(
+    snap: Snapshot,
+    trace: Trace | None = None,
+    *,
+    note: str | None = None,
+    rows: int = 20,
+    top: int = 10,
+) -> str:
+    """One self-contained HTML page about a snapshot.
+
+    Parameters
+    ----------
+    snap : Snapshot
+    trace : Trace, optional
+        ``snap.trace()`` (the replay); without it the per-layer norm plot and the origin
+        are left out and ``note`` says why.
+    note : str, optional
+        A sentence shown where the replay would be (e.g. "give --model to replay").
+    rows : int
+        History rows in the table.
+    top : int
+        Entries in each largest-norms table.
+
+    Returns
+    -------
+    str
+        A complete HTML document with plotly.js inlined (no network access needed).
+    """
+    import plotly.graph_objects as go
+    from plotly.offline import get_plotlyjs
+
+    from .history import history_figure
+    from .norms import norm_figure
+
+    if not isinstance(snap, Snapshot):
+        raise TypeError(f"report_html expects a Snapshot; got {type(snap).__qualname__}.")
+    if trace is not None and not isinstance(trace, Trace):
+        raise TypeError(f"trace must be an nbdebug Trace or None; got {type(trace).__qualname__}.")
+
+    def figure(fig: go.Figure, div_id: str) -> str:
+        return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, config={"displaylogo": False})
+
+    title = f"nbdebug snapshot: step {fmt(snap.step)}"
+    parts = [
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p class=\"bad\">{html.escape(snap.kind)}: {html.escape(snap.message)}</p>",
+        _table(snapshot_facts(snap)),
+        "<h2>Where the first NaN/Inf was produced (replay)</h2>",
+    ]
+    if trace is not None:
+        parts.append(_table(origin_facts(trace)))
+    if note:
+        parts.append(f'<p class="note">{html.escape(note)}</p>')
+
+    parts.append("<h2>History</h2>")
+    if snap.history:
+        parts.append(figure(history_figure(snap.history_frame(), failing_step=snap.step), "nbdebug-history"))
+        parts.append(history_table(snap, rows).to_html(index=False, border=0))
+    else:
+        parts.append('<p class="note">No history was recorded in this snapshot.</p>')
+
+    parts.append("<h2>Per-layer norms</h2>")
+    if trace is not None:
+        current = trace.origin if trace.origin is not None else None
+        parts.append(figure(norm_figure(trace, current=current), "nbdebug-norms"))
+    else:
+        parts.append('<p class="note">The per-layer norm plot needs the replay (see above).</p>')
+    parts.append('<div class="cols">')
+    parts.append(_norm_table("Largest gradient norms at the failing step", largest(grad_norms(snap), top)))
+    parts.append(_norm_table("Largest parameter norms", largest(snap.param_norms(), top)))
+    parts.append("</div>")
+    body = "\n".join(parts)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style>"
+        f'<script type="text/javascript">{get_plotlyjs()}</script>'
+        f"</head><body>\n{body}\n</body></html>\n"
+    )
