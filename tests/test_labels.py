@@ -288,7 +288,7 @@ def test_torch_classifier_is_a_sklearn_estimator():
     p2 = TorchClassifier(MLP, epochs=5, random_state=1).fit(X[:300], y[:300]).predict_proba(X[300:360])
     np.testing.assert_allclose(p, p2)
     with pytest.raises(TypeError, match=r"must return a torch\.nn\.Module"):
-        TorchClassifier(lambda: 3).fit(X[:10], y[:10])
+        TorchClassifier(lambda: 3).fit(X[:10], y[:10])  # type: ignore[arg-type, return-value]
 
 
 def test_default_ensemble_from_features():
