@@ -540,6 +540,31 @@ def test_module_sweep_finds_the_one_broken_layer():
     assert [c[0] for c in calls] == list(range(1, len(df) + 1)) and all(c[1] == len(df) for c in calls)
 
 
+def test_module_sweep_treats_non_finite_float_inputs_as_constants():
+    class MaskedSoftmax(nn.Module):
+        def forward(self, x, mask):
+            return torch.softmax(x + mask, dim=-1)
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.soft = MaskedSoftmax()
+
+        def forward(self, x, mask):
+            return self.soft(self.proj(x), mask=mask)
+
+    mask = torch.zeros(3, 4)
+    mask[:, -1] = float("-inf")
+    df = gradcheck_modules(Masked(), (torch.randn(3, 4), mask), rows=2)
+    assert list(df["module"]) == ["proj", "soft"]
+    assert list(df["passed"]) == [True, True], list(df["reason"])
+    res = df.attrs["results"]["soft"]
+    assert [p.input for p in res.pairs] == ["input[0]"]  # the -inf mask (a keyword) is a constant
+    finite = gradcheck_modules(Masked(), (torch.randn(3, 4), torch.zeros(3, 4)), rows=2)
+    assert [p.input for p in finite.attrs["results"]["soft"].pairs] == ["input[0]", "mask"]
+
+
 def test_module_sweep_bad_input():
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         gradcheck_modules(lambda x: x, torch.randn(2, 3))  # type: ignore[arg-type]

@@ -712,7 +712,10 @@ def _make_problem(
     diff: list[torch.Tensor] = []
     if wrt in ("inputs", "both"):
         for idx, (path, leaf) in enumerate(with_path):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and (all_float or leaf.requires_grad):
+            if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
+                continue
+            # the sweep differentiates every finite float input (an additive -inf mask is a constant)
+            if leaf.requires_grad if not all_float else bool(torch.isfinite(leaf).all()):
                 specs.append(("leaf", idx))
                 names.append(_leaf_name(path))
                 diff.append(leaves[idx])
