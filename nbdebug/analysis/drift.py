@@ -5,10 +5,13 @@ does the model see it?
 >>> rep.alarm, rep.features.head(), rep.clusters
 >>> rep.show()       # the panel: table, overlays, SHAP map, cluster shares
 
-Every p-value of the report (a KS test per input column, a KS test per SHAP column, the
-chi-square test on cluster shares and the classifier two-sample test) is corrected
-together, Benjamini-Hochberg by default, so that ``alarm`` (any corrected p-value at or
-below ``alpha``) fires at rate ``alpha`` or less when nothing drifted.
+The report's tests form four families: a KS test per input column, a KS test per SHAP
+column, the chi-square test of cluster shares and the classifier two-sample test. They are
+corrected in two levels (Benjamini and Bogomolov, 2014; Benjamini-Hochberg by default,
+Bonferroni on request): across the families on their global (Simes / Bonferroni)
+p-values, then within the families that drifted. ``alarm`` (some family drifted) fires at
+rate ``alpha`` or less when nothing drifted, every flagged feature lies in a drifted
+family, and the two multivariate tests are not drowned by the ``2 d`` per-feature tests.
 
 Choose a reference the model was *not* trained on (a validation split): SHAP values on
 training rows differ from those on new rows when the model over-fits, and that difference
@@ -83,7 +86,11 @@ class DriftReport:
         One row per cluster of the pooled rows in SHAP space: ``name``, ``n_reference``,
         ``n_current``, ``share_reference``, ``share_current``, ``change``, ``residual``.
     alarm : bool
-        Any corrected p-value at or below ``alpha``.
+        Some family of tests drifted (see ``tests``).
+    tests : pandas.DataFrame
+        One row per family (``inputs``, ``explanations``, ``cluster shares``,
+        ``classifier``): ``n_tests``, ``p_value`` (global), ``p_adjusted`` (across
+        families), ``drift``.
     summary : str
         One paragraph in words.
     classifier, cluster_test : ClassifierTest, ClusterTest
@@ -482,7 +489,8 @@ def drift(
     alpha : float
         Level of the tests, after correction.
     correction : {"fdr", "bonferroni"}
-        Benjamini-Hochberg (default) or Bonferroni, over all ``2 d + 2`` tests.
+        Benjamini-Hochberg (default) or Bonferroni, applied across the four test families
+        and within the drifted ones (see the module docstring).
     random_state : int
         Seeds the background sample, the clustering, the folds and the permutations.
     output : "auto", "predicted" or int

@@ -11,7 +11,11 @@
   the module when its layers are supported, checked on a few rows; else
   ``shap.GradientExplainer`` (expected gradients);
 * anything else (other estimators, pipelines, plain prediction functions):
-  ``shap.PermutationExplainer`` over ``background`` reference rows.
+  ``shap.KernelExplainer`` over ``background`` reference rows, with shap's default
+  number of coalition samples (``2 d + 2048``); it calls the model about
+  ``n_rows x samples x background`` times, so pass a small ``background`` (20-50) for slow
+  models. ``explainer="permutation"`` (``shap.PermutationExplainer``) is the alternative;
+  its first use in a process compiles shap's numba kernels (8-18 s here).
 
 The user's model is never changed: torch modules are copied (the copy is put in eval mode
 and receives shap's hooks), the original is wrapped in :func:`nbdebug.core.state.preserved`
@@ -104,15 +108,27 @@ def _is_estimator(model: Any) -> bool:
     return hasattr(model, "fit") and (hasattr(model, "predict") or hasattr(model, "predict_proba"))
 
 
+class BadOutput(Exception):
+    """Marks errors about what a model returned (as opposed to the model failing)."""
+
+
+class BadOutputValue(BadOutput, ValueError):
+    pass
+
+
+class BadOutputType(BadOutput, TypeError):
+    pass
+
+
 def _as_2d(out: Any, n: int, what: str) -> np.ndarray:
     try:
         arr = np.asarray(out, dtype=np.float64)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must return numbers; it returned {type(out).__qualname__}.") from e
+        raise BadOutputValue(f"{what} must return numbers; it returned {type(out).__qualname__}.") from e
     if arr.ndim == 1:
         arr = arr[:, None]
     if arr.ndim != 2 or arr.shape[0] != n:
-        raise ValueError(
+        raise BadOutputValue(
             f"{what} must return an array of shape (n,) or (n, k) for n={n} rows; got shape {arr.shape}."
         )
     return arr
@@ -133,7 +149,7 @@ class _TabularOutput:
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 out = self.inner(x)
                 if not isinstance(out, torch.Tensor):
-                    raise TypeError(
+                    raise BadOutputType(
                         "a torch model for drift must return a tensor of shape (n,) or (n, k); "
                         f"it returned {type(out).__qualname__}."
                     )
@@ -243,13 +259,8 @@ def check_model_runs(adapter: ModelAdapter, x: np.ndarray) -> int:
     rows = x[: min(2, len(x))]
     try:
         out = adapter.predict(rows)
-    except ValueError as e:
-        if "must return" in str(e):
-            raise
-        raise ValueError(
-            f"the model could not be called on {len(rows)} rows of the reference batch "
-            f"(shape {rows.shape}, float): {type(e).__name__}: {e}"
-        ) from e
+    except BadOutput:  # the model ran; what it returned is wrong: that message says it
+        raise
     except Exception as e:
         raise ValueError(
             f"the model could not be called on {len(rows)} rows of the reference batch "
@@ -272,7 +283,9 @@ def _choose(adapter: ModelAdapter, explainer: str) -> str:
             return "tree"
         if mod.startswith(_LINEAR_MODULES) and hasattr(adapter.model, "coef_"):
             return "linear"
-    return "permutation"
+    # KernelExplainer rather than PermutationExplainer: the latter spends 8-18 s compiling
+    # shap's numba kernels in every new process
+    return "kernel"
 
 
 def _stack_outputs(v: Any) -> np.ndarray:
@@ -280,6 +293,10 @@ def _stack_outputs(v: Any) -> np.ndarray:
     if isinstance(v, list):
         v = np.stack([np.asarray(a) for a in v], axis=-1)
     return np.asarray(v, dtype=np.float64)
+
+
+class _WrongKind(ValueError):
+    """The explainer asked for does not apply to this kind of model."""
 
 
 @dataclass
@@ -297,7 +314,7 @@ def _build(
 
     if kind == "tree":
         if adapter.kind != "sklearn":
-            raise ValueError(f"explainer='tree' needs a tree-based estimator; got {_kind(adapter.model)}.")
+            raise _WrongKind(f"explainer='tree' needs a tree-based estimator; got {_kind(adapter.model)}.")
         ex = shap.TreeExplainer(adapter.model)
         return _Built(
             "TreeExplainer (path-dependent)",
@@ -307,15 +324,15 @@ def _build(
         )
     if kind == "linear":
         if adapter.kind != "sklearn" or not hasattr(adapter.model, "coef_"):
-            raise ValueError(f"explainer='linear' needs a linear estimator with coef_; got {_kind(adapter.model)}.")
+            raise _WrongKind(f"explainer='linear' needs a linear estimator with coef_; got {_kind(adapter.model)}.")
         lin = shap.LinearExplainer(adapter.model, shap.maskers.Independent(bg, max_samples=len(bg)))
         return _Built("LinearExplainer", lambda x: _stack_outputs(lin.shap_values(x)), 100_000, len(bg))
     if kind in ("deep", "gradient"):
         if adapter.kind != "torch":
-            raise ValueError(f"explainer={kind!r} needs a torch.nn.Module; got {_kind(adapter.model)}.")
+            raise _WrongKind(f"explainer={kind!r} needs a torch.nn.Module; got {_kind(adapter.model)}.")
         if adapter.torch_copy is None:
             if kind == "deep":
-                raise ValueError(
+                raise _WrongKind(
                     "explainer='deep' adds hooks and attributes to the module, so it runs on a copy; "
                     "this model could not be copied with copy.deepcopy."
                 )
@@ -364,6 +381,7 @@ def _deep_works(built: _Built, x: np.ndarray) -> str | None:
     """Why DeepExplainer does not fit this module (None if it does), from a few rows."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.simplefilter("ignore", DeprecationWarning)
         try:
             built.values(x[: min(4, len(x))])
         except Exception as e:  # additivity fails on unsupported operations
@@ -506,15 +524,16 @@ def explain_batches(
         kind = _choose(adapter, explainer)
         try:
             built = _build(kind, adapter, bg, d, random_state)
-        except ValueError:
+        except _WrongKind:
             raise
         except Exception as e:
             if explainer != "auto":
                 raise ValueError(
-                    f"shap's {kind} explainer cannot explain {_kind(adapter.model)}: {type(e).__name__}: {e}"
+                    f"explainer={kind!r} cannot explain {_kind(adapter.model)}; shap says: "
+                    f"{type(e).__name__}: {str(e)[:200]}"
                 ) from e
-            notes.append(f"{kind} explainer not applicable ({type(e).__name__}); used the permutation explainer")
-            kind = "permutation"
+            notes.append(f"{kind} explainer not applicable ({type(e).__name__}); used KernelExplainer")
+            kind = "kernel"
             built = _build(kind, adapter, bg, d, random_state)
         if kind == "deep" and explainer == "auto":
             why = _deep_works(built, reference)
@@ -533,7 +552,10 @@ def explain_batches(
                 for s in range(0, len(x), built.chunk):
                     chunk = x[s : s + built.chunk]
                     try:
-                        parts[which].append(built.values(chunk))
+                        with warnings.catch_warnings():
+                            # shap's own NumPy-2 deprecation notices are not the user's business
+                            warnings.simplefilter("ignore", DeprecationWarning)
+                            parts[which].append(built.values(chunk))
                     except Exception as e:
                         raise RuntimeError(
                             f"{built.name} failed on rows {s}-{s + len(chunk) - 1} of the {which} batch: "
