@@ -40,7 +40,7 @@ _HTOTAL = _HNONFIN + 1
 VECTOR_LEN = _HTOTAL + 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TensorStats:
     """Summary of one tensor. Moments are over the finite elements.
 
@@ -90,7 +90,7 @@ class TensorStats:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Histogram:
     """Counts of log10|x| in the fixed bins ``edges`` (``len(edges) == len(counts) + 1``).
 
@@ -344,3 +344,39 @@ def finalize(v: np.ndarray) -> tuple[TensorStats, Histogram]:
 def tensor_stats(t: torch.Tensor) -> TensorStats:
     """Exact statistics of one tensor (synchronises; for tests and one-off use)."""
     return finalize(exact_vector(t).cpu().numpy())[0]
+
+
+def finalize_many(vectors: list[np.ndarray]) -> list[tuple[TensorStats, Histogram]]:
+    """:func:`finalize` for many vectors at once (numpy over the stacked matrix)."""
+    if not vectors:
+        return []
+    m = np.vstack(vectors)
+    numel = m[:, _NUMEL]
+    counted = m[:, _NNAN] >= 0
+    n_nan = np.where(counted, m[:, _NNAN], 0.0)
+    n_inf = np.where(counted, m[:, _NINF], 0.0)
+    n_fin = np.where(counted, m[:, _NFIN], numel)
+    total, norm, mn, mx = m[:, _SUM], m[:, _NORM], m[:, _MIN], m[:, _MAX]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        safe = np.maximum(n_fin, 1)
+        mean = np.where(n_fin > 0, total / safe, np.nan)
+        var = np.maximum(norm * norm / safe - mean * mean, 0.0)
+        std = np.where(n_fin > 0, np.sqrt(var), np.nan)
+        absmax = np.where(n_fin > 0, np.maximum(np.abs(mn), np.abs(mx)), np.nan)
+        zero_frac = np.where(numel > 0, (numel - m[:, _NNZ]) / np.maximum(numel, 1), 0.0)
+    counts = m[:, _HIST0:_HZERO].astype(np.int64)
+    hz, hn, ht = m[:, _HZERO].astype(np.int64), m[:, _HNONFIN].astype(np.int64), m[:, _HTOTAL].astype(np.int64)
+    cols = zip(
+        numel.astype(np.int64).tolist(), norm.tolist(), mean.tolist(), std.tolist(), mn.tolist(),
+        mx.tolist(), absmax.tolist(), zero_frac.tolist(), n_nan.astype(np.int64).tolist(),
+        n_inf.astype(np.int64).tolist(), hz.tolist(), hn.tolist(), ht.tolist(),
+    )
+    out = []
+    for i, (ne, nr, me, sd, lo, hi, am, zf, na, ni, z, nf, tt) in enumerate(cols):
+        out.append(
+            (
+                TensorStats(ne, nr, me, sd, lo, hi, am, zf, na, ni),
+                Histogram(counts[i], z, nf, tt, tt < ne),
+            )
+        )
+    return out

@@ -10,7 +10,9 @@ level of torch operations to name the op and the source line.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,7 @@ from .origin import Located, OpFinding, locate, replay_backward, replay_forward,
 from .recorder import Recorder, clone_structure
 from .result import Trace, TraceError
 from .state import PreservedState, RngState, preserved
-from .stats import finalize, tensor_stats, vector_is_finite
+from .stats import finalize_many, tensor_stats, vector_is_finite
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -82,7 +84,7 @@ def trace(
     model = check_model(model)
     check_inputs(inputs)
     bs = batch_size(inputs)
-    with preserved(model) as st:
+    with _gc_paused(), preserved(model) as st:
         health = _ParamHealth.measure(model, st.params)
         rec, out = _run(model, inputs, target, loss_fn, st, exact=False)
         vectors = rec.host_vectors()
@@ -96,6 +98,20 @@ def trace(
         loc = locate(rec, health.bad)
         origin = _resolve(model, inputs, target, loss_fn, st, rec, loc, events, out, bs)
         return _result(model, inputs, rec, events, origin, out, health)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """A trace allocates thousands of small records; letting the cyclic collector run
+    full collections over a torch-sized heap in the middle of that costs more than the
+    trace itself. Pause it for the duration and restore its previous state."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 # ---------------------------------------------------------------------- passes
@@ -323,8 +339,7 @@ def _capture(
 # ---------------------------------------------------------------------- results
 def _events(rec: Recorder, vectors: list[np.ndarray]) -> list[Event]:
     events = []
-    for i, (r, v) in enumerate(zip(rec.raw, vectors)):
-        stats, hist = finalize(v)
+    for i, (r, (stats, hist)) in enumerate(zip(rec.raw, finalize_many(vectors))):
         events.append(
             Event(
                 index=i, phase=r.phase, module=r.module, kind=r.kind, name=r.name,
@@ -395,11 +410,13 @@ def _result(
 ) -> Trace:
     grads = {e.param: e for e in events if e.kind == "param_grad"}
     params: list[ParamInfo] = []
+    seen: set[int] = set()
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
             qual = f"{mname}.{pname}" if mname else pname
-            if any(x.name == qual for x in params):
+            if id(p) in seen:
                 continue
+            seen.add(id(p))
             g = grads.get(qual)
             n_nan, n_inf = health.counts.get(id(p), (0, 0))
             params.append(
