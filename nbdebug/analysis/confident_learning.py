@@ -31,18 +31,19 @@ def self_confidence(pred_probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return pred_probs[np.arange(len(labels)), labels]
 
 
-def max_other(pred_probs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The largest probability among the classes other than the given one, and that class.
+def max_other(
+    top_classes: np.ndarray, top_probs: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The largest probability among the classes other than the given one, and that class,
+    from the two most probable classes of :func:`top_k`.
 
     Returns
     -------
     (values, classes) : float array ``(n,)`` and int64 array ``(n,)``
     """
-    rows = np.arange(len(labels))
-    masked = pred_probs.copy()
-    masked[rows, labels] = -np.inf
-    cls = masked.argmax(axis=1)
-    return masked[rows, cls], cls
+    first_is_given = top_classes[:, 0] == labels
+    cls = np.where(first_is_given, top_classes[:, 1], top_classes[:, 0])
+    return np.where(first_is_given, top_probs[:, 1], top_probs[:, 0]), cls
 
 
 def per_class_thresholds(
@@ -146,7 +147,7 @@ def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
     n, n_classes = pred_probs.shape
     k = min(k, n_classes)
     if k < n_classes:
-        part = np.argpartition(-pred_probs, k - 1, axis=1)[:, :k]
+        part = np.argpartition(pred_probs, n_classes - k, axis=1)[:, n_classes - k :]
     else:
         part = np.broadcast_to(np.arange(n_classes), (n, n_classes)).copy()
     vals = np.take_along_axis(pred_probs, part, axis=1)

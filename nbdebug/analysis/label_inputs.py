@@ -87,25 +87,27 @@ def check_pred_probs(pred_probs: Any, n: int | None = None, *, name: str = "pred
             f"{name} has {arr.shape[0]} rows but there are {n} labels: expected one row of "
             "class probabilities per label."
         )
-    arr = np.array(arr, dtype=np.float64, copy=True)
-    finite = np.isfinite(arr)
-    if not finite.all():
+    # read-only from here on: the caller's array is used as is unless it must be converted
+    arr = np.asarray(arr, dtype=np.float64)
+    sums = arr.sum(axis=1)
+    if not np.isfinite(sums).all():  # a NaN or inf anywhere makes its row's sum non-finite
+        finite = np.isfinite(arr)
         i = int(np.flatnonzero(~finite.all(axis=1))[0])
         raise ValueError(
             f"{name} must be finite; row {i} holds {arr[i][~finite[i]][0]} "
             f"({int((~finite).any(axis=1).sum())} such rows)."
         )
-    if (arr < 0).any():
+    if arr.min() < 0:
         i = int(np.flatnonzero((arr < 0).any(axis=1))[0])
         raise ValueError(
             f"{name} must be non-negative probabilities; row {i} holds {arr[i].min():.4g} "
             "(pass probabilities, e.g. softmax of the logits, not the logits)."
         )
-    sums = arr.sum(axis=1)
     if (sums <= 0).any():
         i = int(np.flatnonzero(sums <= 0)[0])
         raise ValueError(f"{name} row {i} is all zeros: expected probabilities summing to 1.")
-    off = np.abs(sums - 1.0) > 1e-3
+    dev = np.abs(sums - 1.0)
+    off = dev > 1e-3
     if off.any():
         i = int(np.flatnonzero(off)[0])
         warnings.warn(
@@ -114,7 +116,8 @@ def check_pred_probs(pred_probs: Any, n: int | None = None, *, name: str = "pred
             UserWarning,
             stacklevel=3,
         )
-    arr /= sums[:, None]
+    if dev.max() > 1e-12:
+        arr = arr / sums[:, None]  # a new array: the caller's is never written to
     return arr
 
 

@@ -334,9 +334,10 @@ def find_label_issues(
     # ---- scores
     rows = np.arange(n)
     sc = P[rows, y]
-    other, _ = cl.max_other(P, y)
+    top_cls, top_p = cl.top_k(P, 3)
+    other, other_cls = cl.max_other(top_cls, top_p, y)
     margin = (sc - other + 1.0) / 2.0
-    pred = P.argmax(axis=1)
+    pred = top_cls[:, 0]
     if supplied:
         _warn_in_sample(sc, pred, y)
 
@@ -353,8 +354,7 @@ def find_label_issues(
         )
 
     # ---- flags and suggestions
-    top_cls, top_p = cl.top_k(P, 3)
-    suggested = np.where(top_cls[:, 0] == y, top_cls[:, 1] if k > 1 else top_cls[:, 0], top_cls[:, 0])
+    suggested = other_cls
     candidates = pred != y
     if unassessed:
         candidates &= ~np.isin(y, unassessed)
@@ -393,28 +393,32 @@ def find_label_issues(
     suggested_prob = np.where(suggested >= 0, P[rows, np.maximum(suggested, 0)], np.nan)
 
     quality = sc if rank_by == "self_confidence" else margin
-    order = np.lexsort((quality, ~flagged))
-    meth = pd.Categorical.from_codes(flagged.astype(np.int8), categories=pd.Index(["", method]))
-
+    # flagged first, each part by quality ascending (quality lies in [0, 1])
+    order = np.argsort(np.where(flagged, quality - 2.0, quality), kind="stable")
+    meth = pd.Categorical.from_codes(flagged[order].astype(np.int8), categories=pd.Index(["", method]))
+    top3 = top_cls[:, 2] if k > 2 else np.full(n, -1)
+    top3_p = top_p[:, 2] if k > 2 else np.full(n, np.nan)
+    columns = {
+        "given_label": y,
+        "suggested_label": suggested.astype(np.int64),
+        "suggested_prob": suggested_prob,
+        "label_quality": quality,
+        "self_confidence": sc,
+        "normalized_margin": margin,
+        "is_issue": flagged,
+        "method": None,
+        "top1": top_cls[:, 0],
+        "top1_prob": top_p[:, 0],
+        "top2": top_cls[:, 1],
+        "top2_prob": top_p[:, 1],
+        "top3": top3,
+        "top3_prob": top3_p,
+    }
     df = pd.DataFrame(
-        {
-            "given_label": y,
-            "suggested_label": suggested.astype(np.int64),
-            "suggested_prob": suggested_prob,
-            "label_quality": quality,
-            "self_confidence": sc,
-            "normalized_margin": margin,
-            "is_issue": flagged,
-            "method": meth,
-            "top1": top_cls[:, 0],
-            "top1_prob": top_p[:, 0],
-            "top2": top_cls[:, 1],
-            "top2_prob": top_p[:, 1],
-            "top3": top_cls[:, 2] if k > 2 else np.full(n, -1),
-            "top3_prob": top_p[:, 2] if k > 2 else np.full(n, np.nan),
-        },
-        index=pd.RangeIndex(n, name="index"),
-    ).take(order)
+        {c: (meth if v is None else np.take(v, order)) for c, v in columns.items()},
+        index=pd.Index(order, name="index"),
+        copy=False,
+    )
     df.attrs["label_noise"] = LabelNoise(
         method=method,
         n=n,
