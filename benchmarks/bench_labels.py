@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover
 def flip(y: np.ndarray, rate: float, seed: int, k: int = 10) -> np.ndarray:
     rng = np.random.default_rng(seed)
     noisy = y.copy()
-    idx = rng.choice(len(y), int(round(rate * len(y))), replace=False)
+    idx = rng.choice(len(y), round(rate * len(y)), replace=False)
     noisy[idx] = (y[idx] + rng.integers(1, k, len(idx))) % k
     return noisy
 
