@@ -361,3 +361,30 @@ def test_cursor_alone(bad_dbg):
     hc = Cursor(healthy)
     assert hc.to_origin() is False and hc.next_nonfinite() is False and hc.index == 0
     assert math.isfinite(healthy.loss)
+
+
+def test_snapshot_gets_a_history_tab(tmp_path):
+    m = LogNet()
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    history = [{"step": s, "loss": 2.0 - 0.1 * s, "grad_norm": 1.0, "param_norm": 4.0, "lr": 0.01} for s in range(9)]
+    path = nbdebug.save_snapshot(tmp_path, m, x, y, step=9, reason="loss is nan", history=history,
+                                 loss_fn=F.cross_entropy)
+    dbg = debug(path, model=LogNet)
+    assert list(dbg.tabs.titles) == ["Step", "Layers", "History"]
+    hist = dbg.history
+    assert hist is not None and hist.failing_step == 9
+    assert list(hist.history["step"]) == list(range(9))
+    # the loss trace of the history figure carries the recorded values
+    loss_trace = next(t for t in hist.plot.figure.data if t.name == "loss")
+    assert list(loss_trace.y) == pytest.approx([h["loss"] for h in history])
+    assert "failing step 9" in hist.summary.value and "loss is nan" in hist.summary.value
+    replay = nbdebug.load_snapshot(path, model=LogNet).trace()
+    assert dbg.trace.summary() == replay.summary()
+    assert "step 9" in dbg.header.value
+    # the same from a loaded Snapshot; no history -> no History tab
+    bare = nbdebug.save_snapshot(tmp_path / "b.nbsnap", m, x, y, step=1, loss_fn=F.cross_entropy)
+    assert list(debug(nbdebug.load_snapshot(bare, model=LogNet)).tabs.titles) == ["Step", "Layers"]
+    with pytest.raises(nbdebug.SnapshotError):
+        debug(tmp_path / "missing.nbsnap", model=LogNet)
+    with pytest.raises(TypeError, match="model="):
+        debug(nbdebug.trace(m, x, y, F.cross_entropy), model=LogNet)

@@ -258,7 +258,11 @@ def debug(
     """
     import torch
 
+    if model is not None and not isinstance(obj, (str, os.PathLike)):
+        raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     if isinstance(obj, Trace):
+        if inputs is not None or target is not None or loss_fn is not None:
+            raise TypeError("debug(trace) takes no inputs/target/loss_fn: the trace is already recorded.")
         return Debugger(obj, backend=backend)
     if isinstance(obj, torch.nn.Module):
         if inputs is None:
@@ -277,8 +281,6 @@ def debug(
         from ..core.snapshot import load_snapshot
 
         obj = load_snapshot(obj, model=model)
-    elif model is not None:
-        raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     from ..core.snapshot import Snapshot
 
     if isinstance(obj, Snapshot):

@@ -100,7 +100,7 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     note = f"<div><i>{e(ev.note)}</i></div>" if ev.note else ""
     return (
         f"<div class='nbdebug-detail'><div>{head}</div>{nonfinite}{note}"
-        f"<div style='display:flex;gap:16px'><table>{info}</table><table>{stats}</table></div></div>"
+        f"<div style='display:flex;gap:16px;align-items:flex-start'><table>{info}</table><table>{stats}</table></div></div>"
     )
 
 
@@ -150,9 +150,9 @@ class StepPanel:
                                         readout=False, layout=widgets.Layout(width="60%"))
         self.position = widgets.HTML()
         self.phase = widgets.ToggleButtons(options=list(PHASE_FILTERS), value="all", description="phase",
-                                           style={"button_width": "80px"})
+                                           style={"button_width": "84px", "description_width": "initial"})
         self.module_filter = widgets.Text(value="", placeholder="module name contains", description="module",
-                                          continuous_update=False)
+                                          continuous_update=False, style={"description_width": "initial"})
         self.events = widgets.Select(options=[], rows=16, layout=widgets.Layout(width="44%", min_width="320px"))
         self.events.add_class("nbdebug-events")
         self.detail = widgets.HTML(layout=widgets.Layout(width="100%"))
