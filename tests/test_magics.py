@@ -176,17 +176,23 @@ def test_last_nonfinite_error_opens_its_snapshot(shell, tmp_path, capsys):
 
 
 def test_rerunning_a_cell_leaves_no_hooks_and_no_widgets(shell):
+    import gc
+    import weakref
+
     model = shell.user_ns["model"]
-    counts = []
+    counts, refs = [], []
     for _ in range(4):
         assert shell.run_cell("%nbdebug model x y --loss cross_entropy", cell_id="cell-1").success
         counts.append(len(ipw_widget._instances))
+        refs.append(weakref.ref(magics.open_debuggers()[-1]))
         assert all(
             not m._forward_hooks and not m._backward_hooks and not m._forward_pre_hooks
             and not m._backward_pre_hooks for m in model.modules()
         )
     assert counts[1] == counts[2] == counts[3]
     assert len(magics.open_debuggers()) == 1
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True, False]  # the old debuggers are freed
     # outside Jupyter (no cell id) the same line replaces its own debugger too
     for _ in range(3):
         shell.run_line_magic("nbdebug", "model x y --loss cross_entropy")

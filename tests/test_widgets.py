@@ -388,3 +388,14 @@ def test_snapshot_gets_a_history_tab(tmp_path):
         debug(tmp_path / "missing.nbsnap", model=LogNet)
     with pytest.raises(TypeError, match="model="):
         debug(nbdebug.trace(m, x, y, F.cross_entropy), model=LogNet)
+
+
+def test_an_empty_trace_still_opens():
+    empty = nbdebug.Trace(events=[], origin=None, first_nonfinite=None, loss=None, params=[],
+                          model_name="Broken", error="ValueError in <model> before any module ran")
+    dbg = debug(empty)
+    assert dbg.current_event is None and "no events" in dbg.step.detail.value
+    for b in dbg.step.buttons.values():
+        b.click()
+    assert dbg.cursor.index is None and dbg.step.events.options == ()
+    assert "error: ValueError" in dbg.header.value and "no parameters" in dbg.layers.table.value
