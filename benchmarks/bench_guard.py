@@ -9,7 +9,8 @@ Two models, the DESIGN.md target being <= 1.03x per step:
 A step is forward + backward + ``guard.check`` + ``optimizer.step`` + ``zero_grad``. The
 guarded and unguarded variants run interleaved (ABAB...) on the same model and data so
 that machine noise hits both alike; the script prints the median step time of each and
-their ratio. Run: ``python benchmarks/bench_guard.py [--steps N] [--quick]``.
+their ratio, and, as a lower-noise second estimate on a busy machine, the median time of
+``guard.check`` alone relative to the unguarded step. Run: ``python benchmarks/bench_guard.py [--steps N] [--threads T] [--quick]``.
 """
 
 from __future__ import annotations
@@ -78,12 +79,24 @@ def measure(name: str, case, steps: int, warmup: int) -> float:
                 fn()
                 times[label].append(time.perf_counter() - t0)
         assert not guard.snapshots, "the benchmark step went non-finite"
+        # the check alone, on the gradients of one more backward: a low-noise estimate of
+        # what the guard adds to a step
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        check_times = []
+        for _ in range(max(20, steps)):
+            t0 = time.perf_counter()
+            guard.check(loss, inputs=x, target=y)
+            check_times.append(time.perf_counter() - t0)
+        opt.zero_grad()
     p = statistics.median(times["plain"])
     g = statistics.median(times["guarded"])
+    c = statistics.median(check_times)
     ratio = g / p
     print(
         f"{name}: unguarded {p * 1e3:.3f} ms/step, guarded {g * 1e3:.3f} ms/step, "
-        f"ratio {ratio:.3f}x (target <= 1.03x) {'OK' if ratio <= 1.03 else 'OVER'}"
+        f"ratio {ratio:.3f}x (target <= 1.03x) {'OK' if ratio <= 1.03 else 'OVER'}; "
+        f"guard.check alone {c * 1e3:.3f} ms = {1 + c / p:.4f}x of an unguarded step"
     )
     return ratio
 
@@ -92,10 +105,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=0, help="interleaved step pairs per model")
     ap.add_argument("--quick", action="store_true", help="few steps (smoke run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    mlp_steps = args.steps or (10 if args.quick else 200)
-    tr_steps = args.steps or (4 if args.quick else 40)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    mlp_steps = args.steps or (10 if args.quick else 300)
+    tr_steps = args.steps or (4 if args.quick else 30)
     measure("MLP 784-1024-1024-10, batch 256", mlp_case, mlp_steps, warmup=5)
     measure("TransformerEncoder d=128 x4, seq 64, batch 16", transformer_case, tr_steps, warmup=3)
 
