@@ -61,7 +61,8 @@ def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def run(model, ref, cur, **kw) -> DriftReport:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # sklearn feature-name chatter
-        return drift(model, ref, cur, progress=False, **kw)
+        kw.setdefault("progress", False)
+        return drift(model, ref, cur, **kw)
 
 
 def say(capsys, text: str) -> None:
@@ -380,6 +381,10 @@ def test_few_rows_warn_and_too_few_refuse():
         ({"background": 0}, r"background must be a positive number"),
         ({"nan_policy": "drop"}, r"nan_policy must be one of"),
         ({"cluster_method": "dbscan"}, r"cluster_method must be one of"),
+        ({"random_state": None}, r"random_state must be an integer; got None"),
+        ({"output": 7}, r"output must be 'auto', 'predicted' or an output index in \[0, 2\); got 7"),
+        ({"output": 0, "model": "lr"}, r"output=0 is not available: the explainer returned a single output"),
+        ({"output": "max"}, r"output must be 'auto', 'predicted' or an integer; got 'max'"),
         ({"explainer": "tree", "model": "lr"}, r"explainer='tree' cannot explain .*LogisticRegression"),
         ({"explainer": "deep"}, r"explainer='deep' needs a torch.nn.Module"),
     ],
@@ -421,6 +426,30 @@ class _DictOut(torch.nn.Module):
 
     def forward(self, x):
         return {"logits": self.lin(x)}
+
+
+def test_dataframe_model_gets_its_own_column_order():
+    x, y, names = dataset("breast_cancer")
+    df = pd.DataFrame(x[:, :5], columns=names[:5])
+    model = RandomForestClassifier(n_estimators=10, random_state=0).fit(df, y)
+    shuffled = [names[3], names[0], names[4], names[1], names[2]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "X does not have valid feature names" from sklearn
+        rep = drift(model, df.iloc[:200][shuffled], df.iloc[200:400][shuffled], progress=False)
+    assert rep.feature_names == names[:5]
+    assert any("order the model was fitted with" in n for n in rep.notes)
+    np.testing.assert_array_equal(rep.reference, x[:200, :5])
+    bad = df.rename(columns={names[0]: "other"})
+    with pytest.raises(ValueError, match=rf"missing: \['{names[0]}'\], not used by the model: \['other'\]"):
+        drift(model, bad.iloc[:50], bad.iloc[50:100], progress=False)
+
+
+def test_constant_model_single_cluster_and_progress_bars(capsys):
+    x = np.random.default_rng(0).normal(size=(60, 3))
+    rep = run(lambda a: np.full(len(a), 0.3), x[:30], x[30:], background=10, progress=True)
+    assert not rep.alarm and rep.cluster_test.k == 1 and rep.cluster_test.p_value == 1.0
+    assert (rep.reference_shap == 0).all() and "single cluster" in rep.summary
+    assert rep.classifier.auc == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------------------- nothing changed

@@ -230,6 +230,8 @@ def _summary(
                 else "."
             )
         )
+    else:
+        s.append("In SHAP space all rows are alike: a single cluster, no share to compare.")
     if math.isfinite(clf.auc):
         sep = "separates" if clf.p_adjusted <= alpha else "does not separate"
         s.append(
@@ -247,7 +249,12 @@ def _summary(
     return " ".join(s)
 
 
-def _check_options(alpha: Any, correction: Any, n_clusters: Any, cluster_method: Any, n_permutations: Any) -> None:
+def _check_options(
+    alpha: Any, correction: Any, n_clusters: Any, cluster_method: Any, n_permutations: Any,
+    random_state: Any = 0,
+) -> None:
+    if isinstance(random_state, bool) or not isinstance(random_state, (int, np.integer)):
+        raise ValueError(f"random_state must be an integer; got {random_state!r}.")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise ValueError(f"alpha must be a number strictly between 0 and 1; got {alpha!r}.")
     if correction not in st.CORRECTIONS:
@@ -301,7 +308,7 @@ def drift_from_shap(
     -------
     DriftReport
     """
-    _check_options(alpha, correction, n_clusters, cluster_method, n_permutations)
+    _check_options(alpha, correction, n_clusters, cluster_method, n_permutations, random_state)
     xr = np.array(reference, dtype=np.float64)
     xc = np.array(current, dtype=np.float64)
     sr = np.array(reference_shap, dtype=np.float64)
@@ -520,7 +527,11 @@ def drift(
         raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
     if isinstance(background, bool) or not isinstance(background, (int, np.integer)) or background < 1:
         raise ValueError(f"background must be a positive number of reference rows; got {background!r}.")
-    _check_options(alpha, correction, n_clusters, cluster_method, n_permutations)
+    _check_options(alpha, correction, n_clusters, cluster_method, n_permutations, random_state)
+    if output not in ("auto", "predicted") and (
+        isinstance(output, bool) or not isinstance(output, (int, np.integer))
+    ):
+        raise ValueError(f"output must be 'auto', 'predicted' or an integer; got {output!r}.")
     timings: dict[str, float] = {}
     t = time.perf_counter()
     batches = prepare_batches(
