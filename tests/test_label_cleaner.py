@@ -469,3 +469,16 @@ def test_journal_class_directly(tmp_path):
     j2 = Journal(tmp_path / "j.jsonl", fingerprint="abc", n_items=3, n_classes=2)
     assert j2.active() == [] and len(j2.records) == 3
     assert "decisions=0" in repr(j2)
+
+
+def test_cleaner_as_the_debuggers_labels_tab(tmp_path, case):
+    images, noisy, issues = case
+    model = torch.nn.Linear(64, 10)
+    x = torch.as_tensor(images[:16].reshape(16, 64), dtype=torch.float32)
+    y = torch.as_tensor(noisy[:16])
+    dbg = nbdebug.debug(model, x, y, torch.nn.functional.cross_entropy, backend="output")
+    cleaner = LabelCleaner(images, noisy, issues, journal=tmp_path / "j.jsonl", backend="output")
+    dbg.add_tab("Labels", cleaner)
+    assert dbg.tabs.titles[-1] == "Labels" and dbg.tabs.children[-1] is cleaner.widget
+    cleaner.keep_button.click()
+    assert len(cleaner.decisions) == 1

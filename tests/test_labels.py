@@ -409,3 +409,19 @@ def test_inputs_are_not_changed(digits_oof):
     np.testing.assert_array_equal(series.to_numpy(), noisy)
     np.testing.assert_array_equal(P, p_lda)
     assert torch.equal(t, torch.as_tensor(noisy))
+
+
+def test_out_of_fold_columns_follow_the_class_indices():
+    X, y = load_digits(return_X_y=True)
+    keep = y < 3
+    X, y = X[keep][:240], y[keep][:240]
+    y = np.where(y == 2, 3, y)  # classes 0, 1, 3: class 2 has no sample
+    y[0] = 5  # and class 5 a single one
+    with pytest.warns(UserWarning, match=r"class \[5\] has fewer than 2 samples and cannot be assessed"):
+        df = find_label_issues(y, X=X, model=KNeighborsClassifier(5), cv=3)
+    s = df.sort_index()
+    assert df.label_issues.n_classes == 6
+    assert df.label_issues.class_counts.tolist() == [int((y == c).sum()) for c in range(6)]
+    assert s.loc[y == 3, "self_confidence"].mean() > 0.8  # class 3's column holds class 3
+    assert (s["top1"] != 2).all()
+    assert not s.loc[0, "is_issue"]

@@ -77,10 +77,11 @@ def out_of_fold_probs(
         warnings.filterwarnings("ignore", message=".*least populated class.*")
         warnings.filterwarnings("ignore", message=".*Number of classes in training fold.*")
         probs = cross_val_predict(est, Xa, labels, cv=folds, method="predict_proba")
-    k = int(labels.max()) + 1
-    if probs.shape[1] < k:  # classes absent from y entirely are absent from the columns
-        probs = np.pad(probs, ((0, 0), (0, k - probs.shape[1])))
-    return np.asarray(probs, dtype=np.float64)
+    # columns follow the classes present in labels; a class absent from labels gets zeros
+    classes = np.unique(labels)
+    full = np.zeros((len(labels), int(labels.max()) + 1), dtype=np.float64)
+    full[:, classes] = probs
+    return full
 
 
 def _default_ensemble(random_state: int) -> list[Any]:
