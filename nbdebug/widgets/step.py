@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
@@ -185,15 +186,25 @@ class StepPanel:
     # ---- wiring ------------------------------------------------------------------------
     def _move(self, key: str) -> None:
         c = self.cursor
+        self._jump(
+            {
+                "first": c.first,
+                "prev": c.prev,
+                "next": c.next,
+                "last": c.last,
+                "origin": c.to_origin,
+                "nonfinite": c.next_nonfinite,
+            }[key]
+        )
+
+    def goto(self, index: int) -> None:
+        """Show ``trace.events[index]`` (clearing filters that hide it), e.g. from a finding."""
+        self._jump(lambda: self.cursor.goto(index))
+
+    def _jump(self, move: Callable[[], Any]) -> None:
+        c = self.cursor
         before = (c.phase, c.module)
-        {
-            "first": c.first,
-            "prev": c.prev,
-            "next": c.next,
-            "last": c.last,
-            "origin": c.to_origin,
-            "nonfinite": c.next_nonfinite,
-        }[key]()
+        move()
         if (c.phase, c.module) != before:  # a jump cleared the filters
             self._sync_filters()
             self._fill_list()
