@@ -261,3 +261,23 @@ def test_many_modules_trace_and_frame() -> None:
     assert sum(1 for _ in model.modules()) > 2000
     tr = nbdebug.trace(model, torch.randn(2, 4), loss_fn=lambda o: o.sum())
     assert len(tr.to_frame()) == len(tr.events) > 4000
+
+
+def test_source_in_an_ipython_cell_reads_like_ipython() -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell(
+        "import torch, nbdebug\n"
+        "from torch import nn\n"
+        "class N(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x / x.sum(1, keepdim=True)\n"
+        "m = nn.Sequential(nn.Linear(3, 3), N())\n"
+        "with torch.no_grad():\n"
+        "    m[0].weight.zero_(); m[0].bias.zero_()\n"
+        "tr = nbdebug.trace(m, torch.randn(2, 3), loss_fn=lambda o: o.sum())\n"
+    )
+    tr = shell.user_ns["tr"]
+    count = shell.execution_count - 1
+    assert tr.origin.source == f"Cell In[{count}]:5"

@@ -153,12 +153,22 @@ def user_source() -> str | None:
             if torch_frame is None and not fn.endswith(("overrides.py", "_tensor.py")) and "/utils/" not in fn:
                 torch_frame = f
         elif not fn.startswith(_SKIP_DIRS) and not fn.startswith("<frozen"):
-            return f"{os.path.basename(fn)}:{f.f_lineno}"
+            return f"{_cell_name(fn) or os.path.basename(fn)}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     if torch_frame is not None:
         rel = os.path.relpath(torch_frame.f_code.co_filename, os.path.dirname(_TORCH_DIR))
         return f"{rel}:{torch_frame.f_lineno}"
     return None
+
+
+def _cell_name(filename: str) -> str | None:
+    """``"Cell In[3]"`` for code typed in a notebook or IPython cell, as IPython names it."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    shell = ipython.get_ipython()
+    number = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
+    return f"Cell In[{number}]" if number is not None else None
 
 
 @dataclass
