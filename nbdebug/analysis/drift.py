@@ -554,7 +554,7 @@ def drift(
             xr, xc = xr[:, order], xc[:, order]
             names = [names[j] for j in order]
             notes.append("columns were put in the order the model was fitted with")
-    adapter = adapt_model(model, xr.shape[1], frame_columns=batches.frame_columns)
+    adapter = adapt_model(model, xr.shape[1])
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -158,9 +158,7 @@ class _TabularOutput:
         return TabularOutput(module)
 
 
-def adapt_model(
-    model: Any, n_features: int, *, frame_columns: list[str] | None = None
-) -> ModelAdapter:
+def adapt_model(model: Any, n_features: int) -> ModelAdapter:
     """Wrap ``model`` (scikit-learn estimator, torch module or prediction function).
 
     Raises
@@ -482,7 +480,6 @@ def explain_batches(
     output: Any = "auto",
     random_state: int = 0,
     progress: bool = True,
-    frame_columns: list[str] | None = None,
     adapter: ModelAdapter | None = None,
 ) -> ShapValues:
     """SHAP values of both batches, for one output of ``model``.
@@ -501,6 +498,8 @@ def explain_batches(
         classes and each row's predicted class for more.
     progress : bool
         Show a ``tqdm`` bar (only when the stage takes longer than a second).
+    adapter : ModelAdapter, optional
+        ``adapt_model(model, d)`` when the caller already built it.
 
     Returns
     -------
@@ -514,7 +513,7 @@ def explain_batches(
         raise ValueError(f"background must be a positive number of reference rows; got {background!r}.")
     d = reference.shape[1]
     if adapter is None:
-        adapter = adapt_model(model, d, frame_columns=frame_columns)
+        adapter = adapt_model(model, d)
     notes: list[str] = []
     with _protected(adapter, random_state):
         check_model_runs(adapter, reference)
