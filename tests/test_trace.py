@@ -276,7 +276,8 @@ def test_source_in_an_ipython_cell_reads_like_ipython() -> None:
         "m = nn.Sequential(nn.Linear(3, 3), N())\n"
         "with torch.no_grad():\n"
         "    m[0].weight.zero_(); m[0].bias.zero_()\n"
-        "tr = nbdebug.trace(m, torch.randn(2, 3), loss_fn=lambda o: o.sum())\n"
+        "tr = nbdebug.trace(m, torch.randn(2, 3), loss_fn=lambda o: o.sum())\n",
+        store_history=True,
     )
     tr = shell.user_ns["tr"]
     count = shell.execution_count - 1
