@@ -165,6 +165,10 @@ class NaNGuard:
         With a scaler: this many overflow-skipped steps in a row is a failure.
     max_snapshots : int or None
         At most this many snapshot files per guard (later bad steps are only recorded).
+    checks : bool, int or dict
+        Health checks (:func:`nbdebug.check`'s cheap ones, no extra forward) every 50 steps
+        (``True``), every ``checks`` steps (an int) or ``{"every": n, "clip_norm": c}``, and
+        on a failing step; their findings go into the history row (``"checks"``).
 
     Attributes
     ----------
@@ -193,6 +197,7 @@ class NaNGuard:
         min_scale: float = 1.0,
         scaler_patience: int = 20,
         max_snapshots: int | None = 20,
+        checks: bool | int | dict[str, Any] = False,
     ):
         self.model = check_model(model)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -224,6 +229,11 @@ class NaNGuard:
         self.min_scale = float(min_scale)
         self.scaler_patience = int(scaler_patience)
         self.max_snapshots = max_snapshots
+        self.checks = checks
+        if checks:  # validated by the health checks (imported lazily: core never imports analysis on import)
+            from ..analysis.checks import parse_checks
+
+            parse_checks(checks)
 
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self.snapshots: list[Path] = []
@@ -399,6 +409,11 @@ class NaNGuard:
         if kind is None and scale is not None and scale < self.min_scale:
             kind = "scale"
             detail["message_extra"] = f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
+
+        if self.checks:  # health checks every N steps, recorded in row["checks"]
+            from ..analysis.checks import run_guard_checks
+
+            run_guard_checks(self, row, failing=kind is not None)
 
         if kind is None:
             self.bad_streak = 0

@@ -1,0 +1,316 @@
+"""What every health check shares: :class:`Finding`, :class:`Findings`, the thresholds
+and a few small helpers. See :mod:`nbdebug.analysis.checks` for the table of codes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SEVERITIES = ("error", "warning", "info")
+_SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+# --------------------------------------------------------------------------- thresholds
+# data
+#: A feature is constant when its std across the batch is at most this times max(1, |mean|).
+CONSTANT_STD = 1e-6
+#: constant_feature needs at least this many rows (fewer rows are constant by chance).
+CONSTANT_MIN_ROWS = 8
+#: unscaled_input: a floating input whose max - min exceeds this.
+UNSCALED_RANGE = 1e4
+# forward
+#: exp(x) overflows above log(finfo.max): 11.09 in float16, 88.72 in float32/bfloat16.
+EXP_LIMIT = {
+    "float16": math.log(65504.0),
+    "bfloat16": math.log(3.3895313892515355e38),
+    "float32": math.log(3.4028234663852886e38),
+    "float64": math.log(1.7976931348623157e308),
+}
+#: The largest finite float16.
+FP16_MAX = 65504.0
+#: fp16_overflow_risk: activations above this share of FP16_MAX (a factor 2 from overflow).
+FP16_RISK_FRACTION = 0.5
+#: dead_relu: share of exact zeros after a ReLU above this.
+DEAD_RELU_ZERO_FRAC = 0.9
+#: saturated_activation: outputs within this of the bounds of tanh (-1, 1) or sigmoid (0, 1) ...
+SATURATION_EPS = 1e-3
+#: ... for more than this share of the elements.
+SATURATION_SHARE = 0.5
+# backward
+#: vanishing_gradient: grad norm / weight norm below this (weights with ndim >= 2).
+VANISHING_RATIO = 1e-5
+#: exploding_gradient: grad norm / weight norm above this (weights with ndim >= 2) ...
+EXPLODING_RATIO = 100.0
+#: ... or a total gradient norm this many times the median of the recent history.
+EXPLODING_HISTORY_FACTOR = 10.0
+#: History-based checks need at least this many usable rows.
+HISTORY_MIN_ROWS = 5
+#: "Recent" history: the last this many rows.
+HISTORY_WINDOW = 100
+# optimizer and schedule
+#: adam_state_outlier: log10 of a parameter's bias-corrected moment RMS this many sigma
+#: from its recorded history.
+ADAM_SIGMA = 3.0
+#: A float16 Adam's eps must survive the cast to float16 (smallest subnormal 5.96e-8).
+FP16_SMALLEST = 2.0**-24
+#: lr_spike: the learning rate grows by more than this factor from one recorded step to the next ...
+LR_SPIKE_RATIO = 2.0
+#: ... from a steady or falling value of at least this share of the largest learning rate so
+#: far (a warm-up is not a spike).
+LR_SPIKE_MIN_SHARE = 0.1
+#: lr_schedule_boundary is a warning when the loss rises by this factor (or is not finite)
+#: within LR_BOUNDARY_WINDOW rows after the boundary; otherwise information.
+LR_BOUNDARY_LOSS_RISE = 1.5
+LR_BOUNDARY_WINDOW = 20
+#: Relative tolerance under which two learning rates are equal.
+LR_REL_TOL = 1e-9
+#: grad_clip_always_on: the clip engaged in more than this share of the steps ...
+CLIP_ALWAYS_SHARE = 0.9
+#: ... over at least this many steps (also the minimum for grad_clip_never_on).
+CLIP_MIN_STEPS = 20
+#: A recorded gradient norm within this relative distance of max_norm was clipped.
+CLIP_REL_TOL = 1e-3
+#: grad_scaler_collapse: this many consecutive decreases of the scale ...
+SCALER_FALLS = 5
+#: ... or this many skipped steps among the last SCALER_WINDOW rows ...
+SCALER_SKIPS = 5
+SCALER_WINDOW = 20
+#: ... is a warning; a scale below this is an error.
+SCALER_MIN_SCALE = 1.0
+# guard
+#: NaNGuard(checks=True) runs the cheap checks every this many steps.
+CHECK_EVERY = 50
+
+#: Codes that name a cause sort before codes that name a symptom at the same position.
+_CODE_RANK = {
+    c: i
+    for i, c in enumerate(
+        (
+            "nonfinite_input",
+            "nonfinite_weight",
+            "label_out_of_range",
+            "log_of_nonpositive",
+            "exp_overflow_risk",
+            "fp16_overflow_risk",
+            "division_by_zero",
+            "nonfinite_origin",
+            "state_dict_mismatch",
+            "nonfinite_gradient",
+            "trace_error",
+        )
+    )
+}
+
+
+@dataclass
+class Finding:
+    """One result of a health check.
+
+    Attributes
+    ----------
+    code : str
+        What was found (``"log_of_nonpositive"``, ...; see :mod:`nbdebug.analysis.checks`).
+    severity : {"error", "warning", "info"}
+        ``"error"``: something is already non-finite or will crash; ``"warning"``: a
+        documented threshold was crossed; ``"info"``: context, or a check that could not
+        apply and why.
+    where : str
+        Human-readable place: a module, a parameter, the loss, batch rows, a step.
+    evidence : dict
+        The measured numbers that triggered it and the ``threshold``.
+    advice : str
+        One sentence.
+    fix : str
+        A short code snippet, where one helps (else ``""``).
+    event : int or None
+        Index in ``Trace.events`` to jump to.
+    param : str or None
+        Qualified parameter name to select.
+    module : str or None
+        Qualified module name (``""`` is the model itself).
+    rows : list of int
+        Batch rows concerned.
+    step : int or None
+        Training step (findings recorded by a guard's history).
+    """
+
+    code: str
+    severity: str
+    where: str
+    evidence: dict[str, Any]
+    advice: str
+    fix: str = ""
+    event: int | None = None
+    param: str | None = None
+    module: str | None = None
+    rows: list[int] = field(default_factory=list)
+    step: int | None = None
+    position: float = field(default=math.inf, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.severity not in _SEVERITY_RANK:
+            raise ValueError(f"severity must be one of {SEVERITIES}; got {self.severity!r}.")
+        if self.event is not None and self.position == math.inf:
+            self.position = float(self.event)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int, str]:
+        return (_SEVERITY_RANK[self.severity], self.position, _CODE_RANK.get(self.code, 99), self.where)
+
+    @property
+    def message(self) -> str:
+        """``"error log_of_nonpositive at the loss: <advice>"``."""
+        return f"{self.severity} {self.code} at {self.where}: {self.advice}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, int, float, list, dict): storable in a guard history and a snapshot."""
+        d = asdict(self)
+        d.pop("position")
+        d["evidence"] = {k: _plain(v) for k, v in self.evidence.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Finding:
+        keys = ("code", "severity", "where", "evidence", "advice", "fix", "event", "param", "module", "rows", "step")
+        kw = {k: d[k] for k in keys if k in d}
+        kw.setdefault("evidence", {})
+        kw.setdefault("advice", "")
+        kw["rows"] = list(kw.get("rows") or [])
+        kw["evidence"] = dict(kw["evidence"] or {})
+        return cls(**kw)
+
+    def __repr__(self) -> str:
+        ev = ", ".join(f"{k}={_short(v)}" for k, v in list(self.evidence.items())[:4])
+        return f"Finding({self.severity} {self.code} at {self.where}: {ev})"
+
+
+class Findings(list[Finding]):
+    """A list of :class:`Finding`, sorted by severity then position in the trace, with a
+    table view."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(SEVERITIES, 0)
+        for f in self:
+            out[f.severity] += 1
+        return out
+
+    def codes(self, severity: str | None = None) -> list[str]:
+        return [f.code for f in self if severity is None or f.severity == severity]
+
+    def of(self, code: str) -> list[Finding]:
+        """The findings of one code."""
+        return [f for f in self if f.code == code]
+
+    def to_frame(self) -> Any:
+        """One row per finding: severity, code, where, advice, evidence, event, param, module, rows, step."""
+        import pandas as pd
+
+        columns = ["severity", "code", "where", "advice", "evidence", "event", "param", "module", "rows", "step"]
+        return pd.DataFrame.from_records(
+            [(f.severity, f.code, f.where, f.advice, f.evidence, f.event, f.param, f.module, f.rows, f.step) for f in self],
+            columns=columns,
+        )
+
+    def __repr__(self) -> str:
+        c = self.counts
+        head = f"Findings({c['error']} errors, {c['warning']} warnings, {c['info']} info)"
+        return "\n".join([head, *(f"  {f!r}" for f in self)])
+
+
+def sort_findings(findings: Iterable[Finding]) -> Findings:
+    return Findings(sorted(findings, key=lambda f: f.sort_key))
+
+
+def skipped(checks: Iterable[str], why: str, **evidence: Any) -> Finding:
+    """The info finding of checks that could not apply."""
+    names = list(checks)
+    return Finding(
+        "check_skipped",
+        "info",
+        ", ".join(names),
+        {"checks": names, **evidence},
+        f"not checked: {why}.",
+    )
+
+
+def module_label(module: str | None, module_type: str = "") -> str:
+    name = "<model>" if module in ("", None) else str(module)
+    return f"{name} ({module_type})" if module_type else name
+
+
+def rows_text(rows: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(r) for r in rows[:most])
+    return f"[{shown}{', ...' if len(rows) > most else ''}]"
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_short(x) for x in list(v)[:4]) + (", ...]" if len(v) > 4 else "]")
+    return fmt(v)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+        return v
+    if isinstance(v, float):
+        return v
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars
+        return v.item()
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return str(v)
+
+
+# --------------------------------------------------------------------------- trace index
+class TraceView:
+    """Look-ups over one :class:`~nbdebug.core.result.Trace` that several checks need."""
+
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace
+        self.events = list(trace.events)
+        self.types: dict[str, str] = dict(getattr(trace, "module_types", {}) or {})
+        self.param_event: dict[str, int] = {}
+        for e in self.events:
+            if e.kind == "param_grad" and e.param and e.param not in self.param_event:
+                self.param_event[e.param] = e.index
+        self.loss_event = next((e.index for e in self.events if e.phase == "loss"), None)
+        # the model's own outputs: module "" at depth 0 (the last call of the model)
+        outs = [e for e in self.events if e.phase == "forward" and e.kind == "output" and e.module == "" and e.depth == 0]
+        last_call = max((e.call for e in outs), default=None)
+        self.outputs = [e for e in outs if e.call == last_call]
+        self.modules = set(self.types)
+
+    def is_leaf(self, module: str) -> bool:
+        prefix = module + "." if module else ""
+        return not any(m != module and m.startswith(prefix) for m in self.modules)
+
+    def input_of(self, event: Any) -> Any:
+        """Approximate input of a leaf module's call: the last module output completed
+        before the call (the trace records module outputs, not inputs), else the batch."""
+        for e in reversed(self.events[: event.index]):
+            if e.phase == "forward" and e.kind == "output" and e.call != event.call:
+                return e
+            if e.phase == "input":
+                return e
+        return None
+
+    def output(self, name: str | None = None) -> Any:
+        """The model output event (``name`` picks one of several, e.g. ``"output['logits']"``)."""
+        if name is not None:
+            return next((e for e in self.outputs if e.name == name), None)
+        floating = [e for e in self.outputs if e.shape and e.dtype.startswith(("float", "bfloat"))]
+        return floating[0] if floating else (self.outputs[0] if self.outputs else None)
+
+    def position_of_param(self, name: str) -> float:
+        i = self.param_event.get(name)
+        return math.inf if i is None else float(i)

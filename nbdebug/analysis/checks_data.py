@@ -1,0 +1,191 @@
+"""Data health checks: non-finite inputs (rows), labels outside the classes the model
+outputs (before the loss crashes on them), features constant across the batch and
+inputs on a raw scale."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.batch import named_tensors
+from .checks_base import (
+    CONSTANT_MIN_ROWS,
+    CONSTANT_STD,
+    UNSCALED_RANGE,
+    Finding,
+    TraceView,
+    fmt,
+    rows_text,
+    skipped,
+)
+from .checks_forward import is_floating, is_torch_loss, loss_name
+
+#: Keys of a dict batch that hold the labels when no target is given (Hugging Face style).
+LABEL_KEYS = ("labels", "label", "targets", "target", "y")
+_CLASS_LOSSES = ("cross_entropy", "crossentropyloss", "nll_loss", "nllloss", "multi_margin_loss", "multimarginloss")
+
+
+def trace_input_findings(view: TraceView) -> list[Finding]:
+    """``nonfinite_input`` and ``unscaled_input`` from the batch events of a trace."""
+    out = []
+    for e in view.events:
+        if e.phase != "input":
+            continue
+        s = e.stats
+        if not e.finite:
+            rows = f"rows {rows_text(e.samples)} of " if e.samples else ""
+            out.append(
+                Finding(
+                    "nonfinite_input", "error", f"{rows}input {e.name}",
+                    {"n_nan": s.n_nan, "n_inf": s.n_inf, "n_rows": len(e.samples), "threshold": 0},
+                    "the batch itself holds NaN/Inf: drop or repair these rows in the data pipeline "
+                    "(torch.nan_to_num, or filter rows where ~torch.isfinite(x).all(1)).",
+                    fix="keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]",
+                    event=e.index, rows=list(e.samples),
+                )
+            )
+        if is_floating(e.dtype) or e.dtype.startswith("complex"):
+            spread = s.max - s.min
+            if spread == spread and spread > UNSCALED_RANGE:  # NaN-safe
+                out.append(
+                    Finding(
+                        "unscaled_input", "warning", f"input {e.name}",
+                        {"min": s.min, "max": s.max, "range": spread, "threshold": UNSCALED_RANGE},
+                        f"inputs span {fmt(s.min)} .. {fmt(s.max)}: standardise them (subtract the mean, "
+                        "divide by the std, per feature) so the first layer's activations and gradients stay O(1).",
+                        fix="x = (x - mean) / (std + 1e-8)  # statistics of the training set",
+                        event=e.index,
+                    )
+                )
+    return out
+
+
+def constant_feature_findings(inputs: Any) -> list[Finding]:
+    """``constant_feature``: a floating input feature whose std across the batch is ~0.
+
+    Features are columns of a 2-d input, the last dimension of a 3-d input (batch,
+    sequence, features) and channels (dimension 1) of 4-d/5-d inputs.
+    """
+    out: list[Finding] = []
+    prefix = "x" if isinstance(inputs, torch.Tensor) else "inputs"
+    notes: list[str] = []
+    checked = 0
+    for name, t in named_tensors(inputs, prefix):
+        if not t.is_floating_point():
+            if t.is_complex():
+                notes.append(f"{name} is complex")
+            continue
+        if t.ndim < 2 or t.shape[0] < CONSTANT_MIN_ROWS:
+            notes.append(f"{name} has fewer than {CONSTANT_MIN_ROWS} rows" if t.ndim >= 2 else f"{name} has one dimension")
+            continue
+        checked += 1
+        x = t.detach().to(torch.float64)
+        dim = x.ndim - 1 if x.ndim == 3 else 1
+        feats = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+        finite = torch.isfinite(feats)
+        if not bool(finite.all()):
+            feats = torch.where(finite, feats, torch.nan)
+        mean = torch.nanmean(feats, dim=0)
+        std = torch.sqrt(torch.nanmean((feats - mean) ** 2, dim=0))
+        tol = CONSTANT_STD * torch.clamp(mean.abs(), min=1.0)
+        const = torch.nonzero(std <= tol).flatten().tolist()
+        if not const:
+            continue
+        which = "channels" if dim == 1 and x.ndim >= 4 else "features"
+        out.append(
+            Finding(
+                "constant_feature", "warning", f"{which} {rows_text(const)} of input {name}",
+                {
+                    "features": const[:50], "n_constant": len(const), "n_features": int(x.shape[dim]),
+                    "values": [float(mean[i]) for i in const[:10]], "threshold": CONSTANT_STD,
+                },
+                f"{len(const)} of {x.shape[dim]} {which} do not vary across the {x.shape[0]} rows: a "
+                "standardisation divides them by a zero std (0/0), and they carry no signal; drop them "
+                "or add an epsilon to the std.",
+                fix="x = (x - mu) / (sigma + 1e-8)",
+                position=0.5,
+            )
+        )
+    if not checked:
+        why = "; ".join(notes[:3]) or "no floating input tensor (token ids?)"
+        out.append(skipped(["constant_feature"], why))
+    return out
+
+
+def label_findings(view: TraceView | None, inputs: Any, target: Any, loss_fn: Any) -> list[Finding]:
+    """``label_out_of_range``: class indices outside ``[0, C)`` (``ignore_index`` aside) or
+    binary targets outside ``[0, 1]``, with their rows."""
+    out_name = None
+    if target is None and isinstance(inputs, Mapping):
+        key = next((k for k in LABEL_KEYS if isinstance(inputs.get(k), torch.Tensor)), None)
+        if key is not None:
+            target = inputs[key]
+            out_name = "output['logits']"
+    if not isinstance(target, torch.Tensor) or target.numel() == 0:
+        return []
+    name = loss_name(loss_fn)
+    binary = "binary_cross_entropy" in name or name in ("bceloss", "bcewithlogitsloss")
+    y = target.detach()
+    position = float(view.loss_event) if view is not None and view.loss_event is not None else 1e9
+    if binary:
+        if not y.is_floating_point():
+            return []
+        bad = (y < 0) | (y > 1)
+        if not bool(bad.any()):
+            return []
+        rows = _rows(bad)
+        return [
+            Finding(
+                "label_out_of_range", "error", f"target rows {rows_text(rows)}",
+                {"min": float(y.min()), "max": float(y.max()), "n_bad": int(bad.sum()), "threshold": "0 <= y <= 1"},
+                "binary cross-entropy targets must lie in [0, 1]: fix the labels of these rows.",
+                rows=rows, position=position,
+            )
+        ]
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        return []
+    out_event = None
+    if view is not None:
+        out_event = view.output(out_name) if out_name else view.output()
+    if out_event is None or len(out_event.shape) < 2:
+        return []
+    shape = tuple(out_event.shape)
+    if tuple(y.shape) == shape[:1] + shape[2:]:
+        n_classes = shape[1]
+    elif tuple(y.shape) == shape[:-1]:
+        n_classes = shape[-1]
+    else:
+        return []
+    known = any(k in name for k in _CLASS_LOSSES)
+    if not known and (is_torch_loss(loss_fn) or (loss_fn is None and out_name is None)):
+        return []  # a torch loss that does not take class indices (or no loss at all)
+    ignore = getattr(loss_fn, "ignore_index", -100 if known or out_name else None)
+    valid = (y >= 0) & (y < n_classes)
+    if ignore is not None:
+        valid |= y == ignore
+    if bool(valid.all()):
+        return []
+    bad = ~valid
+    rows = _rows(bad)
+    vals = sorted({int(v) for v in y[bad].flatten()[:1000].tolist()})
+    return [
+        Finding(
+            "label_out_of_range", "error", f"target rows {rows_text(rows)}",
+            {
+                "bad_labels": vals[:20], "n_classes": int(n_classes), "min": int(y.min()), "max": int(y.max()),
+                "n_bad": int(bad.sum()), "threshold": f"0 <= y < {n_classes}",
+            },
+            f"labels {vals[:5]} fall outside the {n_classes} classes the model outputs (the loss raises, or "
+            "on CUDA triggers a device-side assert): fix the label mapping or the output size.",
+            fix=f"assert 0 <= y.min() and y.max() < {n_classes}",
+            rows=rows, position=position,
+        )
+    ]
+
+
+def _rows(bad: torch.Tensor) -> list[int]:
+    if bad.ndim == 0:
+        return [0]
+    return torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten().tolist()

@@ -1,0 +1,374 @@
+"""Forward-pass health checks on a recorded trace: where the first NaN/Inf came from
+(log of a non-positive value, exp overflow, float16 overflow, division by zero,
+corrupted weights), and the warning signs before one appears (large inputs to softmax
+or to an exp in the loss, activations near the float16 limit, dead ReLUs, saturated
+tanh/sigmoid)."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..core.stats import HIST_EDGES
+from .checks_base import (
+    DEAD_RELU_ZERO_FRAC,
+    EXP_LIMIT,
+    FP16_MAX,
+    FP16_RISK_FRACTION,
+    SATURATION_EPS,
+    SATURATION_SHARE,
+    Finding,
+    TraceView,
+    fmt,
+    module_label,
+    rows_text,
+)
+
+LOG_OPS = frozenset({"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "xlogy", "lgamma", "digamma", "acosh"})
+EXP_OPS = frozenset({"exp", "exp2", "expm1", "cosh", "sinh", "ldexp"})
+DIV_OPS = frozenset(
+    {"div", "truediv", "rtruediv", "itruediv", "true_divide", "divide", "reciprocal", "floor_divide", "fmod", "remainder"}
+)
+SOFTMAX_TYPES = frozenset({"Softmax", "LogSoftmax", "Softmin", "Softmax2d"})
+RELU_TYPES = frozenset({"ReLU", "ReLU6"})
+_MADE_BY = re.compile(r"made by ([\w.]+)")
+
+
+def op_kind(op: str | None) -> str:
+    """``"torch.log"`` -> ``"log"``; ``"Tensor.__truediv__"`` -> ``"truediv"``."""
+    if not op:
+        return ""
+    return op.rsplit(".", 1)[-1].strip("_")
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def exp_limit(dtype: str) -> float:
+    return EXP_LIMIT.get(dtype, EXP_LIMIT["float32"])
+
+
+# --------------------------------------------------------------------------- the origin
+def origin_findings(view: TraceView) -> list[Finding]:
+    """Name the cause of the first non-finite value (forward, loss or backward origin)."""
+    tr = view.trace
+    o = tr.origin
+    if o is None:
+        first = tr.first_nonfinite
+        if first is None or first.phase == "input":
+            return []
+        return [
+            Finding(
+                "nonfinite_origin", "error", _where(view, first),
+                {"n_nan": first.stats.n_nan, "n_inf": first.stats.n_inf},
+                "non-finite values appear here but their origin was not found; step through the "
+                "events before it.",
+                event=first.index, module=first.module, rows=list(first.samples),
+            )
+        ]
+    if o.phase == "input":
+        return []  # the data checks name the rows (nonfinite_input)
+    bad_params = {p.name for p in tr.params if p.n_nan or p.n_inf}
+    if o.param and (o.param in bad_params or "already held non-finite" in (o.note or "")):
+        return []  # nonfinite_weight names it
+    kinds = [op_kind(o.op)]
+    m = _MADE_BY.search(o.note or "")
+    if m:
+        kinds.insert(0, op_kind(m.group(1)))  # the op that made the first Inf, e.g. torch.log
+    made_by = m.group(1) if m else o.op
+    where = _where(view, o)
+    ev: dict[str, Any] = {"n_nan": o.stats.n_nan, "n_inf": o.stats.n_inf, "phase": o.phase}
+    if o.op:
+        ev["op"] = o.op
+    if o.source:
+        ev["source"] = o.source
+    common = {"event": o.index, "module": o.module, "param": o.param, "rows": list(o.samples)}
+    rows = f" (rows {rows_text(o.samples)})" if o.samples else ""
+    if any(k in LOG_OPS for k in kinds):
+        op = made_by or "log/sqrt"
+        back = o.phase == "backward"
+        ev["threshold"] = "input <= 0" if not back else "input == 0 (infinite derivative)"
+        advice = (
+            f"{op} received a value <= 0{rows}: clamp its input first, e.g. torch.log(x.clamp_min(1e-12)), "
+            "or compute in log space (log_softmax instead of log(softmax))."
+            if not back
+            else f"the derivative of {op} is infinite at 0{rows}: clamp its input away from 0 "
+            "(x.clamp_min(1e-12)) before the call, also behind torch.where."
+        )
+        fix = "torch.log(x.clamp_min(1e-12))" if "sqrt" not in op else "torch.sqrt(x.clamp_min(1e-12))"
+        return [Finding("log_of_nonpositive", "error", where, ev, advice, fix=fix, **common)]
+    if any(k in EXP_OPS for k in kinds):
+        inp = view.input_of(o) if o.phase == "forward" else None
+        if inp is not None and inp.finite:
+            ev["input_absmax"] = inp.stats.absmax
+        ev["threshold"] = exp_limit(o.dtype)
+        return [
+            Finding(
+                "exp_overflow_risk", "error", where, ev,
+                f"{made_by} overflowed{rows}: exp(x) is infinite for x > {exp_limit(o.dtype):.4g} in {o.dtype}; "
+                "subtract the max first (torch.logsumexp, softmax) or clamp x.",
+                fix="torch.exp(x - x.amax(dim=-1, keepdim=True))", **common,
+            )
+        ]
+    if any(k in DIV_OPS for k in kinds):
+        ev["threshold"] = "denominator == 0"
+        return [
+            Finding(
+                "division_by_zero", "error", where, ev,
+                f"{made_by} divided by zero{rows} (0/0 gives NaN, x/0 Inf): add an epsilon to the "
+                "denominator or clamp it.",
+                fix="x / (d + 1e-6)  # or d.clamp_min(1e-6)", **common,
+            )
+        ]
+    if o.dtype == "float16" and o.stats.n_inf:
+        inp = view.input_of(o) if o.phase == "forward" else None
+        if inp is not None and inp.finite:
+            ev["input_absmax"] = inp.stats.absmax
+        ev["threshold"] = FP16_MAX
+        return [
+            Finding(
+                "fp16_overflow_risk", "error", where, ev,
+                f"{made_by or 'this module'} overflowed float16 (largest finite value 65504){rows}: run it "
+                "in float32 (autocast keeps reductions in float32), or scale its inputs or weights down.",
+                fix="with torch.autocast('cuda', dtype=torch.bfloat16): ...  # or module.float()", **common,
+            )
+        ]
+    note = f" ({o.note})" if o.note else ""
+    return [
+        Finding(
+            "nonfinite_origin", "error", where, ev,
+            f"{made_by or 'this module'} produced the first non-finite value{rows}{note}; step into it.",
+            **common,
+        )
+    ]
+
+
+def _where(view: TraceView, e: Any) -> str:
+    if e.phase == "loss":
+        return "the loss"
+    if e.phase == "input":
+        return f"input {e.name}"
+    base = module_label(e.module, e.module_type or view.types.get(e.module, ""))
+    if e.param:
+        return f"{base}, parameter {e.param}"
+    return f"{base} ({e.phase})" if e.phase == "backward" else base
+
+
+# --------------------------------------------------------------------------- weights
+def weight_findings(params: Any, view: TraceView | None = None) -> list[Finding]:
+    """``nonfinite_weight``: parameters (or a buffer named by the trace's origin) holding
+    NaN/Inf. ``params`` are :class:`~nbdebug.core.events.ParamInfo` records."""
+    out = []
+    o = view.trace.origin if view is not None else None
+    named = set()
+    for p in params:
+        if not (p.n_nan or p.n_inf):
+            continue
+        named.add(p.name)
+        event = None
+        if view is not None:
+            event = o.index if o is not None and o.param == p.name else None
+            if event is None:
+                event = next((e.index for e in view.events if e.phase == "forward" and e.module == p.module), None)
+        out.append(
+            Finding(
+                "nonfinite_weight", "error", f"parameter {p.name}",
+                {"n_nan": p.n_nan, "n_inf": p.n_inf, "numel": math.prod(p.shape), "threshold": 0},
+                "this weight already holds NaN/Inf (a previous update diverged, or a bad checkpoint): "
+                "reload the last good checkpoint and find the step that broke it (NaNGuard).",
+                event=event, param=p.name, module=p.module,
+            )
+        )
+    if o is not None and o.param and o.param not in named and "already held non-finite" in (o.note or ""):
+        out.append(
+            Finding(
+                "nonfinite_weight", "error", f"buffer {o.param}", {"threshold": 0},
+                "this buffer already holds NaN/Inf (e.g. BatchNorm running statistics updated on a "
+                "non-finite batch): reset it or reload a good checkpoint.",
+                event=o.index, param=o.param, module=o.module,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- warning signs
+def forward_findings(view: TraceView, *, loss_fn: Any = None, mixed_precision: bool = False) -> list[Finding]:
+    """Large inputs to softmax/exp, activations near the float16 limit, dead ReLUs,
+    saturated tanh/sigmoid, probabilities of 0/1 reaching a binary cross-entropy."""
+    out: list[Finding] = []
+    worst: dict[tuple[str, str], Finding] = {}  # (code, module) -> the worst call
+
+    def keep(f: Finding, score: float) -> None:
+        key = (f.code, f.module or "")
+        prev = worst.get(key)
+        if prev is None or score > prev.evidence.get("_score", -math.inf):
+            f.evidence["_score"] = score
+            worst[key] = f
+
+    for e in view.events:
+        if e.phase != "forward" or e.kind != "output" or not e.finite or not e.shape:
+            continue
+        mtype = e.module_type or view.types.get(e.module, "")
+        s = e.stats
+        where = module_label(e.module, mtype)
+        if mtype in SOFTMAX_TYPES:
+            inp = view.input_of(e)
+            if inp is not None and inp.finite and is_floating(inp.dtype):
+                lim = exp_limit(e.dtype)
+                if inp.stats.absmax > lim:
+                    keep(
+                        Finding(
+                            "exp_overflow_risk", "warning", where,
+                            {"input_absmax": inp.stats.absmax, "threshold": lim, "input_from": inp.label},
+                            f"inputs up to {fmt(inp.stats.absmax)} reach this {mtype} (exp overflows above "
+                            f"{lim:.4g} in {e.dtype}); its probabilities saturate to exact 0/1 and a log of "
+                            "them gives -inf: scale the logits down (temperature, normalisation) or keep "
+                            "them in log space.",
+                            event=e.index, module=e.module,
+                        ),
+                        inp.stats.absmax,
+                    )
+        if e.dtype == "float16" and s.absmax > FP16_RISK_FRACTION * FP16_MAX:
+            keep(
+                Finding(
+                    "fp16_overflow_risk", "warning", where,
+                    {"absmax": s.absmax, "threshold": FP16_RISK_FRACTION * FP16_MAX, "limit": FP16_MAX},
+                    f"float16 activations reach {fmt(s.absmax)}, within a factor 2 of the largest float16 "
+                    "(65504): run this module in float32 or bfloat16, or rescale its inputs.",
+                    event=e.index, module=e.module,
+                ),
+                s.absmax,
+            )
+        elif mixed_precision and is_floating(e.dtype) and e.dtype != "float16" and s.absmax > FP16_RISK_FRACTION * FP16_MAX:
+            keep(
+                Finding(
+                    "fp16_overflow_risk", "warning", where,
+                    {"absmax": s.absmax, "threshold": FP16_RISK_FRACTION * FP16_MAX, "limit": FP16_MAX},
+                    f"activations reach {fmt(s.absmax)}: under float16 autocast (a GradScaler is in use) "
+                    "this module's output would overflow 65504; use bfloat16 autocast or rescale.",
+                    event=e.index, module=e.module,
+                ),
+                s.absmax,
+            )
+        if mtype in RELU_TYPES and s.zero_frac > DEAD_RELU_ZERO_FRAC:
+            keep(
+                Finding(
+                    "dead_relu", "warning", where,
+                    {"zero_frac": s.zero_frac, "threshold": DEAD_RELU_ZERO_FRAC},
+                    f"{s.zero_frac:.0%} of this ReLU's outputs are exactly 0, so no gradient flows "
+                    "through them: lower the learning rate, check the initialisation and the bias, or use "
+                    "LeakyReLU/GELU.",
+                    fix="nn.LeakyReLU(0.01)",
+                    event=e.index, module=e.module,
+                ),
+                s.zero_frac,
+            )
+        share = saturated_share(mtype, e)
+        if share is not None and share > SATURATION_SHARE:
+            keep(
+                Finding(
+                    "saturated_activation", "warning", where,
+                    {"saturated_share_at_least": share, "threshold": SATURATION_SHARE, "eps": SATURATION_EPS},
+                    f"at least {share:.0%} of this {mtype}'s outputs lie within {SATURATION_EPS:g} of its "
+                    "bounds, where its derivative is ~0: normalise its inputs (LayerNorm/BatchNorm before "
+                    "it) or lower the initial weights.",
+                    event=e.index, module=e.module,
+                ),
+                share,
+            )
+    out.extend(worst.values())
+    out.extend(_loss_input_findings(view, loss_fn))
+    for f in out:
+        f.evidence.pop("_score", None)
+    return out
+
+
+def saturated_share(mtype: str, e: Any) -> float | None:
+    """A lower bound on the share of a tanh/sigmoid output within ``SATURATION_EPS`` of its
+    bounds, from the recorded statistics (the trace keeps no elements):
+
+    * tanh: ``E[y^2] <= s + (1 - s)(1 - eps)^2``, so ``s >= (E[y^2] - (1-eps)^2) / (1 - (1-eps)^2)``;
+    * sigmoid: the share below ``eps`` from the log10|y| histogram, plus the share above
+      ``1 - eps`` bounded by ``(mean - (1 - eps)) / eps``.
+    """
+    s = e.stats
+    if not s.numel:
+        return None
+    eps = SATURATION_EPS
+    if mtype == "Tanh":
+        ms = s.norm * s.norm / s.numel
+        lo = (1 - eps) ** 2
+        return max(0.0, min(1.0, (ms - lo) / (1 - lo)))
+    if mtype == "Sigmoid":
+        h = e.hist
+        total = max(int(h.total), 1)
+        cut = int((math.log10(eps) + 1e-12 >= HIST_EDGES).sum()) - 1  # bins entirely below eps
+        near0 = (int(h.counts[: max(cut, 0)].sum()) + int(h.n_zero)) / total
+        near1 = max(0.0, (s.mean - (1 - eps)) / eps)
+        return min(1.0, near0 + near1)
+    return None
+
+
+# --------------------------------------------------------------------------- the loss's input
+def loss_name(loss_fn: Any) -> str:
+    if loss_fn is None:
+        return ""
+    if hasattr(loss_fn, "func") and callable(loss_fn.func):  # functools.partial
+        loss_fn = loss_fn.func
+    if isinstance(getattr(loss_fn, "__name__", None), str):
+        return str(loss_fn.__name__).lower()
+    return type(loss_fn).__name__.lower()
+
+
+def is_torch_loss(loss_fn: Any) -> bool:
+    if loss_fn is None:
+        return False
+    if hasattr(loss_fn, "func") and callable(loss_fn.func):
+        loss_fn = loss_fn.func
+    mod = getattr(loss_fn, "__module__", None) or type(loss_fn).__module__
+    if not isinstance(getattr(loss_fn, "__name__", None), str):
+        mod = type(loss_fn).__module__
+    return isinstance(mod, str) and (mod == "torch" or mod.startswith("torch."))
+
+
+def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
+    out = view.output()
+    if out is None or loss_fn is None or not out.finite or not is_floating(out.dtype):
+        return []
+    name = loss_name(loss_fn)
+    position = view.loss_event if view.loss_event is not None else out.index
+    findings = []
+    poisson_exp = "poisson" in name and bool(getattr(loss_fn, "log_input", True))
+    if not is_torch_loss(loss_fn) or poisson_exp:
+        lim = exp_limit(out.dtype)
+        if out.stats.absmax > lim:
+            kind = "PoissonNLLLoss with log_input=True computes exp(input)" if poisson_exp else (
+                "a hand-written loss that exponentiates them (exp, softmax + log) overflows or underflows"
+            )
+            findings.append(
+                Finding(
+                    "exp_overflow_risk", "warning", "the loss (model output)",
+                    {"output_absmax": out.stats.absmax, "threshold": lim},
+                    f"the model's outputs reach {fmt(out.stats.absmax)} (> {lim:.4g} in {out.dtype}): {kind}; "
+                    "use a stable built-in (F.cross_entropy, F.log_softmax, torch.logsumexp) or scale the logits.",
+                    fix="loss = F.cross_entropy(logits, y)",
+                    event=out.index, module="", position=float(position),
+                )
+            )
+    if ("binary_cross_entropy" in name or name == "bceloss") and "logits" not in name:
+        s = out.stats
+        if s.min <= 0 or s.max >= 1:
+            findings.append(
+                Finding(
+                    "log_of_nonpositive", "warning", "the loss (model output)",
+                    {"output_min": s.min, "output_max": s.max, "threshold": "0 < p < 1"},
+                    "probabilities of exactly 0 or 1 reach binary_cross_entropy, which takes log(p) and "
+                    "log(1 - p) (clamped at -100, gradients of 1e12): output logits and use "
+                    "binary_cross_entropy_with_logits.",
+                    fix="loss = F.binary_cross_entropy_with_logits(logits, y)",
+                    event=out.index, module="", position=float(position),
+                )
+            )
+    return findings

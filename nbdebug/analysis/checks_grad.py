@@ -1,0 +1,204 @@
+"""Gradient health checks: non-finite gradients (which parameters), vanishing and
+exploding grad/weight norm ratios, and a total gradient norm far above its recent
+history. They read :class:`~nbdebug.core.events.ParamInfo` records, from a trace or
+measured on a live model (:func:`live_param_infos`, one fused norm per device)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.events import ParamInfo
+from ..core.state import unique_parameters
+from ..core.trace import _norms
+from .checks_base import (
+    EXPLODING_HISTORY_FACTOR,
+    EXPLODING_RATIO,
+    HISTORY_MIN_ROWS,
+    HISTORY_WINDOW,
+    VANISHING_RATIO,
+    Finding,
+    fmt,
+    skipped,
+)
+
+#: Module types whose weights get sparse gradients (only the rows of the batch's ids):
+#: their small ratio is expected.
+SPARSE_GRAD_TYPES = frozenset({"Embedding", "EmbeddingBag"})
+
+
+def live_param_infos(model: torch.nn.Module) -> list[ParamInfo]:
+    """:class:`ParamInfo` of every parameter of ``model`` from its current ``.grad``
+    (read only; NaN/Inf are counted element-wise only for tensors whose norm is not finite)."""
+    params = unique_parameters(model)
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    grads = [_dense(p.grad) for p in params if p.grad is not None]
+    with torch.no_grad():
+        wn = _norms([p.detach() for p in params]) if params else np.empty(0)
+        gn = _norms(grads) if grads else np.empty(0)
+    out = []
+    gi = 0
+    for p, n in zip(params, wn):
+        name = names.get(id(p), "?")
+        g_norm: float | None = None
+        g_nan = g_inf = 0
+        if p.grad is not None:
+            g_norm = float(gn[gi])
+            if not math.isfinite(g_norm):
+                g_nan, g_inf = _count(grads[gi])
+            gi += 1
+        w_nan, w_inf = (0, 0) if math.isfinite(float(n)) else _count(p.detach())
+        out.append(
+            ParamInfo(
+                name=name, module=name.rsplit(".", 1)[0] if "." in name else "", shape=tuple(p.shape),
+                dtype=str(p.dtype).replace("torch.", ""), requires_grad=p.requires_grad, norm=float(n),
+                grad_norm=g_norm, n_nan=w_nan, n_inf=w_inf, grad_n_nan=g_nan, grad_n_inf=g_inf,
+            )
+        )
+    return out
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    g = g.detach()
+    if g.is_sparse:
+        return g.coalesce().values()
+    return g
+
+
+def _count(t: torch.Tensor) -> tuple[int, int]:
+    t = t.detach()
+    if t.is_complex():
+        t = t.abs()
+    if not t.is_floating_point():
+        return 0, 0
+    n_nan = int(torch.isnan(t).sum())
+    return n_nan, int(torch.isinf(t).sum())
+
+
+def total_grad_norm(params: Sequence[ParamInfo]) -> float | None:
+    norms = [p.grad_norm for p in params if p.grad_norm is not None]
+    if not norms:
+        return None
+    return float(math.sqrt(sum(n * n for n in norms)))
+
+
+def grad_findings(
+    params: Sequence[ParamInfo],
+    *,
+    module_types: dict[str, str] | None = None,
+    position: Any = None,
+    backward_ran: bool = True,
+) -> list[Finding]:
+    """``nonfinite_gradient``, ``vanishing_gradient``, ``exploding_gradient`` (ratio), and
+    info findings for what cannot be checked (no parameters, frozen, unused).
+
+    ``position(name)`` gives the trace position of a parameter's gradient (for sorting).
+    """
+    types = module_types or {}
+    pos = position or (lambda name: math.inf)
+    if not params:
+        return [skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"], "the model has no parameters")]
+    if not backward_ran:
+        return [skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
+                        "no backward pass (no loss, or nothing requires grad)")]
+    out: list[Finding] = []
+    frozen = [p.name for p in params if not p.requires_grad]
+    unused = [p.name for p in params if p.requires_grad and p.grad_norm is None]
+    if frozen:
+        out.append(skipped(["vanishing_gradient", "exploding_gradient"],
+                           f"{len(frozen)} frozen parameter(s) (requires_grad=False) have no gradient",
+                           params=frozen[:20]))
+    if unused and len(unused) < len(params) - len(frozen):
+        out.append(
+            Finding(
+                "unused_parameter", "info", f"{len(unused)} parameter(s)", {"params": unused[:20]},
+                "no gradient reached these parameters: they are not used by this forward (or "
+                "their path is detached); with DDP this needs find_unused_parameters=True.",
+                param=unused[0],
+            )
+        )
+    bad = [p for p in params if p.grad_n_nan or p.grad_n_inf]
+    if bad:
+        bad.sort(key=lambda p: pos(p.name))
+        first = bad[0]
+        ev: dict[str, Any] = {p.name: {"nan": p.grad_n_nan, "inf": p.grad_n_inf} for p in bad[:10]}
+        ev["n_params"] = len(bad)
+        ev["threshold"] = 0
+        names = ", ".join(p.name for p in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        out.append(
+            Finding(
+                "nonfinite_gradient", "error", f"gradients of {names}", ev,
+                "these gradients hold NaN/Inf: skip the step (NaNGuard does), and look at the first "
+                "backward event that is not finite for the cause.",
+                event=None, param=first.name, module=first.module, position=pos(first.name),
+            )
+        )
+    for p in params:
+        if p.grad_norm is None or not p.requires_grad or len(p.shape) < 2:
+            continue
+        if p.grad_n_nan or p.grad_n_inf or p.n_nan or p.n_inf:
+            continue  # the norms are over the finite elements only: no ratio
+        if not (math.isfinite(p.grad_norm) and math.isfinite(p.norm)) or p.norm <= 0:
+            continue
+        if types.get(p.module, "") in SPARSE_GRAD_TYPES:
+            continue
+        ratio = p.grad_norm / p.norm
+        where, at = f"parameter {p.name}", float(pos(p.name))
+        ev = {"grad_norm": p.grad_norm, "weight_norm": p.norm, "ratio": ratio}
+        if ratio < VANISHING_RATIO:
+            out.append(
+                Finding(
+                    "vanishing_gradient", "warning", where, {**ev, "threshold": VANISHING_RATIO},
+                    f"grad/weight norm ratio {fmt(ratio)}: this layer barely learns; add normalisation or "
+                    "residual connections, check for saturated or dead activations before it, or raise "
+                    "its learning rate.",
+                    param=p.name, module=p.module, position=at,
+                )
+            )
+        elif ratio > EXPLODING_RATIO:
+            out.append(
+                Finding(
+                    "exploding_gradient", "warning", where, {**ev, "threshold": EXPLODING_RATIO},
+                    f"grad/weight norm ratio {fmt(ratio)}: one step would move this weight far beyond its "
+                    "size; clip the gradient norm and lower the learning rate.",
+                    fix="torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
+                    param=p.name, module=p.module, position=at,
+                )
+            )
+    return out
+
+
+def history_grad_findings(history: Sequence[dict[str, Any]], current: float | None) -> list[Finding]:
+    """``exploding_gradient`` when ``current`` (the total gradient norm) is more than
+    ``EXPLODING_HISTORY_FACTOR`` times the median of the recent history."""
+    if current is None or not math.isfinite(current):
+        return []
+    norms = [float(r["grad_norm"]) for r in history[-HISTORY_WINDOW:] if _finite(r.get("grad_norm"))]
+    if len(norms) < HISTORY_MIN_ROWS:
+        return []
+    med = float(np.median(norms))
+    if med <= 0 or current <= EXPLODING_HISTORY_FACTOR * med:
+        return []
+    return [
+        Finding(
+            "exploding_gradient", "warning", "total gradient norm",
+            {"grad_norm": current, "median": med, "factor": current / med, "threshold": EXPLODING_HISTORY_FACTOR,
+             "history_rows": len(norms)},
+            f"the gradient norm is {current / med:.3g}x its recent median ({fmt(med)}): a loss spike or a bad "
+            "batch; clip the gradient norm (e.g. at a few times the median) and check this batch.",
+            fix=f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={3 * med:.3g})",
+        )
+    ]
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return v is not None and not isinstance(v, bool) and math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False

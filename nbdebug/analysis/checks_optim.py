@@ -1,0 +1,394 @@
+"""Optimizer, schedule, clipping and mixed-precision checks: Adam moments off their
+history or an ``eps`` that vanishes in float16, learning-rate spikes and schedule
+boundaries, clipping that is always or never on, and a collapsing GradScaler.
+
+They read a live optimizer or a stored ``state_dict`` (a snapshot's) through one view,
+and the guard's history rows (``step``, ``loss``, ``grad_norm``, ``lr``, ``scale``,
+``skipped``, and ``adam``: per-parameter bias-corrected moment RMS recorded by
+``NaNGuard(checks=True)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.trace import _norms
+from .checks_base import (
+    ADAM_SIGMA,
+    CLIP_ALWAYS_SHARE,
+    CLIP_MIN_STEPS,
+    CLIP_REL_TOL,
+    FP16_SMALLEST,
+    HISTORY_MIN_ROWS,
+    HISTORY_WINDOW,
+    LR_BOUNDARY_LOSS_RISE,
+    LR_BOUNDARY_WINDOW,
+    LR_REL_TOL,
+    LR_SPIKE_MIN_SHARE,
+    LR_SPIKE_RATIO,
+    SCALER_FALLS,
+    SCALER_MIN_SCALE,
+    SCALER_SKIPS,
+    SCALER_WINDOW,
+    Finding,
+    fmt,
+)
+
+#: A recorded log10 moment series steadier than this (in decades) counts as this steady.
+ADAM_MIN_SIGMA = 0.2
+
+
+@dataclass
+class OptimParam:
+    """One parameter as an optimizer sees it."""
+
+    name: str
+    hyper: dict[str, Any]
+    state: Mapping[str, Any]
+    dtype: str
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> list[OptimParam]:
+    """The parameters of a live optimizer, named after ``model``'s parameters when given."""
+    names: dict[int, str] = {}
+    if model is not None:
+        for n, p in model.named_parameters():
+            names.setdefault(id(p), n)
+    out = []
+    for gi, g in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        for pi, p in enumerate(g["params"]):
+            name = names.get(id(p), f"group{gi}.param{pi}")
+            out.append(OptimParam(name, hyper, optimizer.state.get(p, {}), str(p.dtype).replace("torch.", "")))
+    return out
+
+
+def state_dict_params(state: Mapping[str, Any], names: Sequence[str | None] | None = None) -> list[OptimParam]:
+    """The parameters of an optimizer ``state_dict()`` (e.g. a snapshot's), named by ``names``
+    (the parameter name of each index, as snapshots record them)."""
+    out = []
+    per_index = state.get("state", {}) or {}
+    for gi, g in enumerate(state.get("param_groups", []) or []):
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        for idx in g.get("params", []):
+            name = None
+            if names is not None and isinstance(idx, int) and 0 <= idx < len(names):
+                name = names[idx]
+            st = per_index.get(idx, {}) or {}
+            dtype = next((str(v.dtype).replace("torch.", "") for v in st.values() if isinstance(v, torch.Tensor) and v.ndim), "")
+            out.append(OptimParam(name or f"group{gi}.param{idx}", hyper, st, dtype))
+    return out
+
+
+# --------------------------------------------------------------------------- Adam
+def adam_moments(params: Sequence[OptimParam]) -> dict[str, list[float]]:
+    """Bias-corrected RMS of ``exp_avg`` and ``exp_avg_sq`` per parameter (Adam-like state):
+    ``{name: [m_rms, v_rms]}``. One fused norm per device and dtype."""
+    rows = [p for p in params if _is_tensor(p.state.get("exp_avg")) and _is_tensor(p.state.get("exp_avg_sq"))]
+    if not rows:
+        return {}
+    tensors = []
+    for p in rows:
+        tensors += [_real(p.state["exp_avg"]), _real(p.state["exp_avg_sq"])]
+    with torch.no_grad():
+        norms = _norms(tensors)
+    out = {}
+    for i, p in enumerate(rows):
+        n = max(p.state["exp_avg"].numel(), 1)
+        step = _float(p.state.get("step"), 1.0)
+        b1, b2 = _betas(p.hyper)
+        c1 = 1 - b1 ** max(step, 1.0)
+        c2 = 1 - b2 ** max(step, 1.0)
+        out[p.name] = [
+            float(norms[2 * i]) / math.sqrt(n) / (c1 if c1 > 0 else 1.0),
+            float(norms[2 * i + 1]) / math.sqrt(n) / (c2 if c2 > 0 else 1.0),
+        ]
+    return out
+
+
+def adam_findings(
+    params: Sequence[OptimParam],
+    history: Sequence[Mapping[str, Any]] = (),
+    *,
+    moments: dict[str, list[float]] | None = None,
+) -> list[Finding]:
+    """``adam_state_outlier``: a float16 ``exp_avg_sq`` holding zeros while ``eps`` rounds
+    to 0 in float16 (the update divides by zero), and a parameter's bias-corrected moment
+    RMS more than ``ADAM_SIGMA`` sigma (log10 scale) off its recorded history."""
+    out: list[Finding] = []
+    for p in params:
+        v = p.state.get("exp_avg_sq")
+        eps = p.hyper.get("eps")
+        if not isinstance(v, torch.Tensor) or not v.numel() or not isinstance(eps, (int, float)) or v.dtype != torch.float16:
+            continue
+        if float(torch.tensor(float(eps), dtype=torch.float16)) != 0.0:
+            continue
+        n_zero = int((v.detach() == 0).sum())
+        if n_zero:
+            out.append(
+                Finding(
+                    "adam_state_outlier", "error", f"optimizer state of {p.name}",
+                    {"eps": float(eps), "eps_in_float16": 0.0, "exp_avg_sq_zeros": n_zero, "numel": v.numel(),
+                     "threshold": FP16_SMALLEST},
+                    f"exp_avg_sq is 0 for {n_zero} elements and eps={eps:g} rounds to 0 in float16, so "
+                    "the update divides by sqrt(v) + eps = 0: use eps >= 1e-4 with float16 states, or keep "
+                    "float32 master weights (autocast + GradScaler).",
+                    fix="torch.optim.Adam(params, eps=1e-4)",
+                    param=p.name,
+                )
+            )
+    if moments is None:
+        moments = adam_moments(params)
+    past: dict[str, list[list[float]]] = {}
+    for r in history[-HISTORY_WINDOW:]:
+        rec = r.get("adam") if isinstance(r, Mapping) else None
+        if isinstance(rec, Mapping):
+            for k, mv in rec.items():
+                if isinstance(mv, (list, tuple)) and len(mv) == 2:
+                    past.setdefault(str(k), []).append([float(mv[0]), float(mv[1])])
+    for name, (m, v) in moments.items():
+        series = past.get(name, [])
+        if len(series) < HISTORY_MIN_ROWS:
+            continue
+        for label, cur, hist in (("exp_avg", m, [s[0] for s in series]), ("exp_avg_sq", v, [s[1] for s in series])):
+            logs = np.log10([h for h in hist if h > 0 and math.isfinite(h)])
+            if len(logs) < HISTORY_MIN_ROWS or not (cur > 0 and math.isfinite(cur)):
+                continue
+            mu, sd = float(logs.mean()), max(float(logs.std()), ADAM_MIN_SIGMA)
+            z = (math.log10(cur) - mu) / sd
+            if abs(z) > ADAM_SIGMA:
+                out.append(
+                    Finding(
+                        "adam_state_outlier", "warning", f"optimizer state of {name}",
+                        {"moment": label, "rms": cur, "history_median": float(10 ** np.median(logs)),
+                         "z_log10": z, "threshold": ADAM_SIGMA, "history_rows": len(logs)},
+                        f"the {label} RMS of {name} is {abs(z):.1f} sigma {'above' if z > 0 else 'below'} its "
+                        "history (log scale): a gradient spike reached this parameter; clip gradients, lower "
+                        "the learning rate, or check the batches of these steps.",
+                        param=name,
+                    )
+                )
+                break
+    return out
+
+
+# --------------------------------------------------------------------------- learning rate
+def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """``lr_spike`` (the lr grows more than ``LR_SPIKE_RATIO`` x between recorded steps,
+    from a steady or falling lr of at least ``LR_SPIKE_MIN_SHARE`` of its maximum so far) and ``lr_schedule_boundary`` (the
+    lr curve changes regime: warm-up end, decay start, a step decay, a restart); the
+    boundary is a warning when the loss rises ``LR_BOUNDARY_LOSS_RISE`` x (or goes
+    non-finite) within ``LR_BOUNDARY_WINDOW`` rows after it."""
+    pts = [(i, r) for i, r in enumerate(history) if _finite(r.get("lr"))]
+    if len(pts) < 3:
+        return []
+    lr = np.array([float(r["lr"]) for _, r in pts])
+    steps = [r.get("step", i) for i, r in pts]
+    out: list[Finding] = []
+    d = np.diff(lr)
+    tol = LR_REL_TOL * np.maximum(np.abs(lr[1:]), np.abs(lr[:-1])) + 1e-300
+    sign = np.where(d > tol, 1, np.where(d < -tol, -1, 0))
+    spikes = set()
+    for k in range(2, len(lr)):
+        prev, cur = lr[k - 1], lr[k]
+        steady = sign[k - 2] <= 0  # not during a warm-up
+        if prev > 0 and cur / prev > LR_SPIKE_RATIO and steady and prev >= LR_SPIKE_MIN_SHARE * float(np.max(lr[:k])):
+            spikes.add(k)
+            out.append(
+                Finding(
+                    "lr_spike", "warning", f"step {steps[k]}",
+                    {"lr_before": float(prev), "lr": float(cur), "ratio": float(cur / prev), "threshold": LR_SPIKE_RATIO},
+                    f"the learning rate jumped {cur / prev:.3g}x at step {steps[k]}: check the scheduler "
+                    "(a restart, a wrong step count, scheduler.step() called per batch instead of per epoch).",
+                    step=_int(steps[k]), position=1e12 + k,
+                )
+            )
+    # boundaries: where the sign of the change switches; a one-step jump (step decay)
+    # switches twice in a row and counts once
+    k = 1
+    while k < len(sign):
+        if sign[k] != sign[k - 1]:
+            at = k  # lr[at] is the last value of the old regime; the change shows at at + 1
+            if at + 1 in spikes:  # already reported as a spike
+                k += 2 if k + 1 < len(sign) and sign[k + 1] != sign[k] else 1
+                continue
+            kind = _regime(sign[k - 1], sign[k], sign[k + 1] if k + 1 < len(sign) else sign[k])
+            after = [r for _, r in pts[at + 1: at + 1 + LR_BOUNDARY_WINDOW]]
+            before = [r for _, r in pts[max(0, at + 1 - LR_BOUNDARY_WINDOW): at + 1]]
+            rise = _loss_rise(before, after)
+            bad = rise is not None and (not math.isfinite(rise) or rise > LR_BOUNDARY_LOSS_RISE)
+            ev: dict[str, Any] = {"lr_before": float(lr[at]), "lr_after": float(lr[min(at + 1, len(lr) - 1)]),
+                                  "kind": kind, "threshold": LR_BOUNDARY_LOSS_RISE}
+            if rise is not None:
+                ev["loss_rise"] = rise
+            advice = (
+                f"the loss rose {fmt(rise)}x within {LR_BOUNDARY_WINDOW} steps after this {kind}: lengthen the "
+                "warm-up, lower the peak learning rate, or smooth the schedule."
+                if bad
+                else f"the learning-rate schedule changes regime here ({kind}); watch the loss around this step."
+            )
+            out.append(
+                Finding(
+                    "lr_schedule_boundary", "warning" if bad else "info", f"step {steps[min(at + 1, len(steps) - 1)]}",
+                    ev, advice, step=_int(steps[min(at + 1, len(steps) - 1)]), position=1e12 + at,
+                )
+            )
+            k += 2 if k + 1 < len(sign) and sign[k + 1] != sign[k] else 1
+            continue
+        k += 1
+    return out
+
+
+def _regime(before: int, now: int, after: int) -> str:
+    if before > 0 and now <= 0:
+        return "end of warm-up"
+    if before == 0 and now < 0 and after == 0:
+        return "step decay"
+    if before == 0 and now < 0:
+        return "start of decay"
+    if before < 0 and now > 0:
+        return "restart"
+    if before == 0 and now > 0:
+        return "start of warm-up"
+    return "end of decay"
+
+
+def _loss_rise(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> float | None:
+    if not after:
+        return None
+    if any(r.get("loss") is not None and not _finite(r.get("loss")) for r in after):
+        return math.inf
+    b = [float(r["loss"]) for r in before if _finite(r.get("loss"))]
+    a = [float(r["loss"]) for r in after if _finite(r.get("loss"))]
+    if not a or not b:
+        return None
+    base = float(np.median(b))
+    if base <= 0:
+        return None
+    return max(a) / base
+
+
+# --------------------------------------------------------------------------- clipping
+def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None) -> list[Finding]:
+    """``grad_clip_always_on`` (the recorded gradient norm reached ``max_norm`` in more than
+    ``CLIP_ALWAYS_SHARE`` of the last steps) and ``grad_clip_never_on`` (it never did)."""
+    if clip_norm is None:
+        clip_norm = next((float(r["clip_norm"]) for r in reversed(history) if _finite(r.get("clip_norm"))), None)
+    if clip_norm is None or clip_norm <= 0:
+        return []
+    norms = np.array([float(r["grad_norm"]) for r in history[-HISTORY_WINDOW:] if _finite(r.get("grad_norm"))])
+    if len(norms) < CLIP_MIN_STEPS:
+        return []
+    # a norm measured before clipping exceeds max_norm; after clipping it equals it
+    on = norms >= clip_norm * (1 - CLIP_REL_TOL)
+    share = float(on.mean())
+    ev = {"max_norm": clip_norm, "share_clipped": share, "steps": len(norms), "median_grad_norm": float(np.median(norms))}
+    if share > CLIP_ALWAYS_SHARE:
+        return [
+            Finding(
+                "grad_clip_always_on", "warning", f"clip_grad_norm_(max_norm={clip_norm:g})",
+                {**ev, "threshold": CLIP_ALWAYS_SHARE},
+                f"the gradient was clipped in {share:.0%} of the last {len(norms)} steps (median norm "
+                f"{fmt(float(np.median(norms)))}): every update has the same length, so max_norm acts as the "
+                "learning rate; raise max_norm above the typical norm or lower the learning rate.",
+                fix=f"clip_grad_norm_(params, max_norm={2 * float(np.median(norms)):.3g})",
+            )
+        ]
+    if share == 0.0:
+        return [
+            Finding(
+                "grad_clip_never_on", "info", f"clip_grad_norm_(max_norm={clip_norm:g})",
+                {**ev, "max_grad_norm": float(norms.max()), "threshold": clip_norm},
+                f"the gradient norm never reached max_norm={clip_norm:g} in {len(norms)} steps (largest "
+                f"{fmt(float(norms.max()))}): clipping is only a safety net here; lower max_norm if spikes "
+                "between these values hurt.",
+            )
+        ]
+    return []
+
+
+# --------------------------------------------------------------------------- GradScaler
+def scaler_findings(history: Sequence[Mapping[str, Any]], scale_now: float | None = None) -> list[Finding]:
+    """``grad_scaler_collapse``: the scale fell ``SCALER_FALLS`` times in a row, or
+    ``SCALER_SKIPS`` of the last ``SCALER_WINDOW`` steps were skipped (warning); the scale
+    is below ``SCALER_MIN_SCALE`` (error)."""
+    scales = [float(r["scale"]) for r in history if _finite(r.get("scale"))]
+    if scale_now is None and scales:
+        scale_now = scales[-1]
+    falls = 0
+    for a, b in zip(reversed(scales[:-1]), reversed(scales[1:])):
+        if b < a:
+            falls += 1
+        else:
+            break
+    recent = list(history[-SCALER_WINDOW:])
+    skips = sum(1 for r in recent if r.get("skipped") and _finite(r.get("scale")))
+    ev = {"scale": scale_now, "consecutive_falls": falls, "skipped_recent": skips, "window": SCALER_WINDOW,
+          "threshold": {"falls": SCALER_FALLS, "skips": SCALER_SKIPS, "min_scale": SCALER_MIN_SCALE}}
+    if scale_now is not None and scale_now < SCALER_MIN_SCALE:
+        return [
+            Finding(
+                "grad_scaler_collapse", "error", "GradScaler", ev,
+                f"the loss scale fell to {fmt(scale_now)} (< {SCALER_MIN_SCALE:g}): the gradients overflow float16 "
+                "even unscaled, i.e. something is already Inf/NaN; find the first non-finite step (NaNGuard "
+                "snapshot) rather than scaling further.",
+            )
+        ]
+    if falls >= SCALER_FALLS or skips >= SCALER_SKIPS:
+        return [
+            Finding(
+                "grad_scaler_collapse", "warning", "GradScaler", ev,
+                f"the loss scale fell {falls} times in a row and {skips} of the last {len(recent)} steps were "
+                "skipped: float16 gradients keep overflowing; look for activations near 65504, lower the "
+                "learning rate, or use bfloat16.",
+            )
+        ]
+    return []
+
+
+# --------------------------------------------------------------------------- helpers
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.numel() > 0
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.abs() if t.is_complex() else t
+
+
+def _float(v: Any, default: float) -> float:
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().reshape(-1)[0]) if v.numel() else default
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _betas(hyper: Mapping[str, Any]) -> tuple[float, float]:
+    b = hyper.get("betas")
+    if isinstance(b, (tuple, list)) and len(b) == 2:
+        return _float(b[0], 0.9), _float(b[1], 0.999)
+    return 0.9, 0.999
+
+
+def _finite(v: Any) -> bool:
+    if v is None or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,153 @@
+"""Checkpoint checks: :func:`check_state_dict` compares a ``state_dict`` with a model
+before ``load_state_dict`` (which it never calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..core.batch import check_model
+from .checks_base import Finding, Findings, sort_findings
+
+_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> Findings:
+    """Compare ``state_dict`` with ``model.state_dict()`` without loading it.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Read only.
+    state_dict : mapping of str to Tensor
+        A checkpoint (e.g. ``torch.load(path, weights_only=True)``); nothing in it is changed.
+
+    Returns
+    -------
+    Findings (a list of Finding)
+        ``state_dict_mismatch`` (error): missing keys, unexpected keys and shape changes,
+        listed (with a hint when a ``module.`` / ``_orig_mod.`` prefix explains them);
+        ``dtype_downcast`` (warning): floating tensors stored in a narrower float dtype
+        than the model's (float16/bfloat16 into float32), with the largest round-off the
+        narrower dtype implies (half a unit in the last place of the largest value), and
+        how many values fell to 0 or to subnormals; ``nonfinite_weight`` (error): NaN/Inf
+        stored in the checkpoint.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a module or ``state_dict`` is not a mapping.
+    """
+    check_model(model)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping of parameter names to tensors (model.state_dict()); got "
+            f"{type(state_dict).__qualname__}."
+        )
+    own = model.state_dict()
+    sd = {k: v for k, v in state_dict.items() if isinstance(k, str)}
+    out: list[Finding] = []
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own and not k.endswith("._extra_state")]
+    shapes = {
+        k: [list(sd[k].shape), list(own[k].shape)]
+        for k in own
+        if k in sd and isinstance(sd[k], torch.Tensor) and isinstance(own[k], torch.Tensor)
+        and tuple(sd[k].shape) != tuple(own[k].shape)
+    }
+    if missing or unexpected or shapes:
+        hint, fix = _prefix_hint(list(own), list(sd))
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})")
+        if shapes:
+            k0 = next(iter(shapes))
+            parts.append(f"{len(shapes)} shape change(s) ({k0}: checkpoint {tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})")
+        out.append(
+            Finding(
+                "state_dict_mismatch", "error", "; ".join(parts),
+                {"missing": missing, "unexpected": unexpected, "shapes": shapes, "n_missing": len(missing),
+                 "n_unexpected": len(unexpected), "n_shape": len(shapes), "threshold": 0},
+                hint or "the checkpoint does not fit this model: load it into the architecture it was saved "
+                "from, or load with strict=False only for keys you expect to differ (and re-initialise them).",
+                fix=fix,
+                param=next(iter(missing or list(shapes)), None),
+            )
+        )
+    for k, v in sd.items():
+        w = own.get(k)
+        if not isinstance(v, torch.Tensor) or not isinstance(w, torch.Tensor):
+            continue
+        if v.is_floating_point() or v.is_complex():
+            bad = ~torch.isfinite(v.detach())
+            n_bad = int(bad.sum())
+            if n_bad:
+                out.append(
+                    Finding(
+                        "nonfinite_weight", "error", f"checkpoint tensor {k}",
+                        {"n_nan": int(torch.isnan(v.detach()).sum()), "n_nonfinite": n_bad, "numel": v.numel(), "threshold": 0},
+                        "the checkpoint stores NaN/Inf in this tensor: it was saved after the run diverged; "
+                        "load an earlier checkpoint.",
+                        param=k,
+                    )
+                )
+        if not (v.is_floating_point() and w.is_floating_point()):
+            continue
+        fv, fw = torch.finfo(v.dtype), torch.finfo(w.dtype)
+        if fv.bits >= fw.bits and fv.eps <= fw.eps:
+            continue
+        x = v.detach()
+        fin = x[torch.isfinite(x)]
+        absmax = float(fin.abs().max()) if fin.numel() else 0.0
+        ulp_half = fv.eps / 2
+        tiny = fv.tiny
+        n_flushed = int(((fin.abs() < tiny)).sum()) - int((fin == 0).sum()) if fin.numel() else 0
+        n_zero = int((fin == 0).sum()) if fin.numel() else 0
+        ev: dict[str, Any] = {
+            "checkpoint_dtype": str(v.dtype).replace("torch.", ""),
+            "model_dtype": str(w.dtype).replace("torch.", ""),
+            "max_roundoff": absmax * ulp_half,
+            "relative_roundoff": ulp_half,
+            "absmax": absmax,
+            "n_subnormal": max(n_flushed, 0),
+            "n_zero": n_zero,
+            "threshold": f"finfo({str(v.dtype).replace('torch.', '')}).eps / 2 = {ulp_half:.3g}",
+        }
+        if tuple(w.shape) == tuple(x.shape):
+            # when the model already holds these weights at full precision: the actual error
+            diff = (w.detach().to(torch.float64) - x.to(torch.float64)).abs()
+            fin_d = diff[torch.isfinite(diff)]
+            if fin_d.numel() and float(fin_d.max()) <= 2 * max(absmax * ulp_half, tiny):
+                ev["max_abs_error_vs_model"] = float(fin_d.max())
+        out.append(
+            Finding(
+                "dtype_downcast", "warning", f"{k}: {ev['checkpoint_dtype']} -> {ev['model_dtype']}", ev,
+                f"these {ev['model_dtype']} weights come from a {ev['checkpoint_dtype']} checkpoint: up to "
+                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and {ev['n_subnormal']} values "
+                "near 0 lost their precision; save full-precision checkpoints (master weights) for training.",
+                param=k,
+            )
+        )
+    return sort_findings(out)
+
+
+def _prefix_hint(own: list[str], sd: list[str]) -> tuple[str, str]:
+    """(advice, fix) when a wrapper prefix explains the mismatch."""
+    for p in _PREFIXES:
+        if sd and all(k.startswith(p) for k in sd) and any(k[len(p):] in own for k in sd):
+            return (
+                f"every checkpoint key starts with '{p}' (saved from a wrapper such as DDP or "
+                "torch.compile): strip it before loading.",
+                f"model.load_state_dict({{k.removeprefix('{p}'): v for k, v in sd.items()}})",
+            )
+        if own and all(k.startswith(p) for k in own) and any(p + k in own for k in sd):
+            inner = p.rstrip(".")
+            return (
+                f"every model key starts with '{p}': load into the wrapped module instead.",
+                f"model.{inner}.load_state_dict(sd)",
+            )
+    return "", ""

@@ -1,0 +1,202 @@
+"""The Checks tab: health-check findings grouped by severity, with coloured badges.
+
+Clicking a finding shows its evidence, advice and fix, and calls ``on_select(finding)``
+(the debugger moves its step cursor to ``finding.event``, or selects ``finding.param`` in
+the Layers tab). ``panel.summary`` is the short count for the debugger's header badge.
+
+>>> panel = ChecksPanel(nbdebug.check((model, x), target=y, loss_fn=F.cross_entropy),
+...                     on_select=lambda f: print(f.event, f.param))
+>>> panel.widget          # display it
+>>> panel.summary         # '1 error, 2 warnings'
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ipywidgets as widgets
+
+from ..analysis.checks_base import SEVERITIES, Finding
+
+COLORS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+_BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
+STYLE = """<style>
+.nbdebug-checks .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
+.nbdebug-checks .widget-button { text-align: left; justify-content: flex-start; }
+.nbdebug-checks-detail table { border-collapse: collapse; font-size: 12px; }
+.nbdebug-checks-detail td { padding: 1px 8px; }
+.nbdebug-checks-detail pre { margin: 4px 0; }
+</style>"""
+
+
+def counts_summary(findings: Sequence[Finding]) -> str:
+    """``"2 errors, 1 warning"`` (``"no errors or warnings"`` when there are none)."""
+    n_err = sum(1 for f in findings if f.severity == "error")
+    n_warn = sum(1 for f in findings if f.severity == "warning")
+    parts = []
+    if n_err:
+        parts.append(f"{n_err} error{'s' if n_err != 1 else ''}")
+    if n_warn:
+        parts.append(f"{n_warn} warning{'s' if n_warn != 1 else ''}")
+    return ", ".join(parts) if parts else "no errors or warnings"
+
+
+def badge(text: str, severity: str) -> str:
+    color = COLORS.get(severity, "#7f7f7f")
+    return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(text)}</span>"
+
+
+class ChecksPanel:
+    """Findings grouped by severity; see the module docstring.
+
+    Parameters
+    ----------
+    findings : list of Finding
+        As returned by :func:`nbdebug.check` (shown in that order within each group).
+    on_select : callable, optional
+        Called with the clicked :class:`Finding`.
+
+    Attributes
+    ----------
+    widget : ipywidgets.VBox
+    buttons : list of ipywidgets.Button
+        One per finding, in the order of ``findings``.
+    selected : Finding or None
+    """
+
+    def __init__(self, findings: Sequence[Finding], *, on_select: Callable[[Finding], Any] | None = None) -> None:
+        if on_select is not None and not callable(on_select):
+            raise TypeError(f"on_select must be callable or None; got {type(on_select).__qualname__}.")
+        self.on_select = on_select
+        self.findings: list[Finding] = []
+        self.selected: Finding | None = None
+        self.buttons: list[widgets.Button] = []
+        self.header = widgets.HTML()
+        self.groups = widgets.VBox()
+        self.detail = widgets.HTML()
+        self.detail.add_class("nbdebug-checks-detail")
+        self.widget = widgets.VBox([widgets.HTML(STYLE), self.header, self.groups, self.detail])
+        self.widget.add_class("nbdebug-checks")
+        self.update(findings)
+
+    # ------------------------------------------------------------------ content
+    def update(self, findings: Sequence[Finding]) -> None:
+        """Show another list of findings (clears the selection)."""
+        if isinstance(findings, Finding) or not isinstance(findings, Sequence) or not all(
+            isinstance(f, Finding) for f in findings
+        ):
+            raise TypeError(
+                "findings must be a list of Finding (from nbdebug.check); got "
+                f"{type(findings).__qualname__}."
+            )
+        self.findings = list(findings)
+        self.selected = None
+        by_index: dict[int, widgets.Button] = {}
+        sections: list[widgets.Widget] = []
+        for sev in SEVERITIES:
+            group = [(i, f) for i, f in enumerate(self.findings) if f.severity == sev]
+            if not group:
+                continue
+            sections.append(widgets.HTML(f"<div style='margin-top:6px'>{badge(f'{len(group)} {sev}', sev)}</div>"))
+            for i, f in group:
+                b = widgets.Button(
+                    description=_label(f),
+                    tooltip=f.advice[:300],
+                    button_style=_BUTTON_STYLE[sev],
+                    layout=widgets.Layout(width="auto", max_width="900px"),
+                )
+                b.on_click(lambda _b, i=i: self.select(i))
+                by_index[i] = b
+                sections.append(b)
+        ordered = [by_index[i] for i in range(len(self.findings))]
+        with self.widget.hold_sync():
+            old = self.buttons
+            self.buttons = ordered
+            self.header.value = self._header_html()
+            self.groups.children = tuple(sections)
+            self.detail.value = (
+                "<i>click a finding for its evidence and advice</i>" if self.findings else "<i>no findings</i>"
+            )
+        for b in old:
+            b.close()
+
+    def _header_html(self) -> str:
+        n_info = sum(1 for f in self.findings if f.severity == "info")
+        info = f" · {n_info} info" if n_info else ""
+        sev = "error" if any(f.severity == "error" for f in self.findings) else (
+            "warning" if any(f.severity == "warning" for f in self.findings) else "ok"
+        )
+        color = "#2ca02c" if sev == "ok" else COLORS[sev]
+        return (
+            f"<b>Health checks</b> <span class='nbdebug-badge' style='background:{color}'>"
+            f"{html.escape(self.summary)}</span>{html.escape(info)}"
+        )
+
+    @property
+    def summary(self) -> str:
+        """Counts of errors and warnings, for the debugger's header badge."""
+        return counts_summary(self.findings)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
+
+    # ------------------------------------------------------------------ selection
+    def select(self, index: int) -> Finding:
+        """Select finding ``index`` (what a click does): show its details, call ``on_select``."""
+        if not 0 <= index < len(self.findings):
+            raise IndexError(f"finding index {index} out of range (0..{len(self.findings) - 1}).")
+        f = self.findings[index]
+        self.selected = f
+        self.detail.value = detail_html(f)
+        if self.on_select is not None:
+            self.on_select(f)
+        return f
+
+    def __repr__(self) -> str:
+        return f"ChecksPanel({self.summary}, {len(self.findings)} findings)"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def _label(f: Finding) -> str:
+    text = f"{f.code} · {f.where}"
+    if f.step is not None:
+        text += f" · step {f.step}"
+    return text if len(text) <= 110 else text[:107] + "..."
+
+
+def detail_html(f: Finding) -> str:
+    """The selected finding: badge, code, where, advice, fix snippet and evidence table."""
+    e = html.escape
+    rows = "".join(f"<tr><td>{e(str(k))}</td><td><code>{e(_value(v))}</code></td></tr>" for k, v in f.evidence.items())
+    jump = []
+    if f.event is not None:
+        jump.append(f"event #{f.event}")
+    if f.param:
+        jump.append(f"parameter {e(f.param)}")
+    if f.rows:
+        jump.append(f"rows {e(', '.join(map(str, f.rows[:20])))}{' ...' if len(f.rows) > 20 else ''}")
+    if f.step is not None:
+        jump.append(f"step {f.step}")
+    parts = [
+        f"{badge(f.severity, f.severity)} <b>{e(f.code)}</b> at {e(f.where)}",
+        f"<div>{e(f.advice)}</div>",
+    ]
+    if f.fix:
+        parts.append(f"<pre><code>{e(f.fix)}</code></pre>")
+    if jump:
+        parts.append(f"<div><i>{' · '.join(jump)}</i></div>")
+    if rows:
+        parts.append(f"<table>{rows}</table>")
+    return "".join(parts)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    text = str(v)
+    return text if len(text) <= 200 else text[:197] + "..."
