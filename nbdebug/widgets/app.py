@@ -26,6 +26,7 @@ from .cursor import Cursor
 from .history import HistoryPanel
 from .layers import LayersPanel
 from .step import STYLE, StepPanel
+from .tabs import add_feature_tabs
 
 TraceSource = Callable[[], Trace]
 
@@ -232,6 +233,10 @@ def debug(
     loss_fn: Callable[..., Any] | None = None,
     *,
     model: Any = None,
+    reference: Any = None,
+    labels: Any = None,
+    pred_probs: Any = None,
+    journal: str | os.PathLike[str] = "labels.journal.jsonl",
     backend: str | None = None,
 ) -> Debugger:
     """Open the debugger.
@@ -247,8 +252,18 @@ def debug(
     model : torch.nn.Module or callable, optional
         For a snapshot path: the architecture (a module or a zero-argument factory), passed
         to :func:`nbdebug.load_snapshot`.
+    reference : array, DataFrame or tensor, optional
+        A reference batch (e.g. training data): adds a Drift tab comparing the batch to it
+        through SHAP explanations (:func:`nbdebug.drift`; tabular models).
+    labels, pred_probs : array-like, optional
+        Given labels and out-of-fold class probabilities of the batch's samples: adds a
+        Labels tab to review suspicious labels (:class:`nbdebug.LabelCleaner`), whose
+        decisions are appended to ``journal``.
     backend : {"auto", "figurewidget", "output"}, optional
         How figures are drawn (see :mod:`nbdebug.widgets.plot`).
+
+    A model and batch (or a snapshot) also get a Gradcheck tab: the gradient check of
+    every leaf module on the batch's first rows, run from the tab's button.
 
     Returns
     -------
@@ -261,7 +276,7 @@ def debug(
     if model is not None and not isinstance(obj, (str, os.PathLike)):
         raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     if isinstance(obj, Trace):
-        if inputs is not None or target is not None or loss_fn is not None:
+        if inputs is not None or target is not None or loss_fn is not None or reference is not None:
             raise TypeError("debug(trace) takes no inputs/target/loss_fn: the trace is already recorded.")
         return Debugger(obj, backend=backend)
     if isinstance(obj, torch.nn.Module):
@@ -276,7 +291,10 @@ def debug(
 
         # bad arguments (not a module, empty batch, no loss) raise here, before any widget
         tr, err = _run(source, type(net).__name__)
-        return Debugger(tr, error=err, source=source, backend=backend)
+        dbg = Debugger(tr, error=err, source=source, backend=backend)
+        add_feature_tabs(dbg, model=net, inputs=inputs, reference=reference, labels=labels,
+                         pred_probs=pred_probs, journal=journal, backend=backend)
+        return dbg
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
 
@@ -293,8 +311,11 @@ def debug(
 
         tr, err = _run(replay, snap.model_class or "snapshot")
         reason = f"{snap.kind}: {snap.message}" if snap.kind else snap.message
-        return Debugger(tr, error=err, source=replay, history=snap.history_frame(), failing_step=snap.step,
-                        reason=reason, backend=backend)
+        dbg = Debugger(tr, error=err, source=replay, history=snap.history_frame(), failing_step=snap.step,
+                       reason=reason, backend=backend)
+        add_feature_tabs(dbg, model=snap.model, inputs=snap.inputs, reference=reference, labels=labels,
+                         pred_probs=pred_probs, journal=journal, backend=backend)
+        return dbg
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "
         f"got {type(obj).__qualname__}."
