@@ -61,3 +61,30 @@ def _walk(w):
         cur = stack.pop()
         yield cur
         stack.extend(getattr(cur, "children", ()) or ())
+
+
+def test_checks_tab_counts_in_header_and_click_moves_the_cursor() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import by_name
+
+    s = by_name("log_zero_in_loss")
+    dbg = nbdebug.debug(s.model, s.inputs, s.target, s.loss_fn)
+    titles = list(dbg.tabs.titles)
+    assert titles[:3] == ["Step", "Layers", "Checks"]
+    findings = nbdebug.check(dbg.trace)
+    n_err = sum(f.severity == "error" for f in findings)
+    assert n_err >= 1 and f"{n_err} error" in dbg.header.value
+    panel_widget = dbg.tabs.children[titles.index("Checks")]
+    from nbdebug.widgets.checks import ChecksPanel
+
+    panel = dbg.panel("Checks")
+    assert isinstance(panel, ChecksPanel) and panel.widget is panel_widget
+    with_event = next(i for i, f in enumerate(panel.findings) if f.event is not None)
+    dbg.step.goto(0)
+    panel.select(with_event)
+    assert dbg.current_event is not None and dbg.current_event.index == panel.findings[with_event].event
+    assert dbg.tabs.selected_index == 0
+

@@ -128,7 +128,7 @@ def test_snapshot_path_and_snapshot_object(shell, tmp_path, capsys):
                                  loss_fn=F.cross_entropy)
     shell.run_line_magic("nbdebug", f"{path} --model factory")
     dbg = magics.open_debuggers()[-1]
-    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Gradcheck"]
+    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Gradcheck"]
     assert dbg.history is not None and dbg.history.failing_step == 6 and len(dbg.history.history) == 6
     assert dbg.trace.origin is not None and dbg.trace.origin.op == "torch.log"
     # without a model: one line that says how to give it

@@ -83,7 +83,7 @@ def test_debugger_shows_the_trace_and_starts_at_the_first_event(bad_dbg):
     assert "LogNet" in head and f"{tr.n_params:,} parameters" in head and "Tensor(6, 8)" in head
     assert tr.summary().replace("<", "&lt;").replace(">", "&gt;") in head
     assert "nbdebug-badge-bad" in head
-    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Gradcheck"]
+    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks", "Gradcheck"]
     assert bad_dbg.current_event is tr.events[0]
     assert bad_dbg.cursor.index == 0
     pts = norm_points(tr)
@@ -283,7 +283,7 @@ def test_add_tab_survives_rerun_and_bad_input(bad_dbg):
     bad_dbg.add_tab("Checks", extra)
     assert list(bad_dbg.tabs.titles)[-1] == "Checks" and bad_dbg.tabs.children[-1] is extra
     bad_dbg.rerun()
-    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Gradcheck", "Checks"]
+    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks", "Gradcheck", "Checks"]
     with pytest.raises(TypeError, match="ipywidget"):
         bad_dbg.add_tab("x", 3)
     with pytest.raises(TypeError, match="title"):
@@ -370,7 +370,7 @@ def test_snapshot_gets_a_history_tab(tmp_path):
     path = nbdebug.save_snapshot(tmp_path, m, x, y, step=9, reason="loss is nan", history=history,
                                  loss_fn=F.cross_entropy)
     dbg = debug(path, model=LogNet)
-    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Gradcheck"]
+    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Gradcheck"]
     hist = dbg.history
     assert hist is not None and hist.failing_step == 9
     assert list(hist.history["step"]) == list(range(9))
@@ -383,7 +383,7 @@ def test_snapshot_gets_a_history_tab(tmp_path):
     assert "step 9" in dbg.header.value
     # the same from a loaded Snapshot; no history -> no History tab
     bare = nbdebug.save_snapshot(tmp_path / "b.nbsnap", m, x, y, step=1, loss_fn=F.cross_entropy)
-    assert list(debug(nbdebug.load_snapshot(bare, model=LogNet)).tabs.titles) == ["Step", "Layers", "Gradcheck"]
+    assert list(debug(nbdebug.load_snapshot(bare, model=LogNet)).tabs.titles) == ["Step", "Layers", "Checks", "Gradcheck"]
     with pytest.raises(nbdebug.SnapshotError):
         debug(tmp_path / "missing.nbsnap", model=LogNet)
     with pytest.raises(TypeError, match="model="):

@@ -67,8 +67,9 @@ def _run(source: TraceSource, model_name: str) -> tuple[Trace, str | None]:
         return tr, str(err)
 
 
-def header_html(trace: Trace, *, error: str | None = None, snapshot: str | None = None) -> str:
-    """The debugger's header: model class, parameter count, batch, loss, status badge."""
+def header_html(trace: Trace, *, error: str | None = None, snapshot: str | None = None, extra: str = "") -> str:
+    """The debugger's header: model class, parameter count, batch, loss, status badge
+    (and ``extra`` HTML after the badge, e.g. the health-check counts)."""
     e = html.escape
     loss = "–" if trace.loss is None else (f"{trace.loss:.6g}" if math.isfinite(trace.loss) else str(trace.loss))
     status = trace.summary()
@@ -81,7 +82,7 @@ def header_html(trace: Trace, *, error: str | None = None, snapshot: str | None 
         f"loss {e(loss)}",
         f"{len(trace.events)} events",
     ]
-    lines = [" · ".join(parts), f"<div style='margin-top:4px'>{badge}</div>"]
+    lines = [" · ".join(parts), f"<div style='margin-top:4px'>{badge} {extra}</div>"]
     if error and error not in status:
         lines.append(f"<div class='nbdebug-error' style='color:#d62728;margin-top:4px'><b>TraceError:</b> {e(error)}</div>")
     if snapshot:
@@ -131,6 +132,8 @@ class Debugger:
                 f": {reason}" if reason else ""
             )
         self._extra: list[tuple[str, widgets.Widget]] = []
+        self._header_extra = ""
+        self._panels: dict[str, Any] = {}
         self._callbacks: list[Callable[[Debugger], Any]] = []
         self.header = widgets.HTML()
         self.rerun_button = widgets.Button(
@@ -150,10 +153,27 @@ class Debugger:
         self.widget.add_class("nbdebug-debugger")
 
     def _build_panels(self) -> None:
-        self.header.value = header_html(self.trace, error=self.error, snapshot=self._snapshot_line)
+        self._render_header()
         self.step = StepPanel(self.trace, backend=self._backend)
         self.layers = LayersPanel(self.trace, backend=self._backend)
         self._layout_tabs()
+
+    def _render_header(self) -> None:
+        self.header.value = header_html(
+            self.trace, error=self.error, snapshot=self._snapshot_line, extra=self._header_extra
+        )
+
+    def set_header_extra(self, html_text: str) -> None:
+        """HTML shown after the status badge (kept across re-runs until set again)."""
+        self._header_extra = html_text
+        self._render_header()
+
+    def select_tab(self, title: str) -> None:
+        """Bring the tab named ``title`` to the front."""
+        titles = list(self.tabs.titles)
+        if title not in titles:
+            raise ValueError(f"no tab named {title!r}; the tabs are {titles}.")
+        self.tabs.selected_index = titles.index(title)
 
     def _layout_tabs(self) -> None:
         pairs: list[tuple[str, widgets.Widget]] = [("Step", self.step.widget), ("Layers", self.layers.widget)]
@@ -185,7 +205,14 @@ class Debugger:
         if not isinstance(w, widgets.Widget):
             raise TypeError(f"add_tab expects an ipywidget or an object with .widget; got {type(widget).__qualname__}.")
         self._extra.append((title, w))
+        self._panels[title] = widget
         self._layout_tabs()
+
+    def panel(self, title: str) -> Any:
+        """The object given to :meth:`add_tab` for tab ``title`` (e.g. the ChecksPanel)."""
+        if title not in self._panels:
+            raise KeyError(f"no added tab named {title!r}; added tabs: {list(self._panels)}.")
+        return self._panels[title]
 
     def on_retrace(self, callback: Callable[[Debugger], Any]) -> None:
         """Call ``callback(debugger)`` after every re-run (e.g. to refresh an added tab)."""
@@ -278,7 +305,9 @@ def debug(
     if isinstance(obj, Trace):
         if inputs is not None or target is not None or loss_fn is not None or reference is not None:
             raise TypeError("debug(trace) takes no inputs/target/loss_fn: the trace is already recorded.")
-        return Debugger(obj, backend=backend)
+        dbg = Debugger(obj, backend=backend)
+        add_feature_tabs(dbg, backend=backend)
+        return dbg
     if isinstance(obj, torch.nn.Module):
         if inputs is None:
             raise TypeError("debug(model, inputs, ...) needs the batch: inputs is missing.")

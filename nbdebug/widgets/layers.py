@@ -25,9 +25,10 @@ def _cell(v: Any) -> str:
     return html.escape(str(v))
 
 
-def params_table_html(frame: Any) -> str:
+def params_table_html(frame: Any, selected: str | None = None) -> str:
     """HTML table of a ``Trace.params_frame()`` (already sorted); rows with a non-finite
-    weight or gradient, or a ratio outside the healthy band, are marked."""
+    weight or gradient, or a ratio outside the healthy band, are marked, and the
+    ``selected`` parameter is highlighted."""
     head = "".join(f"<th>{c}</th>" for c in ("name", *_SHOWN))
     body = []
     for name, row in frame.iterrows():
@@ -35,11 +36,14 @@ def params_table_html(frame: Any) -> str:
         r = row["ratio"]
         off = r is not None and not (isinstance(r, float) and math.isnan(r)) and (r < VANISHING or r > EXPLODING)
         cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
+        if name == selected:
+            cls += " nbdebug-selected"
         cells = "".join(f"<td>{_cell(row[c])}</td>" for c in _SHOWN)
         body.append(f"<tr class='{cls}'><td style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>")
     return (
         "<style>.nbdebug-params td,.nbdebug-params th{padding:1px 8px;text-align:right;font-size:12px}"
-        ".nbdebug-params .nbdebug-bad{color:#d62728;font-weight:bold}.nbdebug-params .nbdebug-warn{color:#9467bd}</style>"
+        ".nbdebug-params .nbdebug-bad{color:#d62728;font-weight:bold}.nbdebug-params .nbdebug-warn{color:#9467bd}"
+        ".nbdebug-params .nbdebug-selected{background:#fff3b0}</style>"
         f"<table class='nbdebug-params'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
 
@@ -61,6 +65,7 @@ class LayersPanel:
     def __init__(self, trace: Trace, *, backend: str | None = None):
         self.trace = trace
         self._frame = trace.params_frame()
+        self.selected: str | None = None
         self.sort_by = widgets.Dropdown(options=list(SORT_COLUMNS), value="name", description="sort by")
         self.descending = widgets.Checkbox(value=False, description="descending", indent=False)
         self.table = widgets.HTML(layout=widgets.Layout(max_height="320px", overflow="auto"))
@@ -85,7 +90,14 @@ class LayersPanel:
         if not len(self._frame):
             self.table.value = "<i>the model has no parameters</i>"
             return
-        self.table.value = params_table_html(self.sorted_frame())
+        self.table.value = params_table_html(self.sorted_frame(), self.selected)
+
+    def select(self, name: str) -> None:
+        """Highlight parameter ``name`` (e.g. from a health-check finding)."""
+        if name not in self._frame.index:
+            raise ValueError(f"no parameter named {name!r} in this trace.")
+        self.selected = name
+        self._render()
 
     def __repr__(self) -> str:
         return f"LayersPanel({len(self._frame)} parameters, sorted by {self.sort_by.value})"
