@@ -248,7 +248,7 @@ def test_history_is_measured_right(tmp_path):
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    guard = NaNGuard(model, opt, directory=tmp_path, history=3)
+    guard = NaNGuard(model, opt, directory=tmp_path, history=3, param_norm_every=1)
     x, y = _data(64)
     expected = []
     for step, xb, yb in _batches(x, y):
@@ -274,6 +274,21 @@ def test_history_is_measured_right(tmp_path):
     loss.backward()
     guard.check(loss)
     assert guard.history[-1]["step"] == 41
+
+
+def test_param_norm_cadence_and_bad_steps_measure_it(tmp_path):
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path, param_norm_every=3, patience=None)
+    for s in range(7):
+        _bad_step(model, guard, s, bad=s == 4)
+        model.zero_grad()
+    measured = [h["param_norm"] is not None for h in guard.history]
+    # checks 0, 3, 6 by cadence, and the bad step 4
+    assert measured == [True, False, False, True, True, False, True]
+    total = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm().item()
+    assert guard.history[4]["param_norm"] == pytest.approx(total, rel=1e-6)
+    with pytest.raises(ValueError, match="param_norm_every must be a positive int"):
+        NaNGuard(model, param_norm_every=0)
 
 
 class _Count(TorchFunctionMode):
@@ -303,6 +318,9 @@ def test_one_fused_host_read_per_healthy_step(tmp_path):
     assert c.reads == ["tolist"]  # one read of [loss, grad norm, param norm], not one per parameter
     # fused: one foreach-norm over all gradients and one over all parameters
     assert c.ops.count("_foreach_norm") == 2 and len(c.ops) < 20, c.ops
+    with _Count() as c:  # the parameters are measured every 10th step only
+        assert guard.check(loss, step=1)
+    assert c.reads == ["tolist"] and c.ops.count("_foreach_norm") == 1, c.ops
 
 
 def test_healthy_check_changes_nothing(tmp_path):

@@ -103,3 +103,11 @@ def test_diverging_loss_gets_a_log_axis():
     assert fig.layout.yaxis.type == "log"
     assert list(_trace(fig, "loss non-finite").x) == [5]
     assert list(_trace(fig, "loss non-finite").y) == [1e12]
+
+
+def test_unmeasured_param_norm_is_a_gap_not_a_nan():
+    h = pd.DataFrame({"step": range(4), "loss": [1.0] * 4, "param_norm": [3.0, None, None, 3.5]})
+    fig = history_figure(h)
+    names = [t.name for t in fig.data]
+    assert "param_norm" in names and "param_norm non-finite" not in names
+    assert _trace(fig, "param_norm").connectgaps is True and _trace(fig, "loss").connectgaps is False

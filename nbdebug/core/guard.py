@@ -169,11 +169,17 @@ class NaNGuard:
         Health checks (:func:`nbdebug.check`'s cheap ones, no extra forward) every 50 steps
         (``True``), every ``checks`` steps (an int) or ``{"every": n, "clip_norm": c}``, and
         on a failing step; their findings go into the history row (``"checks"``).
+    param_norm_every : int
+        Measure the total parameter norm every this many checks (and on every bad step);
+        other history rows hold ``None``. Reading all weights is a pass over memory as
+        long as the gradient check itself: every 10th step keeps the guard near 1 % of a
+        step. ``1``: every step.
 
     Attributes
     ----------
     history : collections.deque of dict
-        ``step``, ``loss``, ``grad_norm`` (unscaled), ``param_norm``, ``lr``, ``scale``,
+        ``step``, ``loss``, ``grad_norm`` (unscaled), ``param_norm`` (see
+        ``param_norm_every``), ``lr``, ``scale``,
         ``skipped``, ``nonfinite`` (the failure kind or ``None``), ``time``.
     snapshots : list of pathlib.Path
     ok : bool or None
@@ -198,6 +204,7 @@ class NaNGuard:
         scaler_patience: int = 20,
         max_snapshots: int | None = 20,
         checks: bool | int | dict[str, Any] = False,
+        param_norm_every: int = 10,
     ):
         self.model = check_model(model)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -216,6 +223,8 @@ class NaNGuard:
             raise TypeError(f"directory must be a str or os.PathLike; got {type(directory).__qualname__}.")
         if max_snapshots is not None and (not isinstance(max_snapshots, int) or max_snapshots < 1):
             raise ValueError(f"max_snapshots must be a positive int or None; got {max_snapshots!r}.")
+        if isinstance(param_norm_every, bool) or not isinstance(param_norm_every, int) or param_norm_every < 1:
+            raise ValueError(f"param_norm_every must be a positive int; got {param_norm_every!r}.")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__qualname__}.")
         self.optimizer = optimizer
@@ -229,6 +238,8 @@ class NaNGuard:
         self.min_scale = float(min_scale)
         self.scaler_patience = int(scaler_patience)
         self.max_snapshots = max_snapshots
+        self.param_norm_every = param_norm_every
+        self._checks = 0
         self.checks = checks
         if checks:  # validated by the health checks (imported lazily: core never imports analysis on import)
             from ..analysis.checks import parse_checks
@@ -353,9 +364,15 @@ class NaNGuard:
             raise TypeError(f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}.")
 
         grads = [g for g in (p.grad for p in self._params) if g is not None]
+        if any(g.is_sparse for g in grads):  # nn.Embedding(sparse=True)
+            grads = [g.coalesce()._values() if g.is_sparse else g for g in grads]
         scale, scaled = self._scale_info()
+        measure_params = self._checks % self.param_norm_every == 0
+        self._checks += 1
         with torch.no_grad():
-            parts = [loss_t, self._norm_total(grads), self._norm_total(self._params)]
+            parts = [loss_t, self._norm_total(grads)]
+            if measure_params:
+                parts.append(self._norm_total(self._params))
         if isinstance(scale, torch.Tensor):
             parts.append(scale.detach().reshape(()).to(self._device, torch.float32))
         lr: Any = None
@@ -365,8 +382,9 @@ class NaNGuard:
                 parts.append(lr.detach().reshape(()).to(self._device, torch.float32))
         values = torch.stack(parts).tolist()  # the one host synchronisation
         loss_v = values[0] if loss is not None else None
-        gnorm, pnorm = values[1], values[2]
-        i = 3
+        gnorm = values[1]
+        pnorm: float | None = values[2] if measure_params else None
+        i = 3 if measure_params else 2
         if isinstance(scale, torch.Tensor):
             scale = values[i]
             i += 1
@@ -374,7 +392,7 @@ class NaNGuard:
             lr = values[i]
         if math.isinf(gnorm):
             gnorm = self._exact_norm(grads)
-        if math.isinf(pnorm):
+        if pnorm is not None and math.isinf(pnorm):
             pnorm = self._exact_norm(self._params)
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
@@ -394,8 +412,10 @@ class NaNGuard:
         loss_bad = loss_v is not None and not math.isfinite(loss_v)
         kind: str | None = None
         detail: dict[str, Any] = {}
-        if loss_bad or not math.isfinite(gnorm) or not math.isfinite(pnorm):
-            kind, detail = self._diagnose(loss_bad, grads, gnorm, pnorm, scale)
+        if loss_bad or not math.isfinite(gnorm) or (pnorm is not None and not math.isfinite(pnorm)):
+            kind, detail = self._diagnose(loss_bad, gnorm, pnorm, scale)
+            if pnorm is None:  # a bad step: the weights are measured too
+                pnorm = row["param_norm"] = math.sqrt(sum(v * v for v in detail["param_norms"].values()))
         if kind == "grad" and scale is not None:
             # the scaler sees the inf/NaN gradients and skips this update itself
             kind = None
@@ -426,7 +446,7 @@ class NaNGuard:
 
     @torch.no_grad()
     def _diagnose(
-        self, loss_bad: bool, grads: list[torch.Tensor], gnorm: float, pnorm: float, scale: Any
+        self, loss_bad: bool, gnorm: float, pnorm: float | None, scale: Any
     ) -> tuple[str | None, dict[str, Any]]:
         """Element-wise look at what is not finite (only on a bad step)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -440,7 +460,9 @@ class NaNGuard:
                     out[name] = {"nan": n_nan, "inf": int(t.numel() - int(fin.sum()) - n_nan)}
             return out
 
-        weights = bad_of([(names.get(id(p), "?"), p.detach()) for p in self._params]) if not math.isfinite(pnorm) else {}
+        weights = {}
+        if pnorm is None or not math.isfinite(pnorm):
+            weights = bad_of([(names.get(id(p), "?"), p.detach()) for p in self._params])
         with_grad = [(names.get(id(p), "?"), p.grad) for p in self._params if p.grad is not None]
         bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
         grad_norms = {}
@@ -496,7 +518,7 @@ class NaNGuard:
         step: int,
         loss: float | None,
         gnorm: float,
-        pnorm: float,
+        pnorm: float | None,
         scale: Any,
         inputs: Any,
         target: Any,

@@ -25,7 +25,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("scale", "GradScaler scale"),
 )
 
-_ALWAYS_RECORDED = frozenset({"loss", "grad_norm", "param_norm"})
+_ALWAYS_RECORDED = frozenset({"loss", "grad_norm"})
 _LINE = "#1f77b4"
 _BAD = "#d62728"
 _SKIP = "#ff7f0e"
@@ -108,7 +108,7 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
                 mode="lines+markers" if len(steps) <= 60 else "lines",
                 line={"color": _LINE, "width": 1.5},
                 marker={"size": 4},
-                connectgaps=False,
+                connectgaps=col not in _ALWAYS_RECORDED,
                 showlegend=False,
                 hovertemplate=f"step %{{x}}<br>{title} %{{y:.4g}}<extra></extra>",
             ),
@@ -122,8 +122,9 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         if log:
             fig.update_yaxes(type="log", row=row, col=1)
         # Non-finite values sit at the top of the panel: plotly cannot draw inf or NaN.
-        # Loss and norms are recorded every step, so NaN there is a real NaN; learning rate
-        # and scale are NaN when absent (no optimizer, no scaler), so only inf counts.
+        # Loss and grad norm are recorded every step, so NaN there is a real NaN; the
+        # parameter norm (measured every few steps), learning rate and scale are NaN where
+        # not measured, so only inf counts there.
         if col not in history.columns:
             bad = np.zeros(len(y), dtype=bool)
         else:

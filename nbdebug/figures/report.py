@@ -116,15 +116,16 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
 def history_table(snap: Snapshot, rows: int = 10) -> Any:
     """The last ``rows`` history rows as display strings (DataFrame; no ``time`` column).
 
-    Loss and norms are recorded every step, so a NaN there reads ``nan``; learning rate,
-    scale and failure kind read ``-`` where nothing was recorded."""
+    Loss and gradient norm are recorded every step, so a NaN there reads ``nan``; the
+    parameter norm (measured every few steps), learning rate, scale and failure kind read
+    ``-`` where nothing was recorded."""
     import pandas as pd
 
     df = snap.history_frame()
     df = df[[c for c in df.columns if c != "time"]].tail(rows)
     out = pd.DataFrame(index=df.index)
     for c in df.columns:
-        if c in ("loss", "grad_norm", "param_norm"):
+        if c in ("loss", "grad_norm"):
             out[c] = [fmt(float(v)) for v in df[c]]
         else:
             out[c] = ["-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v) for v in df[c]]
