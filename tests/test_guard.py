@@ -528,3 +528,25 @@ def test_bad_arguments(tmp_path):
         guard.check("0.3")
     assert nbdebug.NaNGuard is NaNGuard and nbdebug.NonFiniteError is NonFiniteError
     assert "NaNGuard(Sequential" in repr(guard)
+
+
+def test_half_sparse_and_grouped_norms(tmp_path):
+    """fp16 gradients whose norm overflows fp16, sparse embedding gradients, and the
+    per-device grouping path give the exact total norm."""
+    model = nn.Sequential(nn.Linear(4, 4).half(), nn.Linear(4, 2))
+    guard = NaNGuard(model, directory=tmp_path)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1000.0)  # the squares (1e6) overflow fp16: summed in float32
+    assert guard.check(torch.tensor(1.0))
+    assert guard.history[-1]["grad_norm"] == pytest.approx(1000.0 * math.sqrt(30), rel=1e-6)
+    guard._one_device = False  # the path taken when parameters live on several devices
+    assert guard.check(torch.tensor(1.0))
+    assert guard.history[-1]["grad_norm"] == pytest.approx(1000.0 * math.sqrt(30), rel=1e-6)
+    assert not guard.snapshots
+
+    emb = nn.Embedding(10, 3, sparse=True)
+    g2 = NaNGuard(emb, directory=tmp_path / "e")
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    assert _grad(emb.weight).is_sparse
+    assert g2.check(torch.tensor(0.5))
+    assert g2.history[-1]["grad_norm"] == pytest.approx(_grad(emb.weight).to_dense().norm().item(), rel=1e-6)
