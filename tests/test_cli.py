@@ -204,13 +204,16 @@ def test_real_process(workdir):
     """The command as a process: exit codes and streams (no traceback on bad input)."""
     tmp, mod, path = workdir
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the installed console script (pip install -e . puts it next to the interpreter)
+    script = Path(sys.executable).with_name("nbdebug")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "nbdebug.cli"]
     ok = subprocess.run(
-        [sys.executable, "-m", "nbdebug.cli", "inspect", str(path), "--model", f"{mod}:make"],
+        [*cmd, "inspect", str(path), "--model", f"{mod}:make"],
         capture_output=True, text=True, cwd=tmp, env=env, timeout=120,
     )
     assert ok.returncode == 0 and ok.stderr == "" and "NaN produced in the batch" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "nbdebug.cli", "report", str(tmp / "nope.nbsnap"), "-o", "x.html"],
+        [*cmd, "report", str(tmp / "nope.nbsnap"), "-o", "x.html"],
         capture_output=True, text=True, cwd=tmp, env=env, timeout=120,
     )
     assert bad.returncode == 2 and bad.stdout == ""
