@@ -239,6 +239,8 @@ def check(
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__qualname__}.")
         opt_params = optimizer_params(optimizer, model)
+        if model is None and tr is not None:
+            _name_by_trace(opt_params, optimizer, tr)
     if scaler is not None:
         if not hasattr(scaler, "get_scale"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__qualname__}.")
@@ -304,6 +306,15 @@ def _traced(run: Any, loss_fn: Any) -> tuple[Trace | None, list[Finding]]:
             return err.trace, [note, _trace_error(str(err))]
     except TraceError as err:
         return err.trace, [_trace_error(str(err))]
+
+
+def _name_by_trace(opt_params: list[Any], optimizer: torch.optim.Optimizer, tr: Trace) -> None:
+    """Without the model, name the optimizer's parameters after the trace's when they are
+    the same number, in the same order, with the same shapes (``model.parameters()`` order)."""
+    shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    if len(shapes) == len(tr.params) and all(s == p.shape for s, p in zip(shapes, tr.params)):
+        for op, p in zip(opt_params, tr.params):
+            op.name = p.name
 
 
 def _no_loss(*args: Any) -> torch.Tensor:
@@ -381,8 +392,8 @@ _CALLS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 def parse_checks(checks: Any) -> dict[str, Any] | None:
     """``NaNGuard(checks=...)``: ``True`` (every ``CHECK_EVERY`` steps), a positive int (every
-    that many steps), or ``{"every": int, "clip_norm": float}``; ``False``/``None``: off."""
-    if checks is None or checks is False:
+    that many steps), or ``{"every": int, "clip_norm": float}``; ``False``/``None``/``0``: off."""
+    if checks is None or checks is False or (isinstance(checks, int) and checks == 0):
         return None
     if checks is True:
         return {"every": CHECK_EVERY, "clip_norm": None}
@@ -407,12 +418,12 @@ def parse_checks(checks: Any) -> dict[str, Any] | None:
 def run_guard_checks(guard: Any, row: dict[str, Any], *, failing: bool = False) -> list[Finding] | None:
     """Called by :meth:`NaNGuard.check` after it appended ``row`` to its history: every
     ``every`` calls (and on a failing step) run :func:`guard_findings` and record them in
-    ``row["checks"]`` (warnings and errors, plus non-skip info) and the Adam moments in
+    ``row["checks"]`` (warnings and errors; information once) and the Adam moments in
     ``row["adam"]``. Never raises: a failing check is recorded as an info finding."""
     opts = parse_checks(getattr(guard, "checks", None))
     if opts is None:
         return None
-    state = _CALLS.setdefault(guard, [0, None])
+    state = _CALLS.setdefault(guard, [0, None, set()])
     n = state[0]
     state[0] = n + 1
     if n % opts["every"] and not failing:
@@ -425,7 +436,15 @@ def run_guard_checks(guard: Any, row: dict[str, Any], *, failing: bool = False) 
                     "not checked: the health checks failed on this step.")
         ]
     state[1] = row.get("step")
-    row["checks"] = [f.to_dict() for f in findings if f.code != "check_skipped"]
+    keep = []
+    for f in findings:
+        if f.severity == "info":
+            key = (f.code, f.where)
+            if f.code == "check_skipped" or key in state[2]:
+                continue
+            state[2].add(key)
+        keep.append(f.to_dict())
+    row["checks"] = keep
     return findings
 
 

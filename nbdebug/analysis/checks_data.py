@@ -149,6 +149,14 @@ def label_findings(view: TraceView | None, inputs: Any, target: Any, loss_fn: An
     out_event = None
     if view is not None:
         out_event = view.output(out_name) if out_name else view.output()
+        if out_event is None and view.trace.error:
+            # the model raised before returning (e.g. its own loss on these labels): the
+            # last module output shaped like per-row class scores stands for the logits
+            out_event = next(
+                (e for e in reversed(view.events) if e.phase == "forward" and e.kind == "output"
+                 and len(e.shape) == y.ndim + 1 and e.shape[0] == (y.shape[0] if y.ndim else -1)),
+                None,
+            )
     if out_event is None or len(out_event.shape) < 2:
         return []
     shape = tuple(out_event.shape)

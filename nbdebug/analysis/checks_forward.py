@@ -207,9 +207,14 @@ def forward_findings(view: TraceView, *, loss_fn: Any = None, mixed_precision: b
             f.evidence["_score"] = score
             worst[key] = f
 
+    seen: set[tuple[Any, ...]] = set()
     for e in view.events:
         if e.phase != "forward" or e.kind != "output" or not e.finite or not e.shape:
             continue
+        key = (e.shape, e.dtype, e.stats.numel, e.stats.norm, e.stats.min, e.stats.max)
+        if key in seen and not view.is_leaf(e.module):
+            continue  # a container returning its last child's output: judged once
+        seen.add(key)
         mtype = e.module_type or view.types.get(e.module, "")
         s = e.stats
         where = module_label(e.module, mtype)
@@ -265,7 +270,7 @@ def forward_findings(view: TraceView, *, loss_fn: Any = None, mixed_precision: b
                 ),
                 s.zero_frac,
             )
-        share = saturated_share(mtype, e)
+        share = saturated_share(mtype, e, view.input_of(e) if mtype in ("Tanh", "Sigmoid") else None)
         if share is not None and share > SATURATION_SHARE:
             keep(
                 Finding(
@@ -285,30 +290,54 @@ def forward_findings(view: TraceView, *, loss_fn: Any = None, mixed_precision: b
     return out
 
 
-def saturated_share(mtype: str, e: Any) -> float | None:
+def saturated_share(mtype: str, e: Any, inp: Any = None) -> float | None:
     """A lower bound on the share of a tanh/sigmoid output within ``SATURATION_EPS`` of its
-    bounds, from the recorded statistics (the trace keeps no elements):
+    bounds, from the recorded statistics (the trace keeps no elements): the larger of
 
-    * tanh: ``E[y^2] <= s + (1 - s)(1 - eps)^2``, so ``s >= (E[y^2] - (1-eps)^2) / (1 - (1-eps)^2)``;
-    * sigmoid: the share below ``eps`` from the log10|y| histogram, plus the share above
-      ``1 - eps`` bounded by ``(mean - (1 - eps)) / eps``.
+    * from the output: tanh: ``E[y^2] <= s + (1 - s)(1 - eps)^2``, so
+      ``s >= (E[y^2] - (1-eps)^2) / (1 - (1-eps)^2)``; sigmoid: the share below ``eps`` from
+      the log10|y| histogram, plus the share above ``1 - eps`` bounded the same way from the
+      mean of the other elements (the near-0 ones add at most their bins' upper edges);
+    * from the input (``inp``: the output of the module that ran just before, used only
+      when it has as many elements): the share of pre-activations with ``|x| >= 10``
+      (tanh and sigmoid are then within 5e-5 of a bound), capped by the share of outputs
+      whose histogram bins agree (``|y| >= 0.316`` for tanh; ``y < 1e-4`` or ``y >= 0.316``
+      for sigmoid).
+
+    The histograms come from at most ``HIST_SAMPLE`` evenly strided elements, so for large
+    tensors the bound holds up to that sampling.
     """
     s = e.stats
-    if not s.numel:
+    if not s.numel or mtype not in ("Tanh", "Sigmoid"):
         return None
     eps = SATURATION_EPS
+    h = e.hist
+    total = max(int(h.total), 1)
     if mtype == "Tanh":
         ms = s.norm * s.norm / s.numel
         lo = (1 - eps) ** 2
-        return max(0.0, min(1.0, (ms - lo) / (1 - lo)))
-    if mtype == "Sigmoid":
-        h = e.hist
-        total = max(int(h.total), 1)
-        cut = int((math.log10(eps) + 1e-12 >= HIST_EDGES).sum()) - 1  # bins entirely below eps
-        near0 = (int(h.counts[: max(cut, 0)].sum()) + int(h.n_zero)) / total
-        near1 = max(0.0, (s.mean - (1 - eps)) / eps)
-        return min(1.0, near0 + near1)
-    return None
+        share = max(0.0, min(1.0, (ms - lo) / (1 - lo)))
+    else:
+        cut = max(int((math.log10(eps) + 1e-12 >= HIST_EDGES).sum()) - 1, 0)  # bins entirely below eps
+        low = h.counts[:cut]
+        near0 = (int(low.sum()) + int(h.n_zero)) / total
+        rest = 1.0 - near0
+        if rest <= 0:
+            return 1.0
+        low_sum = float((low * 10.0 ** HIST_EDGES[1 : cut + 1]).sum()) / total
+        mean_rest = (s.mean - low_sum) / rest
+        share = min(1.0, near0 + rest * max(0.0, (mean_rest - (1 - eps)) / eps))
+    if inp is not None and inp.finite and inp.stats.numel == s.numel and inp.hist.total:
+        big = _share(inp.hist, lo=1.0)
+        agree = _share(h, lo=-0.5) + (0.0 if mtype == "Tanh" else _share(h, hi=-4.0) + h.n_zero / total)
+        share = max(share, min(big, agree))
+    return share
+
+
+def _share(h: Any, *, lo: float = -math.inf, hi: float = math.inf) -> float:
+    """Share of a histogram's elements in the bins lying within [lo, hi) (log10|x|)."""
+    inside = (HIST_EDGES[:-1] >= lo - 1e-12) & (HIST_EDGES[1:] <= hi + 1e-12)
+    return float(h.counts[inside].sum()) / max(int(h.total), 1)
 
 
 # --------------------------------------------------------------------------- the loss's input
