@@ -205,6 +205,34 @@ def test_label_out_of_range_is_found_before_the_loss_crashes() -> None:
     assert nbdebug.check((m, x), target=bad.clamp(0, 1), loss_fn=F.binary_cross_entropy).of("label_out_of_range") == []
 
 
+def test_labels_checked_before_tracing_off_the_cpu() -> None:
+    from nbdebug.analysis.checks_data import labels_before_trace
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0])
+    before = _snapshot(model)
+    f = labels_before_trace(model, x, y, F.cross_entropy, on_cpu=True)
+    _assert_same(before, model)  # the forward it ran left BatchNorm's statistics alone
+    assert [(g.code, g.rows) for g in f] == [("label_out_of_range", [3])]
+    assert labels_before_trace(model, x, y, F.cross_entropy) == []  # CPU: left to the trace
+    assert labels_before_trace(model, x, y.clamp(max=2), F.cross_entropy, on_cpu=True) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_out_of_range_labels_on_cuda_do_not_break_the_context() -> None:
+    model = _mlp().cuda()
+    x, y = torch.randn(8, 4, device="cuda"), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0], device="cuda")
+    found = nbdebug.check((model, x), target=y, loss_fn=F.cross_entropy)
+    assert found[0].code == "label_out_of_range" and found[0].rows == [3]
+    assert "trace_error" not in found.codes()
+    ok = nbdebug.check((model, x), target=y.clamp(max=2), loss_fn=F.cross_entropy)
+    assert _serious(ok) == []  # the context still works
+    s = by_name("log_zero_in_loss")
+    tr_model = s.model.cuda()
+    top = nbdebug.check((tr_model, s.inputs.cuda()), target=s.target.cuda(), loss_fn=s.loss_fn)[0]
+    assert top.code == "log_of_nonpositive" and top.rows == [1]
+
+
 def test_label_out_of_range_in_a_dict_batch() -> None:
     s = by_name("dict_batch_own_loss")
     inputs = {"x": torch.randn(6, 4), "labels": torch.tensor([0, 1, 7, 0, 1, 2])}

@@ -100,7 +100,12 @@ from .checks_base import (
     skipped,
     sort_findings,
 )
-from .checks_data import constant_feature_findings, label_findings, trace_input_findings
+from .checks_data import (
+    constant_feature_findings,
+    label_findings,
+    labels_before_trace,
+    trace_input_findings,
+)
 from .checks_forward import forward_findings, origin_findings, weight_findings
 from .checks_grad import grad_findings, history_grad_findings, live_param_infos, total_grad_norm
 from .checks_optim import (
@@ -232,8 +237,15 @@ def check(
         check_model(model)
         check_inputs(inputs)
         m, x, y = model, inputs, target
-        tr, extra = _traced(lambda lf: _trace(m, x, y, lf), loss_fn)
-        found += extra
+        early = labels_before_trace(m, x, y, loss_fn)
+        if early:
+            found += early
+            found.append(skipped(["forward", "backward"], "not traced: the loss would hit these out-of-range "
+                                 "labels on the device (a device-side assert breaks the CUDA context)"))
+            target = None  # judged already
+        else:
+            tr, extra = _traced(lambda lf: _trace(m, x, y, lf), loss_fn)
+            found += extra
 
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -215,7 +215,10 @@ class Findings(list[Finding]):
 
     def __repr__(self) -> str:
         c = self.counts
-        head = f"Findings({c['error']} errors, {c['warning']} warnings, {c['info']} info)"
+        def n(k: int, word: str) -> str:
+            return f"{k} {word}{'' if k == 1 else 's'}"
+
+        head = f"Findings({n(c['error'], 'error')}, {n(c['warning'], 'warning')}, {c['info']} info)"
         return "\n".join([head, *(f"  {f!r}" for f in self)])
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..core.batch import named_tensors
+from ..core.batch import call_model, named_tensors
+from ..core.state import preserved
 from .checks_base import (
     CONSTANT_MIN_ROWS,
     CONSTANT_STD,
@@ -114,9 +115,12 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
     return out
 
 
-def label_findings(view: TraceView | None, inputs: Any, target: Any, loss_fn: Any) -> list[Finding]:
+def label_findings(
+    view: TraceView | None, inputs: Any, target: Any, loss_fn: Any, *, output_shape: tuple[int, ...] | None = None
+) -> list[Finding]:
     """``label_out_of_range``: class indices outside ``[0, C)`` (``ignore_index`` aside) or
-    binary targets outside ``[0, 1]``, with their rows."""
+    binary targets outside ``[0, 1]``, with their rows. ``C`` comes from the model output
+    in ``view``, or from ``output_shape`` when given."""
     out_name = None
     if target is None and isinstance(inputs, Mapping):
         key = next((k for k in LABEL_KEYS if isinstance(inputs.get(k), torch.Tensor)), None)
@@ -157,9 +161,9 @@ def label_findings(view: TraceView | None, inputs: Any, target: Any, loss_fn: An
                  and len(e.shape) == y.ndim + 1 and e.shape[0] == (y.shape[0] if y.ndim else -1)),
                 None,
             )
-    if out_event is None or len(out_event.shape) < 2:
+    shape = tuple(output_shape) if output_shape is not None else tuple(out_event.shape) if out_event is not None else ()
+    if len(shape) < 2:
         return []
-    shape = tuple(out_event.shape)
     if tuple(y.shape) == shape[:1] + shape[2:]:
         n_classes = shape[1]
     elif tuple(y.shape) == shape[:-1]:
@@ -191,6 +195,32 @@ def label_findings(view: TraceView | None, inputs: Any, target: Any, loss_fn: An
             rows=rows, position=position,
         )
     ]
+
+
+def labels_before_trace(
+    model: torch.nn.Module, inputs: Any, target: Any, loss_fn: Any, *, on_cpu: bool = False
+) -> list[Finding]:
+    """Off the CPU, an out-of-range class label makes the loss trigger a device-side assert
+    that breaks the CUDA context: check integer labels against the output of one forward
+    pass (no grad, state preserved) before tracing. A dict batch carrying its labels is
+    left to the trace (the model computes its own loss on them). ``on_cpu``: check CPU
+    labels this way too (on the CPU the trace names them from its partial trace)."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return []
+    if target.device.type == "cpu" and not on_cpu:
+        return []
+    if target.is_complex() or target.dtype == torch.bool or target.numel() == 0:
+        return []
+    with preserved(model), torch.no_grad():
+        out = call_model(model, inputs)
+    logits = out
+    if isinstance(out, Mapping):
+        logits = out.get("logits")
+    elif isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    if not isinstance(logits, torch.Tensor):
+        return []
+    return label_findings(None, inputs, target, loss_fn, output_shape=tuple(logits.shape))
 
 
 def _rows(bad: torch.Tensor) -> list[int]:
