@@ -422,6 +422,26 @@ def test_exploding_gradient_against_the_history() -> None:
             if g.where == "total gradient norm"] == []
 
 
+def test_unused_parameter_and_what_a_bare_trace_cannot_check() -> None:
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(4, 3)
+            self.spare = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    tr = nbdebug.trace(Unused(), x, y, F.cross_entropy)
+    found = nbdebug.check(tr)
+    f = found.of("unused_parameter")
+    assert len(f) == 1 and f[0].severity == "info" and f[0].evidence["params"] == ["spare.weight", "spare.bias"]
+    assert nbdebug.check((_mlp(), x), target=y, loss_fn=F.cross_entropy).of("unused_parameter") == []
+    skipped = {c for g in found.of("check_skipped") for c in g.evidence["checks"]}
+    assert {"constant_feature", "adam_state_outlier", "lr_spike", "grad_scaler_collapse"} <= skipped
+
+
 # --------------------------------------------------------------------------- optimizer and schedule
 def test_adam_eps_too_small_for_float16() -> None:
     model = nn.Linear(4, 2).half()
@@ -476,6 +496,11 @@ def test_lr_spike() -> None:
     assert len(f) == 1 and f[0].step == 10 and f[0].evidence["ratio"] == pytest.approx(100)
     warmup = _rows([1e-3 * (i + 1) / 10 for i in range(10)] + [1e-3] * 10)  # from 1e-4: doubles once, grows
     assert nbdebug.check(tr, history=warmup).of("lr_spike") == []
+    # the history as a DataFrame (guard.history_frame()) reads the same
+    import pandas as pd
+
+    f = nbdebug.check(tr, history=pd.DataFrame(jump)).of("lr_spike")
+    assert len(f) == 1 and f[0].step == 10
 
 
 def test_lr_schedule_boundary_info_or_warning() -> None:
