@@ -7,12 +7,12 @@ import math
 
 import plotly.graph_objects as go
 
+from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
+from ..analysis.checks_base import VANISHING_RATIO as VANISHING
 from ..core.result import Trace
 
-#: grad norm / weight norm below this: the gradient vanishes (same threshold as the health checks).
-VANISHING = 1e-5
-#: grad norm / weight norm above this: the gradient explodes.
-EXPLODING = 100.0
+# grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
+# explodes. One threshold for the plot and the health checks.
 
 
 def ratio_figure(trace: Trace) -> go.Figure:
