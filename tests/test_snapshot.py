@@ -30,6 +30,7 @@ from nbdebug.core.snapshot import (
     load_snapshot,
     save_snapshot,
 )
+from nbdebug.figures.report import history_table, snapshot_facts
 
 
 class Net(nn.Module):
@@ -331,6 +332,10 @@ def test_bad_files(tmp_path, trained):
     torch.save({**payload, "step": "twelve"}, tmp_path / "wrongtype.nbsnap")
     with pytest.raises(SnapshotError, match="'step' should be int or None, got str"):
         load_snapshot(tmp_path / "wrongtype.nbsnap")
+    for t in (1e300, float("nan"), -1e20):  # found by the fuzz test: a flipped bit in the time stamp
+        torch.save({**payload, "time": t}, tmp_path / "badtime.nbsnap")
+        with pytest.raises(SnapshotError, match=r"time stamp .* is not a date"):
+            load_snapshot(tmp_path / "badtime.nbsnap")
     torch.save({**payload, "model_state": {"fc1.weight": 3}}, tmp_path / "badstate.nbsnap")
     with pytest.raises(SnapshotError, match="not named tensors"):
         load_snapshot(tmp_path / "badstate.nbsnap")
@@ -550,5 +555,7 @@ def test_fuzz_only_snapshot_error(small_snapshot, tmp_path, mutation):
         repr(snap)
         snap.history_frame()
         list_snapshots(tmp_path)
+        snapshot_facts(snap)  # what `nbdebug inspect` prints of it
+        history_table(snap)
     except SnapshotError:
         pass

@@ -604,6 +604,10 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
         if not isinstance(v, types):
             want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
             raise SnapshotError(f"{path} is corrupt: {key!r} should be {want}, got {type(obj[key]).__name__}.")
+    try:
+        _dt.datetime.fromtimestamp(float(obj["time"]))
+    except (ValueError, OverflowError, OSError) as e:
+        raise SnapshotError(f"{path} is corrupt: its time stamp {obj['time']!r} is not a date ({e}).") from e
     bad = [k for k, v in obj["model_state"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise SnapshotError(f"{path} is corrupt: model_state entries {bad[:5]} are not named tensors.")

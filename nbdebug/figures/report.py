@@ -82,6 +82,13 @@ def _rows(samples: list[int], most: int = 16) -> str:
     return ", ".join(map(str, samples[:most])) + more
 
 
+def _join(v: Any) -> str:
+    """A list from the file as text (the file is data, not trusted to hold strings)."""
+    if isinstance(v, (list, tuple)):
+        return ", ".join(map(str, v)) or "?"
+    return "?" if v is None else str(v)
+
+
 def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     """(label, value) rows: file, step, reason, model, batch, environment."""
     env = snap.environment
@@ -98,7 +105,7 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
         (
             "environment",
             f"torch {env.get('torch', '?')}, python {env.get('python', '?')}, devices "
-            f"{', '.join(env.get('devices', [])) or '?'}, dtypes {', '.join(env.get('dtypes', [])) or '?'}"
+            f"{_join(env.get('devices'))}, dtypes {_join(env.get('dtypes'))}"
             + (f", GPU {env['gpu']}" if env.get("gpu") else ""),
         ),
     ]
@@ -109,7 +116,7 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     if snap.optimizer_class:
         rows.append(("optimizer", snap.optimizer_class))
     if snap.dropped:
-        rows.append(("not stored", ", ".join(snap.dropped)))
+        rows.append(("not stored", _join(snap.dropped)))
     return rows
 
 
