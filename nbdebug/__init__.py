@@ -45,6 +45,10 @@ _EXPORTS: dict[str, str] = {
     "Debugger": "nbdebug.widgets.app",
 }
 
+# modules that plug into a lower layer when that layer's names are used: the guard's
+# health checks (core never imports analysis itself)
+_COMPANIONS: dict[str, tuple[str, ...]] = {"nbdebug.core.guard": ("nbdebug.analysis.checks",)}
+
 __all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
 
 
@@ -58,6 +62,8 @@ def __getattr__(name: str) -> Any:
         if e.name == modname:  # the feature is not built yet, not a missing dependency
             raise AttributeError(f"module 'nbdebug' has no attribute {name!r}") from e
         raise
+    for companion in _COMPANIONS.get(modname, ()):
+        importlib.import_module(companion)
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -88,7 +88,7 @@ from typing import Any
 import torch
 
 from ..core.batch import LossError, check_inputs, check_model
-from ..core.guard import NaNGuard
+from ..core.guard import NaNGuard, register_health_checks
 from ..core.result import Trace, TraceError
 from ..core.snapshot import Snapshot, SnapshotError
 from ..core.trace import trace as _trace
@@ -513,3 +513,6 @@ def _num(v: Any) -> float | None:
         return None if v is None or isinstance(v, bool) else float(v)
     except (TypeError, ValueError):
         return None
+
+
+register_health_checks(parse_checks, run_guard_checks)

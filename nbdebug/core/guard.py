@@ -65,6 +65,28 @@ ACTIONS = ("skip", "raise", "continue")
 _last: NonFiniteError | None = None
 
 
+# The health checks live in nbdebug.analysis, above core in the layering: core never
+# imports them. nbdebug.analysis.checks registers its (parse, run) pair here when it is
+# imported, and ``nbdebug.NaNGuard`` imports it along with this module.
+_HEALTH_CHECKS: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+
+
+def register_health_checks(parse: Callable[..., Any], run: Callable[..., Any]) -> None:
+    """Called by :mod:`nbdebug.analysis.checks`: how ``NaNGuard(checks=...)`` validates its
+    option and runs the cheap checks on a step."""
+    global _HEALTH_CHECKS
+    _HEALTH_CHECKS = (parse, run)
+
+
+def _health_checks() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if _HEALTH_CHECKS is None:
+        raise RuntimeError(
+            "NaNGuard(checks=...) needs nbdebug's health checks: use nbdebug.NaNGuard, or "
+            "import nbdebug.analysis.checks first."
+        )
+    return _HEALTH_CHECKS
+
+
 class NonFiniteError(RuntimeError):
     """A guarded training step was not finite and the guard was told to stop.
 
@@ -241,10 +263,8 @@ class NaNGuard:
         self.param_norm_every = param_norm_every
         self._checks = 0
         self.checks = checks
-        if checks:  # validated by the health checks (imported lazily: core never imports analysis on import)
-            from ..analysis.checks import parse_checks
-
-            parse_checks(checks)
+        if checks:  # validated by the health checks, which register themselves (see below)
+            _health_checks()[0](checks)
 
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self.snapshots: list[Path] = []
@@ -431,9 +451,7 @@ class NaNGuard:
             detail["message_extra"] = f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
 
         if self.checks:  # health checks every N steps, recorded in row["checks"]
-            from ..analysis.checks import run_guard_checks
-
-            run_guard_checks(self, row, failing=kind is not None)
+            _health_checks()[1](self, row, failing=kind is not None)
 
         if kind is None:
             self.bad_streak = 0

@@ -1,0 +1,89 @@
+"""The layers of DESIGN.md: magics/cli -> widgets -> figures -> core + analysis, one way.
+
+Read from the source with ``ast`` (every import, also those inside functions), plus one
+real import in a fresh interpreter to show that core pulls in no UI or pandas.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "nbdebug"
+LAYER = {"core": 0, "analysis": 0, "figures": 1, "widgets": 2, "magics": 3, "cli": 3}
+UI = ("ipywidgets", "plotly", "IPython", "anywidget")
+# where a lower layer may reach up, lazily: result objects' display helpers
+DISPLAY_METHODS = {"show", "_ipython_display_", "_repr_html_", "_repr_mimebundle_"}
+
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "nbdebug" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in LAYER else None
+
+
+def _imports(path: Path) -> list[tuple[str, bool, str]]:
+    """(imported module, at module level?, enclosing function name) for every import."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    package = ".".join(rel.parts[:-1])
+    out: list[tuple[str, bool, str]] = []
+
+    def visit(node: ast.AST, func: str, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name, False)
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((a.name, top, func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    mod = ".".join([*base, child.module] if child.module else base)
+                else:
+                    mod = child.module or ""
+                out.append((mod, top, func))
+            visit(child, func, top)
+
+    visit(tree, "", True)
+    return out
+
+
+FILES = sorted(p for p in PKG.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_point_down_the_layers(path: Path) -> None:
+    rel = path.relative_to(PKG)
+    own = rel.parts[0].removesuffix(".py")
+    if own not in LAYER:
+        return  # nbdebug/__init__.py: the public surface may name any layer
+    for mod, top, func in _imports(path):
+        target = _layer_of(mod)
+        if target is not None and target != own:
+            allowed = LAYER[target] < LAYER[own] or (own == "analysis" and target == "core")
+            lazy_display = not top and func in DISPLAY_METHODS
+            assert allowed or lazy_display, f"{rel} imports {mod} (in {func or 'module scope'})"
+            if own == "core":
+                assert target == "core", f"core module {rel} imports {mod}"
+        if own in ("core", "analysis") and top:
+            assert not mod.startswith(UI), f"{rel} imports the UI package {mod} at module level"
+        if own == "core" and top:
+            assert not mod.startswith(("pandas", "scipy", "sklearn", "shap")), f"{rel} imports {mod} at module level"
+
+
+def test_importing_core_loads_no_ui_and_no_pandas() -> None:
+    code = (
+        "import sys, nbdebug.core.trace, nbdebug.core.guard, nbdebug.core.snapshot;"
+        "bad = [m for m in ('pandas', 'ipywidgets', 'plotly', 'IPython', 'nbdebug.analysis', 'nbdebug.widgets')"
+        " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
