@@ -282,3 +282,17 @@ def test_source_in_an_ipython_cell_reads_like_ipython() -> None:
     tr = shell.user_ns["tr"]
     count = shell.execution_count - 1
     assert tr.origin.source == f"Cell In[{count}]:5"
+
+
+def test_huge_finite_activations_keep_a_finite_norm() -> None:
+    class Huge(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 1e20  # finite in float32, but x**2 overflows float32
+
+    model = nn.Sequential(nn.Linear(3, 3), Huge())
+    x = torch.randn(4, 3)
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: (o * 1e-20).sum())
+    assert tr.origin is None and tr.first_nonfinite is None
+    ev = next(e for e in tr.events if e.phase == "forward" and e.module == "1")
+    expected = float(torch.linalg.vector_norm(model(x).detach().double()))
+    assert ev.stats.norm == pytest.approx(expected, rel=1e-5)

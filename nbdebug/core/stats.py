@@ -241,7 +241,6 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
     dev = x.device
     if x.numel() == 0:
         return empty_vector(dev)
-    acc = _accum_dtype(x)
     flat = x.reshape(-1)
     nan = torch.isnan(flat)
     fin = torch.isfinite(flat)
@@ -250,8 +249,9 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
     n_inf = (flat.numel() - n_nan - n_fin).to(torch.float64)
     vals = flat[fin]
     if vals.numel():
-        total = vals.sum(dtype=acc).to(torch.float64)
-        norm = torch.linalg.vector_norm(vals, dtype=acc).to(torch.float64)
+        # float64 accumulation: finite values near 1e19 square past float32's range
+        total = vals.sum(dtype=torch.float64)
+        norm = torch.linalg.vector_norm(vals, dtype=torch.float64)
         mn, mx = torch.aminmax(vals)
         mn, mx = mn.to(torch.float64), mx.to(torch.float64)
     else:
@@ -287,6 +287,12 @@ def row_flags(t: torch.Tensor, dim: int) -> torch.Tensor:
     x = as_real(t)
     bad = ~torch.isfinite(x)
     return bad.movedim(dim, 0).reshape(x.shape[dim], -1).any(dim=1)
+
+
+def quick_is_complete(v: np.ndarray) -> bool:
+    """Whether a quick vector can stand as it is: the tensor was finite and its float32
+    sum and norm did not overflow (else the exact, float64 kernel must measure it)."""
+    return vector_is_finite(v) and bool(np.isfinite(v[_SUM]) and np.isfinite(v[_NORM]))
 
 
 def vector_is_finite(v: np.ndarray) -> bool:

@@ -34,7 +34,7 @@ from .origin import Located, OpFinding, locate, replay_backward, replay_forward,
 from .recorder import Recorder, clone_structure
 from .result import Trace, TraceError
 from .state import PreservedState, RngState, preserved
-from .stats import finalize_many, tensor_stats, vector_is_finite
+from .stats import finalize_many, quick_is_complete, tensor_stats
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -88,10 +88,10 @@ def trace(
         health = _ParamHealth.measure(model, st.params)
         rec, out = _run(model, inputs, target, loss_fn, st, exact=False)
         vectors = rec.host_vectors()
-        if all(vector_is_finite(v) for v in vectors) and not health.bad:
+        if all(quick_is_complete(v) for v in vectors) and not health.bad:
             events = _events(rec, vectors)
             return _result(model, inputs, rec, events, None, out, health)
-        # something is not finite: replay the step exactly
+        # something is not finite (or overflowed float32 sums): replay the step exactly
         st.reset_buffers()
         rec, out = _run(model, inputs, target, loss_fn, st, exact=True, capture=True)
         events = _events(rec, rec.host_vectors())
