@@ -74,14 +74,36 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext nbdebug``: registers the ``%nbdebug`` magic."""
+    """``%load_ext nbdebug``: registers the ``%nbdebug`` magic.
+
+    Parameters
+    ----------
+    ipython : IPython.core.interactiveshell.InteractiveShell
+        The running shell (IPython passes it).
+
+    Examples
+    --------
+    >>> %load_ext nbdebug
+    >>> %nbdebug model x y --loss cross_entropy
+    """
     from .magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext nbdebug``: removes everything the extension added."""
+    """``%unload_ext nbdebug``: removes the magic and its callbacks and closes the
+    debuggers it opened.
+
+    Parameters
+    ----------
+    ipython : IPython.core.interactiveshell.InteractiveShell
+        The running shell (IPython passes it).
+
+    Examples
+    --------
+    >>> %unload_ext nbdebug
+    """
     from .magics import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -29,15 +29,7 @@ CLASS_SECTIONS = FUNCTION_SECTIONS | {"Attributes"}
 #: public names whose docstring lacks those sections today (owned by other modules; the
 #: lead completes them). The test fails when this set is not exactly the set of names
 #: without them: remove a name once its docstring is fixed, never add one silently.
-KNOWN_INCOMPLETE = {
-    "Histogram",
-    "ParamInfo",
-    "SnapshotError",
-    "TensorStats",
-    "TraceError",
-    "load_ipython_extension",
-    "unload_ipython_extension",
-}
+KNOWN_INCOMPLETE: set[str] = set()
 
 
 def _gen():

@@ -112,7 +112,33 @@ def _rows(rows: list[int], most: int = 8) -> str:
 
 @dataclass
 class ParamInfo:
-    """One parameter after the traced backward (the user's own ``.grad`` is untouched)."""
+    """One parameter after the traced backward (the user's own ``.grad`` is untouched).
+
+    Attributes
+    ----------
+    name : str
+        Qualified name as in ``model.named_parameters()``.
+    module : str
+        Qualified name of the module that owns it.
+    shape : tuple of int
+    dtype : str
+    requires_grad : bool
+    norm : float
+        L2 norm of the weight.
+    grad_norm : float or None
+        L2 norm of its gradient in the traced step (``None``: it got no gradient).
+    n_nan, n_inf : int
+        Non-finite elements of the weight.
+    grad_n_nan, grad_n_inf : int
+        Non-finite elements of the gradient.
+    ratio : float or None
+        ``grad_norm / norm`` (property).
+
+    Examples
+    --------
+    >>> worst = max(tr.params, key=lambda p: p.ratio or 0.0)
+    >>> worst.name, worst.ratio
+    """
 
     name: str
     module: str

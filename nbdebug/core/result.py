@@ -132,11 +132,25 @@ class Trace:
 
 
 class TraceError(RuntimeError):
-    """The model (or the loss) raised during :func:`nbdebug.trace`.
+    """The model (or the loss, or the backward) raised during :func:`nbdebug.trace`.
 
-    ``err.trace`` is the partial trace up to the failure; ``err.module`` the qualified
-    name of the module that raised (``None`` outside any module); the original exception
-    is chained as ``__cause__``.
+    The message names where ("ValueError in encoder.layers.2 (TransformerEncoderLayer)
+    during the forward pass: ... Executed modules up to: encoder.layers.1"); the original
+    exception is chained as ``__cause__``.
+
+    Attributes
+    ----------
+    trace : Trace or None
+        The partial trace up to the failure (its ``error`` is the message).
+    module : str or None
+        Qualified name of the module that raised (``None`` outside any module).
+
+    Examples
+    --------
+    >>> try:
+    ...     nbdebug.trace(model, x, y, F.cross_entropy)
+    ... except nbdebug.TraceError as err:
+    ...     print(err.module, len(err.trace.events))
     """
 
     def __init__(self, message: str, *, trace: Trace | None = None, module: str | None = None):

@@ -93,7 +93,15 @@ _BATCH_KEYS = ("inputs", "target")
 class SnapshotError(Exception):
     """A snapshot file cannot be used: missing, truncated, corrupt, foreign, written by a
     newer nbdebug, or holding a model state that does not fit the given model. The message
-    says which, and what was found."""
+    says which, and what was found.
+
+    Examples
+    --------
+    >>> try:
+    ...     snap = nbdebug.load_snapshot("step-000048213.nbsnap", model=make_model)
+    ... except nbdebug.SnapshotError as e:
+    ...     print(e)   # e.g. "... does not fit the model: missing keys ['head.bias'] ..."
+    """
 
 
 # --------------------------------------------------------------------------- helpers

@@ -44,10 +44,30 @@ VECTOR_LEN = _HTOTAL + 1
 class TensorStats:
     """Summary of one tensor. Moments are over the finite elements.
 
-    ``norm`` is the L2 norm, ``std`` the population standard deviation,
-    ``zero_frac`` the share of exact zeros; ``n_nan`` / ``n_inf`` count non-finite
-    elements. Complex tensors are summarised by their absolute value, integer and boolean
-    tensors as float64.
+    Complex tensors are summarised by their absolute value, integer and boolean tensors as
+    float64.
+
+    Attributes
+    ----------
+    numel : int
+        Number of elements.
+    norm : float
+        L2 norm of the finite elements.
+    mean, std : float
+        Mean and population standard deviation of the finite elements.
+    min, max, absmax : float
+        Extremes of the finite elements (NaN when there is none).
+    zero_frac : float
+        Share of exact zeros; for finite tensors of more than ``HIST_SAMPLE`` elements
+        it is estimated from the evenly strided histogram sample.
+    n_nan, n_inf : int
+        Counts of NaN and of +-Inf elements (exact).
+
+    Examples
+    --------
+    >>> ev = tr.events[3]
+    >>> ev.stats.norm, ev.stats.n_nan, ev.stats.finite
+    (12.18, 32, False)
     """
 
     numel: int
@@ -94,8 +114,25 @@ class TensorStats:
 class Histogram:
     """Counts of log10|x| in the fixed bins ``edges`` (``len(edges) == len(counts) + 1``).
 
-    ``sampled`` is True when the counts come from an evenly strided sample of
-    ``total`` elements rather than from the whole tensor.
+    Attributes
+    ----------
+    counts : numpy.ndarray of int64, shape (32,)
+        Non-zero finite values per bin of ``edges`` (values outside the range are counted
+        in the end bins).
+    edges : numpy.ndarray of float64, shape (33,)
+        ``HIST_EDGES``: log10|x| from -8 to 8 in steps of 0.5.
+    n_zero, n_nonfinite : int
+        Exact zeros and NaN/Inf values, counted apart from the bins.
+    total : int
+        Number of values counted (all elements, or the sample).
+    sampled : bool
+        True when the counts come from an evenly strided sample of ``total`` elements
+        rather than from the whole tensor.
+
+    Examples
+    --------
+    >>> h = tr.events[3].hist
+    >>> centres = (h.edges[:-1] + h.edges[1:]) / 2   # draw h.counts over these
     """
 
     counts: np.ndarray

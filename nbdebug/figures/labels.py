@@ -77,7 +77,7 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
     ]
     fig = go.Figure(
         go.Heatmap(
-            z=off,
+            z=_json_safe(off),
             x=list(range(k)),
             y=list(range(k)),
             text=text,
@@ -91,7 +91,7 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
     np.fill_diagonal(diag, cj.diagonal())
     fig.add_trace(
         go.Heatmap(
-            z=diag, x=list(range(k)), y=list(range(k)), colorscale=[[0, "#e8e8e8"], [1, "#e8e8e8"]],
+            z=_json_safe(diag), x=list(range(k)), y=list(range(k)), colorscale=[[0, "#e8e8e8"], [1, "#e8e8e8"]],
             showscale=False, hoverinfo="skip", name="diagonal",
         )
     )
@@ -185,3 +185,9 @@ def sample_image_figure(image: Any, *, title: str = "", size: int = 260) -> go.F
         yaxis={"visible": False, "autorange": "reversed", "scaleanchor": "x"},
     )
     return fig
+
+
+def _json_safe(z: np.ndarray) -> list[list[float | None]]:
+    """Heatmap cells with None for the gaps: NaN is not valid JSON, and the widget comm
+    would warn about it."""
+    return [[None if np.isnan(v) else float(v) for v in row] for row in z]
