@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# The CPU build of torch; override with TORCH_SPEC="torch" for a CUDA build.
+# torch, installed first. Here torch==2.13.0 resolves to the CPU wheel on disk; elsewhere
+# add TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build (PyPI's Linux
+# wheel is the CUDA one), or TORCH_SPEC=torch for the newest release.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PORT   ?= 8888
 STAMP  := $(VENV)/.nbdebug-installed
 
@@ -13,7 +16,7 @@ STAMP  := $(VENV)/.nbdebug-installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
