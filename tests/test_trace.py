@@ -144,7 +144,7 @@ def test_loss_conventions() -> None:
     # output["loss"]
     m = LossInside()
     tr = nbdebug.trace(m, {"x": x, "labels": labels})
-    assert tr.loss == pytest.approx(float(F.cross_entropy(m.fc(x), labels)), rel=1e-6)
+    assert tr.loss == pytest.approx(float(F.cross_entropy(m.fc(x), labels).detach()), rel=1e-6)
 
     class WithAttr(nn.Module):
         def __init__(self) -> None:
