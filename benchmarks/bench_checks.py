@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_guard import transformer_case
 
 import nbdebug
-from nbdebug.core.guard import NaNGuard
+from nbdebug import NaNGuard
 
 
 def guard_steps(steps: int) -> dict[str, float]:

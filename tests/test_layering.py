@@ -87,3 +87,13 @@ def test_importing_core_loads_no_ui_and_no_pandas() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_public_guard_brings_its_health_checks_in_a_fresh_process(tmp_path: Path) -> None:
+    # core never imports analysis; the public name wires the checks in
+    code = (
+        "import torch, nbdebug; m = torch.nn.Linear(2, 1);"
+        f"g = nbdebug.NaNGuard(m, directory={str(tmp_path)!r}, checks=True); print(g.checks)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
