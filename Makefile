@@ -24,7 +24,8 @@ setup: $(STAMP)
 
 ## main job: JupyterLab on notebooks/01_quickstart.ipynb; prints the URL (works headless)
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/01_quickstart.ipynb --no-browser --ip=127.0.0.1 --port=$(PORT)
+	$(VENV)/bin/jupyter lab notebooks/01_quickstart.ipynb --no-browser --ip=127.0.0.1 --port=$(PORT) \
+	  $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## Debian's chromium for the browser test (Playwright drives it; no browser download)
 browser-deps:
