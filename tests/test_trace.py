@@ -176,7 +176,7 @@ def test_exact_loss_value() -> None:
     model = nn.Linear(3, 2)
     x, y = torch.randn(5, 3), torch.randn(5, 2)
     tr = nbdebug.trace(model, x, y, F.mse_loss)
-    assert tr.loss == pytest.approx(float(F.mse_loss(model(x), y)), rel=1e-6)
+    assert tr.loss == pytest.approx(float(F.mse_loss(model(x), y).detach()), rel=1e-6)
 
 
 def test_frames_and_repr() -> None:
