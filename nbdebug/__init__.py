@@ -32,7 +32,7 @@ _EXPORTS: dict[str, str] = {
     "save_snapshot": "nbdebug.core.snapshot",
     "list_snapshots": "nbdebug.core.snapshot",
     "gradcheck": "nbdebug.analysis.gradcheck",
-    "gradcheck_modules": "nbdebug.analysis.gradcheck",
+    "gradcheck_modules": "nbdebug.analysis.gradcheck_sweep",
     "GradcheckResult": "nbdebug.analysis.gradcheck",
     "check": "nbdebug.analysis.checks",
     "check_state_dict": "nbdebug.analysis.checks",

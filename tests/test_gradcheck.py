@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis.gradcheck import GradcheckResult, PairCheck, gradcheck, gradcheck_modules
+from nbdebug.analysis.gradcheck import GradcheckResult, PairCheck, gradcheck
+from nbdebug.analysis.gradcheck_sweep import gradcheck_modules
 
 f64 = torch.float64
 

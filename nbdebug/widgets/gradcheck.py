@@ -18,7 +18,8 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.gradcheck import GradcheckResult, gradcheck_modules
+from ..analysis.gradcheck import GradcheckResult
+from ..analysis.gradcheck_sweep import gradcheck_modules
 from ..core.batch import check_inputs, check_model
 from ..figures.gradcheck import gradcheck_figure
 from .plot import PlotView
