@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 from .batch import check_model
-from .snapshot import parse_recipe, save_snapshot, unique_path
+from .snapshot import save_snapshot
+from .snapshot_format import parse_recipe, unique_path
 from .state import RngState, unique_parameters
 
 ACTIONS = ("skip", "raise", "continue")
