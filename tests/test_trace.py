@@ -296,3 +296,65 @@ def test_huge_finite_activations_keep_a_finite_norm() -> None:
     ev = next(e for e in tr.events if e.phase == "forward" and e.module == "1")
     expected = float(torch.linalg.vector_norm(model(x).detach().double()))
     assert ev.stats.norm == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for blk in self.blocks:
+                x = checkpoint(blk, x, use_reentrant=reentrant)
+            return x
+
+    model = Net()
+    x = torch.randn(4, 8, requires_grad=reentrant)  # reentrant checkpointing needs it
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o.pow(2).mean())
+    loss_at = next(e.index for e in tr.events if e.phase == "loss")
+    # the recomputation inside the backward adds no forward events
+    assert all(e.phase != "forward" for e in tr.events[loss_at:])
+    assert [e.module for e in tr.events if e.phase == "forward"].count("blocks.1.a") == 1
+    # gradients inside the checkpointed blocks, and every parameter's, are recorded
+    assert any(e.kind == "grad_output" and e.module == "blocks.1.a" for e in tr.events)
+    grads = dict(zip(*zip(*[(p.name, p.grad_norm) for p in tr.params])))
+    import copy
+
+    twin = copy.deepcopy(model)
+    twin(x.detach().clone().requires_grad_(reentrant)).pow(2).mean().backward()
+    expected = twin.blocks[1].a.weight.grad.norm()
+    assert grads["blocks.1.a.weight"] == pytest.approx(float(expected), rel=1e-5)
+    assert x.grad is None and all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        model.blocks[1].a.weight[0, 0] = float("nan")
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o.pow(2).mean())
+    assert tr.origin is not None and (tr.origin.phase, tr.origin.module) == ("forward", "blocks.1.a")
+    assert tr.origin.param == "blocks.1.a.weight"
+
+
+def test_reentrant_checkpoint_without_grad_inputs_says_the_gradient_is_cut() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.fc, x, use_reentrant=True)
+
+    with pytest.warns(UserWarning):
+        tr = nbdebug.trace(Net(), torch.randn(2, 4), loss_fn=lambda o: o.sum())
+    assert any("use_reentrant=True" in n for n in tr.notes)

@@ -127,6 +127,7 @@ class Recorder:
                 qual = f"{mname}.{pname}" if mname else pname
                 self.param_names.setdefault(id(p), (mname, pname, qual))
         self.origin_call: int = -1  # exact mode: the forward origin found on the fly
+        self.recomputing = False  # set once the backward starts (activation checkpointing)
         self.bad_params: dict[str, list[str]] = {}  # module -> non-finite params/buffers
         self.first_bad_call: int = -1
 
@@ -231,7 +232,7 @@ class Recorder:
             if not slot.finite:
                 rec.inputs_finite = False
                 rec.inputs_has_nan = rec.inputs_has_nan or slot.has_nan
-        if self.capture and rec.inputs_finite and self.origin_call < 0:
+        if self.capture and rec.inputs_finite and self.origin_call < 0 and not self.recomputing:
             rec.capture = (clone_structure(args), clone_structure(kwargs), _rng_now())
 
     def _post_hook(self, name: str):
@@ -239,6 +240,13 @@ class Recorder:
             call = self.stack.pop()
             rec = self.calls[call]
             rec.done = True
+            if self.recomputing:
+                # activation checkpointing re-runs the forward inside the backward: no
+                # forward events then, but the recomputed tensors carry the gradients
+                for oname, t in named_tensors(output, "output"):
+                    if t.requires_grad:
+                        self._hook_grad(t, call, "grad_output", oname)
+                return None
             any_bad = False
             for oname, t in named_tensors(output, "output"):
                 key = (id(t), t._version)

@@ -150,11 +150,10 @@ def _run(
                 if exact:
                     outcome.output = clone_structure(output)
                 stage = "backward"
-                leaves = _leaves(st, inputs)
-                if loss.requires_grad and leaves:
-                    torch.autograd.grad(loss, leaves, allow_unused=True)
-                else:
-                    outcome.notes.append("no parameter or input requires grad: the backward pass was skipped")
+                rec.recomputing = True
+                note = _backward(loss, st, inputs)
+                if note:
+                    outcome.notes.append(note)
         except LossError:
             raise
         except Exception as e:
@@ -162,12 +161,30 @@ def _run(
     return rec, outcome
 
 
-def _leaves(st: PreservedState, inputs: Any) -> list[torch.Tensor]:
-    """What the backward differentiates: the parameters that require grad, else the
-    inputs that do. ``torch.autograd.grad`` returns the gradients instead of
-    accumulating them, so neither the user's ``.grad`` nor the batch is touched."""
-    params: list[torch.Tensor] = [p for p in st.params if p.requires_grad]
-    return params or [t for _, t in named_tensors(inputs) if t.requires_grad]
+def _backward(loss: torch.Tensor, st: PreservedState, inputs: Any) -> str:
+    """``loss.backward()`` without leaving a trace on the user's tensors: the parameters'
+    ``.grad`` were detached by :meth:`PreservedState.clear_grads` (and are put back on
+    exit), the batch's leaf tensors get their ``.grad`` back here. A plain ``backward()``
+    (rather than ``torch.autograd.grad``) also works through reentrant activation
+    checkpointing. Returns a note when there is nothing to differentiate."""
+    if not loss.requires_grad:
+        if any(p.requires_grad for p in st.params):
+            return (
+                "the loss does not depend on any parameter through autograd, so the backward "
+                "pass was skipped: gradients are cut somewhere (torch.no_grad, .detach(), or "
+                "torch.utils.checkpoint(use_reentrant=True) on inputs that do not require grad)"
+            )
+        return "no parameter or input requires grad: the backward pass was skipped"
+    batch = [t for _, t in named_tensors(inputs) if t.is_leaf and t.requires_grad]
+    saved = [t.grad for t in batch]
+    for t in batch:
+        t.grad = None
+    try:
+        loss.backward()
+    finally:
+        for t, g in zip(batch, saved):
+            t.grad = g
+    return ""
 
 
 def _trace_error(
@@ -330,9 +347,7 @@ def _capture(
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
         output = call_model(model, inputs)
         loss = compute_loss(output, target, loss_fn)
-        leaves = _leaves(st, inputs)
-        if loss.requires_grad and leaves:
-            torch.autograd.grad(loss, leaves, allow_unused=True)
+        _backward(loss, st, inputs)
     return got
 
 
