@@ -358,3 +358,13 @@ def test_reentrant_checkpoint_without_grad_inputs_says_the_gradient_is_cut() -> 
     with pytest.warns(UserWarning):
         tr = nbdebug.trace(Net(), torch.randn(2, 4), loss_fn=lambda o: o.sum())
     assert any("use_reentrant=True" in n for n in tr.notes)
+
+
+def test_sparse_embedding_gradients() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 1))
+    tokens = torch.randint(0, 10, (5, 3))
+    tr = nbdebug.trace(model, tokens, loss_fn=lambda o: o.sum())
+    assert tr.healthy
+    g = torch.autograd.grad(model(tokens).sum(), model[0].weight)[0].coalesce()
+    emb = next(p for p in tr.params if p.name == "0.weight")
+    assert emb.grad_norm == pytest.approx(float(g.values().norm()), rel=1e-5)

@@ -175,7 +175,7 @@ class Recorder:
         samples: list[int] = []
         if not vector_is_finite(v):
             d = row_dim(t.shape, self.batch_size)
-            if d is not None:
+            if d is not None and t.layout == torch.strided:
                 samples = torch.nonzero(row_flags(t, d)).flatten().tolist()
         return v, samples
 

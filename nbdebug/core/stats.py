@@ -153,8 +153,13 @@ class Histogram:
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
-    """The tensor to summarise: detached, floating (complex -> abs, int/bool -> float64)."""
+    """The tensor to summarise: detached, floating (complex -> abs, int/bool -> float64);
+    a sparse tensor (e.g. an ``nn.Embedding(sparse=True)`` gradient) by its stored values."""
     t = t.detach()
+    if t.is_sparse:
+        t = t.coalesce().values()
+    elif t.layout != torch.strided:
+        t = t.to_dense()
     if t.is_complex():
         return t.abs()
     if not t.is_floating_point():
