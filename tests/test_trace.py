@@ -368,3 +368,14 @@ def test_sparse_embedding_gradients() -> None:
     g = torch.autograd.grad(model(tokens).sum(), model[0].weight)[0].coalesce()
     emb = next(p for p in tr.params if p.name == "0.weight")
     assert emb.grad_norm == pytest.approx(float(g.values().norm()), rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script itself is deprecated
+def test_torchscript_submodules_are_traced_around() -> None:
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    model = nn.Sequential(nn.Linear(4, 4), scripted, nn.Linear(4, 1))
+    tr = nbdebug.trace(model, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert [e.module for e in tr.events if e.phase == "forward"] == ["0", "2", ""]
+    assert all(p.grad_norm is not None for p in tr.params)
+    sweep = nbdebug.gradcheck_modules(model, torch.randn(3, 4))
+    assert "0" in set(sweep["module"])

@@ -186,6 +186,8 @@ def _capture_module_inputs(
     sliced = tree_map(head, inputs) if not isinstance(inputs, torch.Tensor) else head(inputs)
     names = []
     for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            continue  # TorchScript modules take no Python hooks
         if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False)):
             names.append(name)
     modules = dict(model.named_modules())

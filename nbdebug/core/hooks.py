@@ -40,3 +40,11 @@ class HookSet:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def hookable_modules(model: Any) -> list[Any]:
+    """``model.modules()`` without TorchScript modules, which take no Python hooks (they
+    run as one opaque step inside their parent)."""
+    import torch
+
+    return [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]

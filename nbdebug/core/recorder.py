@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .batch import named_tensors
-from .hooks import HookSet
+from .hooks import HookSet, hookable_modules
 from .stats import assemble_quick, exact_vector, quick_parts, row_dim, row_flags, vector_is_finite
 
 
@@ -133,7 +133,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ installing
     def install(self, hooks: HookSet, params: list[torch.nn.Parameter]) -> None:
-        for m in self.model.modules():
+        for m in hookable_modules(self.model):
             name = self.names[id(m)]
             hooks.add(m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             hooks.add(m.register_forward_hook(self._post_hook(name), with_kwargs=True))

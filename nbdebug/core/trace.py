@@ -29,7 +29,7 @@ from .batch import (
     named_tensors,
 )
 from .events import Event, ParamInfo
-from .hooks import HookSet
+from .hooks import HookSet, hookable_modules
 from .origin import Located, OpFinding, locate, replay_backward, replay_forward, replay_loss
 from .recorder import Recorder, clone_structure
 from .result import Trace, TraceError
@@ -342,7 +342,7 @@ def _capture(
                     t.register_hook(lambda g, name=name: grads.__setitem__(name, g.detach().clone()))
 
     with HookSet() as hooks, torch.enable_grad():
-        for m in model.modules():
+        for m in hookable_modules(model):
             hooks.add(m.register_forward_pre_hook(pre, with_kwargs=True))
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
         output = call_model(model, inputs)
