@@ -379,3 +379,13 @@ def test_torchscript_submodules_are_traced_around() -> None:
     assert all(p.grad_norm is not None for p in tr.params)
     sweep = nbdebug.gradcheck_modules(model, torch.randn(3, 4))
     assert "0" in set(sweep["module"])
+
+
+def test_compiled_model_is_traced_through_the_module_it_wraps() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    tr = nbdebug.trace(compiled, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert tr.origin is not None and tr.origin.module == "0" and tr.origin.param == "0.weight"
+    assert tr.model_name == "Sequential"

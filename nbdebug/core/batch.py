@@ -15,10 +15,21 @@ import torch
 
 
 def check_model(model: Any) -> torch.nn.Module:
+    """The module to debug. A ``torch.compile``'d model is debugged through the module it
+    wraps (``_orig_mod``: same parameters, run eagerly), so the compiler neither traces
+    nbdebug's hooks nor recompiles for them."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module; got {type(model).__module__}.{type(model).__qualname__}."
         )
+    return uncompiled(model)
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model._orig_mod`` for a ``torch.compile``'d module, else ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+        return inner
     return model
 
 
