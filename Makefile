@@ -36,7 +36,8 @@ browser-deps:
 	  else echo "install chromium for the browser test" >&2; exit 1; fi; }
 
 lint: setup
-	$(VENV)/bin/ruff check nbdebug tests benchmarks
+	$(VENV)/bin/ruff check nbdebug tests benchmarks docs
+	$(VENV)/bin/ruff format --check nbdebug tests benchmarks docs
 	$(VENV)/bin/mypy
 
 unit: setup

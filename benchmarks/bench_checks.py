@@ -83,13 +83,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = guard_steps(args.steps)
     base = g["off"]
-    print(f"guard step, transformer, {args.steps} steps, {args.threads} thread(s): "
-          f"checks off {base * 1e3:.1f} ms, checks=True {g['every 50'] * 1e3:.1f} ms "
-          f"({g['every 50'] / base:.3f}x), checks every step {g['every step'] * 1e3:.1f} ms "
-          f"({g['every step'] / base:.3f}x; one check ~{(g['every step'] - base) * 1e3:.2f} ms)")
+    print(
+        f"guard step, transformer, {args.steps} steps, {args.threads} thread(s): "
+        f"checks off {base * 1e3:.1f} ms, checks=True {g['every 50'] * 1e3:.1f} ms "
+        f"({g['every 50'] / base:.3f}x), checks every step {g['every step'] * 1e3:.1f} ms "
+        f"({g['every step'] / base:.3f}x; one check ~{(g['every step'] - base) * 1e3:.2f} ms)"
+    )
     tt, tc = check_vs_trace(args.rounds)
-    print(f"nbdebug.check vs nbdebug.trace, transformer: trace {tt * 1e3:.1f} ms, check {tc * 1e3:.1f} ms "
-          f"({tc / tt:.3f}x)")
+    print(
+        f"nbdebug.check vs nbdebug.trace, transformer: trace {tt * 1e3:.1f} ms, check {tc * 1e3:.1f} ms "
+        f"({tc / tt:.3f}x)"
+    )
 
 
 if __name__ == "__main__":

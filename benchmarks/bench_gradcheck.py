@@ -59,7 +59,9 @@ def plain_cases(model, x, rows, names):
         diff = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if not diff:
             continue
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        positions = [
+            i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad
+        ]
 
         def fn(*d, mod=mod, args=args, kwargs=kwargs, positions=positions):
             full = list(args)
@@ -127,12 +129,16 @@ def main() -> None:
         outs = fn(*diff)
         y = torch.cat([o.reshape(-1) for o in outs if o.requires_grad])
         g = torch.ones_like(y)
-        t_bwd = median_time(lambda y=y, g=g, diff=diff: torch.autograd.grad(y, diff, g, retain_graph=True))
+        t_bwd = median_time(
+            lambda y=y, g=g, diff=diff: torch.autograd.grad(y, diff, g, retain_graph=True)
+        )
         n_in = sum(d.numel() for d in diff)
         est += 2 * n_in * t_fwd + y.numel() * t_bwd
         jac_bytes += 2 * 8 * n_in * y.numel()
 
-    print(f"model: 4 x TransformerEncoderLayer(128, 4), batch {tuple(x.shape)}, rows={args.rows}, eval, 1 thread")
+    print(
+        f"model: 4 x TransformerEncoderLayer(128, 4), batch {tuple(x.shape)}, rows={args.rows}, eval, 1 thread"
+    )
     print(
         f"modules: {len(df)} ({len(checked)} checked, {n_skipped} skipped), "
         f"wrong backward found: {int((df['passed'] == False).sum())}"  # noqa: E712
@@ -156,7 +162,9 @@ def main() -> None:
     print(f"ratio nbdebug elements / torch fast_mode: {t_ours / t_plain_fast:.1f}x")
     print(f"ratio nbdebug fast / torch fast_mode:     {t_ours_fast / t_plain_fast:.1f}x")
     print(f"ratio nbdebug elements / torch slow mode (estimated): {t_ours / est:.4f}x")
-    print(f"fast-mode sweep agrees with the element-wise one: {list(df_fast['passed']) == list(df['passed'])}")
+    print(
+        f"fast-mode sweep agrees with the element-wise one: {list(df_fast['passed']) == list(df['passed'])}"
+    )
 
 
 if __name__ == "__main__":

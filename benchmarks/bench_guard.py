@@ -30,7 +30,9 @@ from nbdebug.core.guard import NaNGuard
 
 
 def mlp_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    model = nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
     x = torch.randn(256, 784)
     y = torch.randint(0, 10, (256,))
     return model, x, y
@@ -76,7 +78,11 @@ def measure(name: str, case, steps: int, warmup: int) -> float:
             guarded()
         times: dict[str, list[float]] = {"plain": [], "guarded": []}
         for i in range(steps):
-            order = (("plain", plain), ("guarded", guarded)) if i % 2 == 0 else (("guarded", guarded), ("plain", plain))
+            order = (
+                (("plain", plain), ("guarded", guarded))
+                if i % 2 == 0
+                else (("guarded", guarded), ("plain", plain))
+            )
             for label, fn in order:
                 t0 = time.perf_counter()
                 fn()
@@ -109,7 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=0, help="interleaved step pairs per model")
     ap.add_argument("--quick", action="store_true", help="few steps (smoke run)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")

@@ -76,7 +76,9 @@ def models(seed: int) -> dict[str, object]:
 def main() -> None:
     warnings.filterwarnings("ignore")
     X, y = load_digits(return_X_y=True)
-    print(f"digits: {len(y)} samples, 10 classes; cleanlab {getattr(cleanlab, '__version__', 'not installed')}")
+    print(
+        f"digits: {len(y)} samples, 10 classes; cleanlab {getattr(cleanlab, '__version__', 'not installed')}"
+    )
     find_label_issues(y[:50], pred_probs=np.full((50, 10), 0.1))  # warm-up (imports)
     for rate, seed in ((0.10, 0), (0.20, 1)):
         noisy = flip(y, rate, seed)
@@ -124,11 +126,32 @@ def main() -> None:
     runs = [timed(find_label_issues, noisy, pred_probs=P) for _ in range(3)]
     df = runs[0][0]
     print(line("nbdebug find_label_issues, first call", nb_flags(df), noisy != true, runs[0][1]))
-    print(line("nbdebug find_label_issues, best of 3", nb_flags(df), noisy != true, min(t for _, t in runs)))
+    print(
+        line(
+            "nbdebug find_label_issues, best of 3",
+            nb_flags(df),
+            noisy != true,
+            min(t for _, t in runs),
+        )
+    )
     if cleanlab_find is not None:
         cruns = [timed(cleanlab_find, noisy, P, n_jobs=1) for _ in range(3)]
-        print(line("cleanlab find_label_issues (n_jobs=1), first", cruns[0][0], noisy != true, cruns[0][1]))
-        print(line("cleanlab find_label_issues (n_jobs=1), best of 3", cruns[0][0], noisy != true, min(t for _, t in cruns)))
+        print(
+            line(
+                "cleanlab find_label_issues (n_jobs=1), first",
+                cruns[0][0],
+                noisy != true,
+                cruns[0][1],
+            )
+        )
+        print(
+            line(
+                "cleanlab find_label_issues (n_jobs=1), best of 3",
+                cruns[0][0],
+                noisy != true,
+                min(t for _, t in cruns),
+            )
+        )
     print(
         "  (nbdebug's time covers validation, the confident joint, flags, top-3 and the ranked "
         f"{len(df.columns)}-column DataFrame; cleanlab's returns a boolean mask)"

@@ -104,7 +104,9 @@ def peak_memory() -> None:
         for v in ("plain", "trace", "detect_anomaly"):
             r = subprocess.run(
                 [sys.executable, __file__, "--memory-child", name, v],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             row.append(f"{v} {json.loads(r.stdout.strip().splitlines()[-1])['delta_mib']:7.1f}")
         print(f"{name:12s} " + "  ".join(row))
@@ -142,7 +144,9 @@ def main() -> None:
     torch.set_num_threads(1)
     report("CPU time, 1 torch thread (median per call)", timed(a.rounds, time.process_time))
     torch.set_num_threads(threads)
-    report(f"wall time, {threads} torch threads (median per call)", timed(a.rounds, time.perf_counter))
+    report(
+        f"wall time, {threads} torch threads (median per call)", timed(a.rounds, time.perf_counter)
+    )
     peak_memory()
     many_modules()
     print("targets: trace/plain <= 1.25x on both models")

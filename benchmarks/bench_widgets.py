@@ -46,7 +46,9 @@ def main() -> None:
     print(f"trace: {len(tr.events)} events, {len(tr.params)} parameters; {tr.summary()[:70]}")
 
     build = timed(lambda: Debugger(tr).close(), 3)
-    print(f"build debugger from the trace: median {statistics.median(build) * 1e3:.0f} ms (target < 2000 ms)")
+    print(
+        f"build debugger from the trace: median {statistics.median(build) * 1e3:.0f} ms (target < 2000 ms)"
+    )
     alone = timed(lambda: nbdebug.trace(model, x, y, F.cross_entropy), 2)
     full = timed(lambda: nbdebug.debug(model, x, y, F.cross_entropy).close(), 2)
     print(
@@ -55,7 +57,9 @@ def main() -> None:
     )
 
     for backend in ("figurewidget", "output"):
-        with contextlib.redirect_stdout(io.StringIO()):  # outside a kernel "output" prints its figures
+        with contextlib.redirect_stdout(
+            io.StringIO()
+        ):  # outside a kernel "output" prints its figures
             line = _steps(tr, backend)
         print(line)
 
@@ -66,7 +70,9 @@ def _steps(tr: nbdebug.Trace, backend: str) -> str:
     steps = timed(b["next"].click, 200)
     jumps: list[float] = []
     for _ in range(20):
-        jumps += timed(b["first"].click, 1) + timed(b["origin"].click, 1) + timed(b["last"].click, 1)
+        jumps += (
+            timed(b["first"].click, 1) + timed(b["origin"].click, 1) + timed(b["last"].click, 1)
+        )
     slider = []
     for v in range(0, len(tr.events), 97):
         t = time.perf_counter()

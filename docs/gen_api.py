@@ -121,7 +121,13 @@ def render() -> str:
             continue
         lines += ["", f"## {title}"]
         for name, obj in groups[title]:
-            lines += ["", f"### nbdebug.{name} ({_kind(obj)})", "", f"`nbdebug.{name}{_plain_signature(obj)}`", ""]
+            lines += [
+                "",
+                f"### nbdebug.{name} ({_kind(obj)})",
+                "",
+                f"`nbdebug.{name}{_plain_signature(obj)}`",
+                "",
+            ]
             lines += _block(inspect.getdoc(obj) or "")
             if inspect.isclass(obj):
                 members = _members(obj)
@@ -132,7 +138,9 @@ def render() -> str:
                     if isinstance(member, property):
                         head = f"`.{mname}` *(property)*"
                     else:
-                        params = _plain_signature(member).replace("(self, ", "(").replace("(self)", "()")
+                        params = (
+                            _plain_signature(member).replace("(self, ", "(").replace("(self)", "()")
+                        )
                         head = f"`.{mname}{params}`"
                     lines.append(f"- {head}" + (f": {doc}" if doc else ""))
     return "\n".join(lines) + "\n"
@@ -140,7 +148,9 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"write {OUT.name} instead of printing")
+    parser.add_argument(
+        "--write", action="store_true", help=f"write {OUT.name} instead of printing"
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.write:

@@ -33,20 +33,41 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line instead of usage + error
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog.split()[0]} --help)\n")
+        self.exit(
+            EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog.split()[0]} --help)\n"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="nbdebug", description="Inspect nbdebug snapshot files (.nbsnap) from the terminal.")
+    p = _Parser(
+        prog="nbdebug", description="Inspect nbdebug snapshot files (.nbsnap) from the terminal."
+    )
     sub = p.add_subparsers(dest="command", metavar="{inspect,report,list}", parser_class=_Parser)
     sub.required = True
 
     def model_opts(q: argparse.ArgumentParser) -> None:
         q.add_argument("path", help="the snapshot file (.nbsnap)")
-        q.add_argument("--model", metavar="package.module:factory", help="builds the model (zero-argument callable)")
-        q.add_argument("--model-kwargs", metavar="JSON", default=None, help="keyword arguments for --model, as JSON")
-        q.add_argument("--trust-recipe", action="store_true", help="build the model from the recipe in the file")
-        q.add_argument("--loss", metavar="package.module:function", help="loss function overriding the recorded one")
+        q.add_argument(
+            "--model",
+            metavar="package.module:factory",
+            help="builds the model (zero-argument callable)",
+        )
+        q.add_argument(
+            "--model-kwargs",
+            metavar="JSON",
+            default=None,
+            help="keyword arguments for --model, as JSON",
+        )
+        q.add_argument(
+            "--trust-recipe",
+            action="store_true",
+            help="build the model from the recipe in the file",
+        )
+        q.add_argument(
+            "--loss",
+            metavar="package.module:function",
+            help="loss function overriding the recorded one",
+        )
         q.add_argument("--no-replay", action="store_true", help="do not run the model")
 
     q = sub.add_parser("inspect", help="print a summary of a snapshot")
@@ -56,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="write a self-contained HTML report")
     model_opts(r)
-    r.add_argument("-o", "--output", required=True, metavar="report.html", help="the HTML file to write")
+    r.add_argument(
+        "-o", "--output", required=True, metavar="report.html", help="the HTML file to write"
+    )
 
     ls = sub.add_parser("list", help="list the snapshots in a directory")
     ls.add_argument("directory")
@@ -95,7 +118,9 @@ def _factory(spec: str, kwargs_json: str | None) -> Any:
     except ValueError as e:
         raise UsageError(f"--model: {e}") from None
     if not callable(obj):
-        raise UsageError(f"--model {spec} is a {type(obj).__qualname__}, not a callable that builds a model.")
+        raise UsageError(
+            f"--model {spec} is a {type(obj).__qualname__}, not a callable that builds a model."
+        )
 
     def build() -> Any:
         try:
@@ -187,7 +212,11 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
         else:
             print("  (none recorded)", file=out)
     if trace is not None:
-        acts = {e.label: e.stats.norm for e in trace.events if e.phase == "forward" and e.kind == "output"}
+        acts = {
+            e.label: e.stats.norm
+            for e in trace.events
+            if e.phase == "forward" and e.kind == "output"
+        }
         items = largest(acts, args.top)
         if items:
             print("\nlargest activation norms in the replay", file=out)

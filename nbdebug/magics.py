@@ -227,7 +227,9 @@ def _open(line: str) -> Any:
             raise MagicUsageError(f"no NonFiniteError has been raised in this session. {USAGE}")
         path = getattr(err, "path", None)
         if path is None:
-            raise MagicUsageError("the last NonFiniteError has no snapshot file (err.path is None).")
+            raise MagicUsageError(
+                "the last NonFiniteError has no snapshot file (err.path is None)."
+            )
         loss_fn = _loss(opts["loss"], ns) if "loss" in opts else None
         return _snapshot(path, model, loss_fn)
 
@@ -282,7 +284,9 @@ def _snapshot(path: Any, model: Any, loss_fn: Any = None) -> Any:
     if not os.path.exists(p):
         raise MagicUsageError(f"no such file: {p}")
     if os.path.isdir(p):
-        raise MagicUsageError(f"{p} is a directory, not a snapshot file (nbdebug.list_snapshots lists its snapshots).")
+        raise MagicUsageError(
+            f"{p} is a directory, not a snapshot file (nbdebug.list_snapshots lists its snapshots)."
+        )
     try:
         return debug(p, model=model, loss_fn=loss_fn)
     except SnapshotError as e:

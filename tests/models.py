@@ -108,19 +108,51 @@ def scenarios() -> list[Scenario]:
 
     x = torch.randn(8, 4)
     x[3, 1] = float("nan")
-    out.append(Scenario("nan_in_batch", nn.Sequential(nn.Linear(4, 3)), x, torch.randint(0, 3, (8,)),
-                        F.cross_entropy, "input", "", [3]))
+    out.append(
+        Scenario(
+            "nan_in_batch",
+            nn.Sequential(nn.Linear(4, 3)),
+            x,
+            torch.randint(0, 3, (8,)),
+            F.cross_entropy,
+            "input",
+            "",
+            [3],
+        )
+    )
 
     x = torch.randn(6, 5)
     x[2] = 1.0
     x[4] = -3.0
-    out.append(Scenario("zero_over_zero_norm", nn.Sequential(Normalize(), nn.Linear(5, 2)), x,
-                        torch.randn(6, 2), mse, "forward", "0", [2, 4], "div"))
+    out.append(
+        Scenario(
+            "zero_over_zero_norm",
+            nn.Sequential(Normalize(), nn.Linear(5, 2)),
+            x,
+            torch.randn(6, 2),
+            mse,
+            "forward",
+            "0",
+            [2, 4],
+            "div",
+        )
+    )
 
     x = torch.randn(5, 3)
     x[1, 0] = 200.0
-    out.append(Scenario("exp_overflow", nn.Sequential(nn.Identity(), ExpScore(), nn.Linear(3, 1)), x,
-                        torch.randn(5, 1), mse, "forward", "1", [1], "exp"))
+    out.append(
+        Scenario(
+            "exp_overflow",
+            nn.Sequential(nn.Identity(), ExpScore(), nn.Linear(3, 1)),
+            x,
+            torch.randn(5, 1),
+            mse,
+            "forward",
+            "1",
+            [1],
+            "exp",
+        )
+    )
 
     lin = nn.Linear(4, 4).half()
     with torch.no_grad():
@@ -129,8 +161,19 @@ def scenarios() -> list[Scenario]:
     x = torch.ones(4, 4, dtype=torch.float16)
     x[0] = 1.0
     x[2] = 600.0
-    out.append(Scenario("fp16_linear_overflow", nn.Sequential(lin), x, None,
-                        lambda o: o.float().mean(), "forward", "0", [2], "linear"))
+    out.append(
+        Scenario(
+            "fp16_linear_overflow",
+            nn.Sequential(lin),
+            x,
+            None,
+            lambda o: o.float().mean(),
+            "forward",
+            "0",
+            [2],
+            "linear",
+        )
+    )
 
     logits_model = nn.Sequential(nn.Linear(3, 3))
     with torch.no_grad():
@@ -148,7 +191,11 @@ def scenarios() -> list[Scenario]:
         model[0].bias.zero_()
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 6)
     x[3, 2] = -1.0  # ReLU -> exactly 0 -> sqrt'(0) = inf in backward, row 3
-    out.append(Scenario("sqrt_zero_backward", model, x, torch.zeros(6, 1), mse, "backward", "2", [3], "sqrt"))
+    out.append(
+        Scenario(
+            "sqrt_zero_backward", model, x, torch.zeros(6, 1), mse, "backward", "2", [3], "sqrt"
+        )
+    )
 
     model = nn.Sequential(nn.Linear(4, 4), SafeSqrt(), nn.Linear(4, 1))
     with torch.no_grad():
@@ -156,40 +203,113 @@ def scenarios() -> list[Scenario]:
         model[0].bias.zero_()
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 5)
     x[1, 0] = -2.0
-    out.append(Scenario("where_sqrt_negative", model, x, torch.zeros(5, 1), mse, "backward", "1", [1], "sqrt"))
+    out.append(
+        Scenario(
+            "where_sqrt_negative", model, x, torch.zeros(5, 1), mse, "backward", "1", [1], "sqrt"
+        )
+    )
 
     gate = SqrtGate(4)
     with torch.no_grad():
         gate.w[2] = 0.0
     model = nn.Sequential(nn.Linear(4, 4), gate, nn.Linear(4, 1))
-    out.append(Scenario("param_grad_only", model, torch.randn(6, 4), torch.zeros(6, 1), mse,
-                        "backward", "1", None, "sqrt", "1.w"))
+    out.append(
+        Scenario(
+            "param_grad_only",
+            model,
+            torch.randn(6, 4),
+            torch.zeros(6, 1),
+            mse,
+            "backward",
+            "1",
+            None,
+            "sqrt",
+            "1.w",
+        )
+    )
 
-    deep = nn.Sequential(nn.Linear(5, 5), nn.Sequential(nn.Tanh(), nn.Sequential(nn.Linear(5, 5), Normalize())),
-                         nn.Linear(5, 1))
+    deep = nn.Sequential(
+        nn.Linear(5, 5),
+        nn.Sequential(nn.Tanh(), nn.Sequential(nn.Linear(5, 5), Normalize())),
+        nn.Linear(5, 1),
+    )
     with torch.no_grad():
         deep[1][1][0].weight.zero_()
         deep[1][1][0].bias.fill_(0.5)
-    out.append(Scenario("deep_nested", deep, torch.randn(7, 5), torch.zeros(7, 1), mse,
-                        "forward", "1.1.1", list(range(7)), "div"))
+    out.append(
+        Scenario(
+            "deep_nested",
+            deep,
+            torch.randn(7, 5),
+            torch.zeros(7, 1),
+            mse,
+            "forward",
+            "1.1.1",
+            list(range(7)),
+            "div",
+        )
+    )
 
-    out.append(Scenario("parent_code", ParentDivides(), torch.randn(3, 4), torch.zeros(3, 2), mse,
-                        "forward", "", [0, 1, 2], "div"))
+    out.append(
+        Scenario(
+            "parent_code",
+            ParentDivides(),
+            torch.randn(3, 4),
+            torch.zeros(3, 2),
+            mse,
+            "forward",
+            "",
+            [0, 1, 2],
+            "div",
+        )
+    )
 
     x = torch.randn(6, 4)
     x[5, 0] = float("inf")
-    out.append(Scenario("dict_batch_own_loss", LossInside(), {"x": x, "labels": torch.tensor([0, 1, 2, 0, 1, 2])},
-                        None, None, "input", "", [5]))
+    out.append(
+        Scenario(
+            "dict_batch_own_loss",
+            LossInside(),
+            {"x": x, "labels": torch.tensor([0, 1, 2, 0, 1, 2])},
+            None,
+            None,
+            "input",
+            "",
+            [5],
+        )
+    )
 
     lin = nn.Linear(4, 2)
     with torch.no_grad():
         lin.weight[1, 3] = float("nan")
-    out.append(Scenario("corrupted_weight", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), lin), torch.randn(5, 4),
-                        torch.zeros(5, 2), mse, "forward", "2", list(range(5)), "linear", "2.weight"))
+    out.append(
+        Scenario(
+            "corrupted_weight",
+            nn.Sequential(nn.Linear(4, 4), nn.ReLU(), lin),
+            torch.randn(5, 4),
+            torch.zeros(5, 2),
+            mse,
+            "forward",
+            "2",
+            list(range(5)),
+            "linear",
+            "2.weight",
+        )
+    )
 
-    healthy = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                            nn.Dropout(0.1), nn.Linear(4 * 8 * 8, 5))
-    out.append(Scenario("healthy", healthy, torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)), F.cross_entropy))
+    healthy = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(0.1),
+        nn.Linear(4 * 8 * 8, 5),
+    )
+    out.append(
+        Scenario(
+            "healthy", healthy, torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)), F.cross_entropy
+        )
+    )
     return out
 
 

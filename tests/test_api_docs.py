@@ -92,9 +92,13 @@ def test_public_docstrings_have_numpy_sections():
         if not sections(doc) & wanted:
             missing.add(name)
     fixed = KNOWN_INCOMPLETE - missing
-    assert not fixed, f"these docstrings are complete now: remove them from KNOWN_INCOMPLETE: {sorted(fixed)}"
+    assert not fixed, (
+        f"these docstrings are complete now: remove them from KNOWN_INCOMPLETE: {sorted(fixed)}"
+    )
     new = missing - KNOWN_INCOMPLETE
-    assert not new, f"public names without a Parameters/Returns/Examples (or Attributes) section: {sorted(new)}"
+    assert not new, (
+        f"public names without a Parameters/Returns/Examples (or Attributes) section: {sorted(new)}"
+    )
 
 
 def test_section_parser_reads_numpy_headings():

@@ -88,7 +88,9 @@ def test_requirements_install_the_package_itself():
 def test_torch_is_the_cpu_build():
     options, _, reqs = read_requirements(REQUIREMENTS)
     index = [o for o in options if o.startswith(("--extra-index-url", "--index-url", "-i "))]
-    assert any(CPU_INDEX in o for o in index), f"Binder has no GPU: add --extra-index-url {CPU_INDEX}"
+    assert any(CPU_INDEX in o for o in index), (
+        f"Binder has no GPU: add --extra-index-url {CPU_INDEX}"
+    )
     torch = [r for r in reqs if canonicalize_name(r.name) == "torch"]
     assert len(torch) == 1, "pin torch in binder/requirements.txt (never an unpinned torch)"
     pins = [s for s in torch[0].specifier if s.operator in ("==", "===")]
@@ -104,7 +106,9 @@ def test_pinned_versions_agree_with_pyproject():
         name = canonicalize_name(r.name)
         assert name not in seen, f"{r.name} is listed twice"
         seen.add(name)
-        assert name in ranges, f"binder installs {r.name}, which pyproject.toml does not name: add it there or drop it"
+        assert name in ranges, (
+            f"binder installs {r.name}, which pyproject.toml does not name: add it there or drop it"
+        )
         allowed = ranges[name]
         pins = [s.version for s in r.specifier if s.operator in ("==", "===")]
         if pins:
@@ -122,7 +126,9 @@ def test_pinned_versions_agree_with_pyproject():
     # what the notebooks need at run time comes with nbdebug's own dependencies
     for dep in pyproject()["project"]["dependencies"]:
         name = canonicalize_name(Requirement(dep).name)
-        assert name in seen, f"pin {name} in binder/requirements.txt (Binder builds are reproducible when all are pinned)"
+        assert name in seen, (
+            f"pin {name} in binder/requirements.txt (Binder builds are reproducible when all are pinned)"
+        )
     for kernel in ("jupyterlab", "ipykernel"):
         assert kernel in seen
 
@@ -152,7 +158,9 @@ def test_readme_binder_link_opens_an_existing_notebook_in_jupyterlab():
         urlpath = parse_qs(url.query).get("urlpath")
         assert urlpath, f"{link}: add ?urlpath=lab/tree/<notebook>"
         target = unquote(urlpath[0])
-        assert target.startswith("lab/tree/"), f"{link}: open JupyterLab (lab/tree/...), got {target}"
+        assert target.startswith("lab/tree/"), (
+            f"{link}: open JupyterLab (lab/tree/...), got {target}"
+        )
         rel = target[len("lab/tree/") :]
         assert (ROOT / rel).is_file(), f"{link} opens {rel}, which does not exist"
     assert any(link.endswith("urlpath=lab/tree/notebooks/01_quickstart.ipynb") for link in links)

@@ -133,44 +133,78 @@ def test_debugger_in_jupyterlab(tmp_path):
         nbformat.v4.new_code_cell(MODEL),
         nbformat.v4.new_code_cell("%nbdebug model x y --loss loss_fn"),
     ]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     nbformat.write(nb, tmp_path / "debug.ipynb")
 
     port, token = _free_port(), secrets.token_hex(16)
     # a private config: no news toast over the page, no update checks
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    (settings / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false", "checkForUpdates": false}'
+    )
     tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     tracker.mkdir(parents=True)
-    (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')  # render every cell
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
-               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"), NBDEBUG_PLOT_BACKEND="figurewidget")
+    (tracker / "tracker.jupyterlab-settings").write_text(
+        '{"windowingMode": "none"}'
+    )  # render every cell
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+        NBDEBUG_PLOT_BACKEND="figurewidget",
+    )
     jupyter = Path(sys.executable).parent / "jupyter"
     server = subprocess.Popen(
-        [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.token={token}", f"--ServerApp.root_dir={tmp_path}", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "wb"),  # noqa: SIM115
+        [
+            str(jupyter),
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={tmp_path}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+            *(["--allow-root"] if os.geteuid() == 0 else []),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "server.log", "wb"),  # noqa: SIM115
         start_new_session=True,
     )
     ARTIFACTS.mkdir(exist_ok=True)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/api/status?token={token}", server, 60, tmp_path / "server.log")
+        _wait_http(
+            f"http://127.0.0.1:{port}/api/status?token={token}", server, 60, tmp_path / "server.log"
+        )
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+            browser = pw.chromium.launch(
+                executable_path=chromium, args=CHROMIUM_ARGS, headless=True
+            )
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1500})
                 page.set_default_timeout(60_000)
                 page.goto(f"http://127.0.0.1:{port}/lab/tree/debug.ipynb?token={token}")
-                page.wait_for_function("() => window.jupyterapp && document.querySelector('.jp-Notebook')")
+                page.wait_for_function(
+                    "() => window.jupyterapp && document.querySelector('.jp-Notebook')"
+                )
                 # the kernel is pre-selected in the metadata; accept the dialog if one shows anyway
                 accept = page.locator(".jp-Dialog .jp-mod-accept")
                 if accept.count():
                     accept.first.click()
                 page.wait_for_function(KERNEL_READY_JS, timeout=90_000)
-                page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+                page.evaluate(
+                    "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
+                )
 
                 badge = page.locator(".nbdebug-debugger .nbdebug-badge").first
                 badge.wait_for(state="attached", timeout=120_000)
@@ -189,20 +223,30 @@ def test_debugger_in_jupyterlab(tmp_path):
                     "() => document.querySelector('.nbdebug-debugger .nbdebug-detail').innerText.includes('Tensor.div')"
                 )
                 at_origin = detail.inner_text()
-                assert "#1 forward" in at_origin and "origin" in at_origin and "non-finite rows: 3" in at_origin
+                assert (
+                    "#1 forward" in at_origin
+                    and "origin" in at_origin
+                    and "non-finite rows: 3" in at_origin
+                )
                 page.wait_for_function(f"() => ({MARKER_JS})()[0][0] === 'norm'")
 
-                page.locator(".nbdebug-debugger button").filter(has_text=re.compile(r"^\s*next\s*$")).click()
+                page.locator(".nbdebug-debugger button").filter(
+                    has_text=re.compile(r"^\s*next\s*$")
+                ).click()
                 page.wait_for_function(
                     "() => document.querySelector('.nbdebug-debugger .nbdebug-detail').innerText.includes('#2 forward')"
                 )
                 page.wait_for_function(f"() => ({MARKER_JS})()[0][0] === 'body.0'")
                 assert detail.inner_text() != at_origin != detail_before
                 assert badge.inner_text() == status
-                page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+                page.evaluate(
+                    "() => window.jupyterapp.commands.execute('application:toggle-left-area')"
+                )
                 page.locator(".nbdebug-debugger").first.scroll_into_view_if_needed()
                 time.sleep(1)  # let plotly finish its transition before the picture
-                page.locator(".nbdebug-debugger").first.screenshot(path=str(ARTIFACTS / "debugger.png"))
+                page.locator(".nbdebug-debugger").first.screenshot(
+                    path=str(ARTIFACTS / "debugger.png")
+                )
             except Exception:
                 page.screenshot(path=str(ARTIFACTS / "debugger-failure.png"), full_page=True)
                 raise

@@ -85,7 +85,11 @@ def test_scenario_evidence_holds_the_numbers_and_the_threshold() -> None:
     s = by_name("log_zero_in_loss")
     found = nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn)
     # the NaN came from the log of an underflowed softmax: the huge logits are the warning sign
-    assert [f.code for f in found[:3]] == ["log_of_nonpositive", "nonfinite_gradient", "exp_overflow_risk"]
+    assert [f.code for f in found[:3]] == [
+        "log_of_nonpositive",
+        "nonfinite_gradient",
+        "exp_overflow_risk",
+    ]
     assert found[2].evidence["output_absmax"] == 1000.0
 
 
@@ -118,17 +122,42 @@ class _Attention(nn.Module):
 
 def _healthy_suite() -> list[tuple[str, nn.Module, torch.Tensor, torch.Tensor, Any]]:
     cnn = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     )
     mlp = nn.Sequential(
-        nn.Linear(20, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 64), nn.BatchNorm1d(64),
-        nn.Sigmoid(), nn.Linear(64, 3), nn.LogSoftmax(dim=1),
+        nn.Linear(20, 64),
+        nn.LayerNorm(64),
+        nn.Tanh(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.Sigmoid(),
+        nn.Linear(64, 3),
+        nn.LogSoftmax(dim=1),
     )
     return [
-        ("cnn_batchnorm", cnn, torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,)), F.cross_entropy),
-        ("attention", _Attention(), torch.randint(0, 50, (8, 12)), torch.randint(0, 5, (8,)), F.cross_entropy),
+        (
+            "cnn_batchnorm",
+            cnn,
+            torch.randn(16, 3, 16, 16),
+            torch.randint(0, 10, (16,)),
+            F.cross_entropy,
+        ),
+        (
+            "attention",
+            _Attention(),
+            torch.randint(0, 50, (8, 12)),
+            torch.randint(0, 5, (8,)),
+            F.cross_entropy,
+        ),
         ("mlp_layernorm", mlp, torch.randn(32, 20), torch.randint(0, 3, (32,)), F.nll_loss),
     ]
 
@@ -151,11 +180,20 @@ def test_a_healthy_guarded_run_records_no_warning(tmp_path) -> None:
 
     X, y = load_digits(return_X_y=True)
     xs, ys = torch.tensor(X[:640] / 16.0, dtype=torch.float32), torch.tensor(y[:640])
-    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64),
-                          nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 10))
+    model = nn.Sequential(
+        nn.Linear(64, 64),
+        nn.LayerNorm(64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.Tanh(),
+        nn.Linear(64, 10),
+    )
     opt = torch.optim.AdamW(model.parameters(), 3e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=120)
-    guard = NaNGuard(model, opt, scheduler=sched, directory=tmp_path, checks={"every": 5, "clip_norm": 5.0})
+    guard = NaNGuard(
+        model, opt, scheduler=sched, directory=tmp_path, checks={"every": 5, "clip_norm": 5.0}
+    )
     for step in range(120):
         i = slice((step % 20) * 32, (step % 20 + 1) * 32)
         loss = F.cross_entropy(model(xs[i]), ys[i])
@@ -166,12 +204,17 @@ def test_a_healthy_guarded_run_records_no_warning(tmp_path) -> None:
         opt.zero_grad()
         sched.step()
     checked = [r for r in guard.history if "checks" in r]
-    assert len(checked) == 24 and all("adam" in r for r in checked[1:])  # no Adam state before step 1
+    assert len(checked) == 24 and all(
+        "adam" in r for r in checked[1:]
+    )  # no Adam state before step 1
     recorded = [(r["step"], c["code"], c["severity"]) for r in checked for c in r["checks"]]
     assert all(sev == "info" for _, _, sev in recorded), recorded
     # information is recorded once: the one-cycle peak (a schedule boundary) and a clip
     # at 5.0 that never engaged (from the first check with 20 rows)
-    assert sorted((s, c) for s, c, _ in recorded) == [(20, "grad_clip_never_on"), (40, "lr_schedule_boundary")]
+    assert sorted((s, c) for s, c, _ in recorded) == [
+        (20, "grad_clip_never_on"),
+        (40, "lr_schedule_boundary"),
+    ]
 
 
 # --------------------------------------------------------------------------- data
@@ -179,10 +222,21 @@ def test_nonfinite_input_rows() -> None:
     x = torch.randn(6, 4)
     x[1, 2] = float("nan")
     x[4, 0] = float("-inf")
-    f = nbdebug.check((_mlp(), x), target=torch.randint(0, 3, (6,)), loss_fn=F.cross_entropy).of("nonfinite_input")
-    assert len(f) == 1 and f[0].rows == [1, 4] and f[0].evidence["n_nan"] == 1 and f[0].evidence["n_inf"] == 1
-    assert nbdebug.check((_mlp(), torch.randn(6, 4)), target=torch.randint(0, 3, (6,)),
-                         loss_fn=F.cross_entropy).of("nonfinite_input") == []
+    f = nbdebug.check((_mlp(), x), target=torch.randint(0, 3, (6,)), loss_fn=F.cross_entropy).of(
+        "nonfinite_input"
+    )
+    assert (
+        len(f) == 1
+        and f[0].rows == [1, 4]
+        and f[0].evidence["n_nan"] == 1
+        and f[0].evidence["n_inf"] == 1
+    )
+    assert (
+        nbdebug.check(
+            (_mlp(), torch.randn(6, 4)), target=torch.randint(0, 3, (6,)), loss_fn=F.cross_entropy
+        ).of("nonfinite_input")
+        == []
+    )
 
 
 def test_label_out_of_range_is_found_before_the_loss_crashes() -> None:
@@ -193,16 +247,28 @@ def test_label_out_of_range_is_found_before_the_loss_crashes() -> None:
     assert found[0].evidence["bad_labels"] == [-1, 3] and found[0].evidence["n_classes"] == 3
     assert "trace_error" in found.codes()  # the loss did crash; the label is named first
     ok = torch.tensor([0, 1, 2, 2, 0, 1, -100, 2])  # ignore_index of cross_entropy
-    assert nbdebug.check((_mlp(), x), target=ok, loss_fn=F.cross_entropy).of("label_out_of_range") == []
+    assert (
+        nbdebug.check((_mlp(), x), target=ok, loss_fn=F.cross_entropy).of("label_out_of_range")
+        == []
+    )
     ignore5 = nn.CrossEntropyLoss(ignore_index=5)
-    assert nbdebug.check((_mlp(), x), target=torch.tensor([0, 1, 2, 5, 0, 1, 1, 2]),
-                         loss_fn=ignore5).of("label_out_of_range") == []
+    assert (
+        nbdebug.check(
+            (_mlp(), x), target=torch.tensor([0, 1, 2, 5, 0, 1, 1, 2]), loss_fn=ignore5
+        ).of("label_out_of_range")
+        == []
+    )
     # binary targets
     m = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
     bad = torch.tensor([[0.0], [1.0], [1.5], [0.0], [1.0], [0.2], [0.0], [-0.1]])
     f = nbdebug.check((m, x), target=bad, loss_fn=F.binary_cross_entropy).of("label_out_of_range")
     assert len(f) == 1 and f[0].rows == [2, 7]
-    assert nbdebug.check((m, x), target=bad.clamp(0, 1), loss_fn=F.binary_cross_entropy).of("label_out_of_range") == []
+    assert (
+        nbdebug.check((m, x), target=bad.clamp(0, 1), loss_fn=F.binary_cross_entropy).of(
+            "label_out_of_range"
+        )
+        == []
+    )
 
 
 def test_labels_checked_before_tracing_off_the_cpu() -> None:
@@ -249,11 +315,18 @@ def test_constant_feature() -> None:
     f = nbdebug.check((_mlp(5), x), target=y, loss_fn=F.cross_entropy).of("constant_feature")
     assert len(f) == 1 and f[0].severity == "warning"
     assert f[0].evidence["features"] == [2] and f[0].evidence["values"] == [3.0]
-    assert nbdebug.check((_mlp(5), torch.randn(16, 5)), target=y, loss_fn=F.cross_entropy).of("constant_feature") == []
+    assert (
+        nbdebug.check((_mlp(5), torch.randn(16, 5)), target=y, loss_fn=F.cross_entropy).of(
+            "constant_feature"
+        )
+        == []
+    )
     # images: per channel
     img = torch.randn(8, 3, 4, 4)
     img[:, 1] = 0.0
-    f = nbdebug.check((nn.Sequential(nn.Flatten(), nn.Linear(48, 2)), img), loss_fn=lambda o: o.mean()).of("constant_feature")
+    f = nbdebug.check(
+        (nn.Sequential(nn.Flatten(), nn.Linear(48, 2)), img), loss_fn=lambda o: o.mean()
+    ).of("constant_feature")
     assert f and f[0].evidence["features"] == [1] and "channels" in f[0].where
     # fewer rows than CONSTANT_MIN_ROWS: not judged, and said so
     few = nbdebug.check((_mlp(5), x[:4]), target=y[:4], loss_fn=F.cross_entropy)
@@ -263,9 +336,16 @@ def test_constant_feature() -> None:
 
 def test_unscaled_input() -> None:
     y = torch.randint(0, 3, (8,))
-    f = nbdebug.check((_mlp(), torch.randn(8, 4) * 1e5), target=y, loss_fn=F.cross_entropy).of("unscaled_input")
+    f = nbdebug.check((_mlp(), torch.randn(8, 4) * 1e5), target=y, loss_fn=F.cross_entropy).of(
+        "unscaled_input"
+    )
     assert len(f) == 1 and f[0].evidence["range"] > cb.UNSCALED_RANGE
-    assert nbdebug.check((_mlp(), torch.randn(8, 4) * 100), target=y, loss_fn=F.cross_entropy).of("unscaled_input") == []
+    assert (
+        nbdebug.check((_mlp(), torch.randn(8, 4) * 100), target=y, loss_fn=F.cross_entropy).of(
+            "unscaled_input"
+        )
+        == []
+    )
 
 
 # --------------------------------------------------------------------------- forward
@@ -282,14 +362,22 @@ def test_exp_overflow_risk_at_softmax_and_in_a_hand_written_loss() -> None:
     assert nbdebug.check((calm, x), loss_fn=lambda p: p[:, 0].mean()).of("exp_overflow_risk") == []
 
     def my_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return -(torch.exp(logits) / torch.exp(logits).sum(1, keepdim=True)).log().gather(1, y[:, None]).mean()
+        return (
+            -(torch.exp(logits) / torch.exp(logits).sum(1, keepdim=True))
+            .log()
+            .gather(1, y[:, None])
+            .mean()
+        )
 
     y = torch.randint(0, 6, (8,))
     f = nbdebug.check((lin, x), target=y, loss_fn=my_nll).of("exp_overflow_risk")
     assert f and f[0].where.startswith("the loss")
     # the same logits into the stable built-in: no risk
-    assert [g for g in nbdebug.check((lin, x), target=y, loss_fn=F.cross_entropy).of("exp_overflow_risk")
-            if g.severity != "info"] == []
+    assert [
+        g
+        for g in nbdebug.check((lin, x), target=y, loss_fn=F.cross_entropy).of("exp_overflow_risk")
+        if g.severity != "info"
+    ] == []
 
 
 def test_fp16_overflow_risk_near_65504_and_under_a_scaler() -> None:
@@ -298,16 +386,25 @@ def test_fp16_overflow_risk_near_65504_and_under_a_scaler() -> None:
         lin.weight.fill_(10.0)
         lin.bias.zero_()
     x = torch.full((4, 4), 1000.0, dtype=torch.float16)  # 4 * 1000 * 10 = 40000 < 65504
-    f = nbdebug.check((nn.Sequential(lin), x), loss_fn=lambda o: o.float().mean()).of("fp16_overflow_risk")
+    f = nbdebug.check((nn.Sequential(lin), x), loss_fn=lambda o: o.float().mean()).of(
+        "fp16_overflow_risk"
+    )
     assert len(f) == 1 and f[0].severity == "warning" and f[0].evidence["absmax"] == 40000.0
-    assert nbdebug.check((nn.Sequential(lin), x / 100), loss_fn=lambda o: o.float().mean()).of("fp16_overflow_risk") == []
+    assert (
+        nbdebug.check((nn.Sequential(lin), x / 100), loss_fn=lambda o: o.float().mean()).of(
+            "fp16_overflow_risk"
+        )
+        == []
+    )
     big = nn.Linear(4, 4)
     with torch.no_grad():
         big.weight.fill_(10.0)
     x32 = torch.full((4, 4), 1000.0)
     scaler = torch.amp.GradScaler("cpu")
     assert nbdebug.check((big, x32), loss_fn=lambda o: o.mean()).of("fp16_overflow_risk") == []
-    f = nbdebug.check((big, x32), loss_fn=lambda o: o.mean(), scaler=scaler).of("fp16_overflow_risk")
+    f = nbdebug.check((big, x32), loss_fn=lambda o: o.mean(), scaler=scaler).of(
+        "fp16_overflow_risk"
+    )
     assert len(f) == 1 and "autocast" in f[0].advice
 
 
@@ -322,14 +419,18 @@ def test_dead_relu() -> None:
     assert nbdebug.check((_mlp(4, 1), x), loss_fn=lambda o: o.mean()).of("dead_relu") == []
 
 
-@pytest.mark.parametrize("act,bias", [(nn.Tanh, 0.0), (nn.Sigmoid, 0.0), (nn.Sigmoid, 30.0), (nn.Sigmoid, -30.0)])
+@pytest.mark.parametrize(
+    "act,bias", [(nn.Tanh, 0.0), (nn.Sigmoid, 0.0), (nn.Sigmoid, 30.0), (nn.Sigmoid, -30.0)]
+)
 def test_saturated_activation(act: type, bias: float) -> None:
     lin = nn.Linear(8, 64)
     with torch.no_grad():
         lin.weight.mul_(100.0)
         lin.bias.fill_(bias)
     x = torch.randn(32, 8)
-    f = nbdebug.check((nn.Sequential(lin, act(), nn.Linear(64, 1)), x), loss_fn=lambda o: o.mean()).of("saturated_activation")
+    f = nbdebug.check(
+        (nn.Sequential(lin, act(), nn.Linear(64, 1)), x), loss_fn=lambda o: o.mean()
+    ).of("saturated_activation")
     assert len(f) == 1 and f[0].module == "1" and f[0].evidence["saturated_share_at_least"] > 0.5
     calm = nn.Sequential(nn.Linear(8, 64), act(), nn.Linear(64, 1))
     assert nbdebug.check((calm, x), loss_fn=lambda o: o.mean()).of("saturated_activation") == []
@@ -338,7 +439,10 @@ def test_saturated_activation(act: type, bias: float) -> None:
 def test_saturated_share_is_a_lower_bound() -> None:
     # the estimate never exceeds the true share, on saturated and calm tanh/sigmoid layers
     torch.manual_seed(1)
-    for act, fn in ((nn.Tanh, lambda y: (1 - y.abs()) <= 1e-3), (nn.Sigmoid, lambda y: (y <= 1e-3) | (y >= 1 - 1e-3))):
+    for act, fn in (
+        (nn.Tanh, lambda y: (1 - y.abs()) <= 1e-3),
+        (nn.Sigmoid, lambda y: (y <= 1e-3) | (y >= 1 - 1e-3)),
+    ):
         for scale in (0.5, 3.0, 10.0, 100.0):
             lin = nn.Linear(8, 64)
             with torch.no_grad():
@@ -367,30 +471,45 @@ def test_log_of_nonpositive_probabilities_into_bce() -> None:
     f = nbdebug.check((model, x), target=y, loss_fn=F.binary_cross_entropy).of("log_of_nonpositive")
     assert len(f) == 1 and f[0].severity == "warning" and f[0].evidence["output_max"] == 1.0
     calm = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
-    assert nbdebug.check((calm, x), target=y, loss_fn=F.binary_cross_entropy).of("log_of_nonpositive") == []
+    assert (
+        nbdebug.check((calm, x), target=y, loss_fn=F.binary_cross_entropy).of("log_of_nonpositive")
+        == []
+    )
 
 
 def test_division_by_zero_and_nonfinite_origin_in_the_forward() -> None:
     s = by_name("zero_over_zero_norm")
-    f = nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn).of("division_by_zero")
-    assert len(f) == 1 and f[0].evidence["op"] == "Tensor.div" and f[0].evidence["source"].startswith("models.py:")
+    f = nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn).of(
+        "division_by_zero"
+    )
+    assert (
+        len(f) == 1
+        and f[0].evidence["op"] == "Tensor.div"
+        and f[0].evidence["source"].startswith("models.py:")
+    )
 
     class InfTimesZero(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * torch.tensor(float("inf")) * 0
 
-    found = nbdebug.check((nn.Sequential(nn.Linear(3, 3), InfTimesZero()), torch.randn(2, 3)),
-                          loss_fn=lambda o: o.mean())
+    found = nbdebug.check(
+        (nn.Sequential(nn.Linear(3, 3), InfTimesZero()), torch.randn(2, 3)),
+        loss_fn=lambda o: o.mean(),
+    )
     assert found[0].code == "nonfinite_origin" and found[0].module == "1"
 
 
 # --------------------------------------------------------------------------- backward
 def test_nonfinite_gradient_lists_the_parameters() -> None:
     s = by_name("where_sqrt_negative")
-    f = nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn).of("nonfinite_gradient")
+    f = nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn).of(
+        "nonfinite_gradient"
+    )
     assert len(f) == 1 and f[0].evidence["n_params"] == 2
     assert set(f[0].evidence) >= {"0.weight", "0.bias"} and f[0].param in ("0.weight", "0.bias")
-    healthy = nbdebug.check((_mlp(), torch.randn(4, 4)), target=torch.tensor([0, 1, 2, 0]), loss_fn=F.cross_entropy)
+    healthy = nbdebug.check(
+        (_mlp(), torch.randn(4, 4)), target=torch.tensor([0, 1, 2, 0]), loss_fn=F.cross_entropy
+    )
     assert healthy.of("nonfinite_gradient") == []
 
 
@@ -412,14 +531,29 @@ def test_exploding_gradient_against_the_history() -> None:
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     tr = nbdebug.trace(_mlp(), x, y, lambda o, t: 1e3 * F.cross_entropy(o, t))
     current = math.sqrt(sum(p.grad_norm**2 for p in tr.params if p.grad_norm is not None))
-    history = [{"step": i, "grad_norm": current / 50 * (1 + 0.01 * i), "loss": 1.0} for i in range(20)]
-    f = [g for g in nbdebug.check(tr, history=history).of("exploding_gradient") if g.where == "total gradient norm"]
+    history = [
+        {"step": i, "grad_norm": current / 50 * (1 + 0.01 * i), "loss": 1.0} for i in range(20)
+    ]
+    f = [
+        g
+        for g in nbdebug.check(tr, history=history).of("exploding_gradient")
+        if g.where == "total gradient norm"
+    ]
     assert len(f) == 1 and f[0].evidence["factor"] > cb.EXPLODING_HISTORY_FACTOR
     calm = [{"step": i, "grad_norm": current, "loss": 1.0} for i in range(20)]
-    assert [g for g in nbdebug.check(tr, history=calm).of("exploding_gradient") if g.where == "total gradient norm"] == []
+    assert [
+        g
+        for g in nbdebug.check(tr, history=calm).of("exploding_gradient")
+        if g.where == "total gradient norm"
+    ] == []
     short = calm[:3]  # fewer than HISTORY_MIN_ROWS rows: not judged
-    assert [g for g in nbdebug.check(tr, history=[dict(r, grad_norm=1e-9) for r in short]).of("exploding_gradient")
-            if g.where == "total gradient norm"] == []
+    assert [
+        g
+        for g in nbdebug.check(tr, history=[dict(r, grad_norm=1e-9) for r in short]).of(
+            "exploding_gradient"
+        )
+        if g.where == "total gradient norm"
+    ] == []
 
 
 def test_unused_parameter_and_what_a_bare_trace_cannot_check() -> None:
@@ -436,8 +570,14 @@ def test_unused_parameter_and_what_a_bare_trace_cannot_check() -> None:
     tr = nbdebug.trace(Unused(), x, y, F.cross_entropy)
     found = nbdebug.check(tr)
     f = found.of("unused_parameter")
-    assert len(f) == 1 and f[0].severity == "info" and f[0].evidence["params"] == ["spare.weight", "spare.bias"]
-    assert nbdebug.check((_mlp(), x), target=y, loss_fn=F.cross_entropy).of("unused_parameter") == []
+    assert (
+        len(f) == 1
+        and f[0].severity == "info"
+        and f[0].evidence["params"] == ["spare.weight", "spare.bias"]
+    )
+    assert (
+        nbdebug.check((_mlp(), x), target=y, loss_fn=F.cross_entropy).of("unused_parameter") == []
+    )
     skipped = {c for g in found.of("check_skipped") for c in g.evidence["checks"]}
     assert {"constant_feature", "adam_state_outlier", "lr_spike", "grad_scaler_collapse"} <= skipped
 
@@ -454,7 +594,11 @@ def test_adam_eps_too_small_for_float16() -> None:
         f = nbdebug.check(guard).of("adam_state_outlier")
         assert len(f) == expect
         if expect:
-            assert f[0].severity == "error" and f[0].param == "weight" and f[0].evidence["exp_avg_sq_zeros"] == 4
+            assert (
+                f[0].severity == "error"
+                and f[0].param == "weight"
+                and f[0].evidence["exp_avg_sq_zeros"] == 4
+            )
         model.weight.grad = model.bias.grad = None
 
 
@@ -471,7 +615,12 @@ def test_adam_state_outlier_against_its_history() -> None:
     now = adam_moments(optimizer_params(opt, model))
     assert set(now) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     steady: list[dict[str, Any]] = [
-        {"step": i, "adam": {k: [m * (1 + 0.05 * (i % 3)), v * (1 + 0.05 * (i % 2))] for k, (m, v) in now.items()}}
+        {
+            "step": i,
+            "adam": {
+                k: [m * (1 + 0.05 * (i % 3)), v * (1 + 0.05 * (i % 2))] for k, (m, v) in now.items()
+            },
+        }
         for i in range(10)
     ]
     tr = nbdebug.trace(model, x, y, F.cross_entropy)
@@ -486,7 +635,10 @@ def test_adam_state_outlier_against_its_history() -> None:
 
 def _rows(lrs: list[float], losses: list[float] | None = None) -> list[dict[str, Any]]:
     losses = losses or [1.0] * len(lrs)
-    return [{"step": i, "lr": lr, "loss": loss, "grad_norm": 1.0} for i, (lr, loss) in enumerate(zip(lrs, losses))]
+    return [
+        {"step": i, "lr": lr, "loss": loss, "grad_norm": 1.0}
+        for i, (lr, loss) in enumerate(zip(lrs, losses))
+    ]
 
 
 def test_lr_spike() -> None:
@@ -494,7 +646,9 @@ def test_lr_spike() -> None:
     jump = _rows([1e-3] * 10 + [1e-1] * 10)
     f = nbdebug.check(tr, history=jump).of("lr_spike")
     assert len(f) == 1 and f[0].step == 10 and f[0].evidence["ratio"] == pytest.approx(100)
-    warmup = _rows([1e-3 * (i + 1) / 10 for i in range(10)] + [1e-3] * 10)  # from 1e-4: doubles once, grows
+    warmup = _rows(
+        [1e-3 * (i + 1) / 10 for i in range(10)] + [1e-3] * 10
+    )  # from 1e-4: doubles once, grows
     assert nbdebug.check(tr, history=warmup).of("lr_spike") == []
     # the history as a DataFrame (guard.history_frame()) reads the same
     import pandas as pd
@@ -513,7 +667,9 @@ def test_lr_schedule_boundary_info_or_warning() -> None:
     losses = [1.0] * 20 + [1.0, 1.2, 2.5, 3.0] + [3.0] * 36
     bad = nbdebug.check(tr, history=_rows(warm + decay, losses)).of("lr_schedule_boundary")
     assert len(bad) == 1 and bad[0].severity == "warning" and bad[0].evidence["loss_rise"] == 3.0
-    steps = nbdebug.check(tr, history=_rows([0.1] * 10 + [0.01] * 10 + [0.001] * 10)).of("lr_schedule_boundary")
+    steps = nbdebug.check(tr, history=_rows([0.1] * 10 + [0.01] * 10 + [0.001] * 10)).of(
+        "lr_schedule_boundary"
+    )
     assert [(f.step, f.evidence["kind"]) for f in steps] == [(10, "step decay"), (20, "step decay")]
     assert nbdebug.check(tr, history=_rows([1e-3] * 30)).of("lr_schedule_boundary") == []
 
@@ -526,9 +682,15 @@ def test_grad_clip_always_and_never_on() -> None:
     assert f.of("grad_clip_always_on")[0].evidence["share_clipped"] == 1.0
     small = [{"step": i, "grad_norm": 0.1 + 0.01 * i} for i in range(30)]
     never = nbdebug.check(tr, history=small, clip_norm=10.0).of("grad_clip_never_on")
-    assert len(never) == 1 and never[0].severity == "info" and never[0].evidence["max_grad_norm"] == pytest.approx(0.39)
+    assert (
+        len(never) == 1
+        and never[0].severity == "info"
+        and never[0].evidence["max_grad_norm"] == pytest.approx(0.39)
+    )
     mixed = [{"step": i, "grad_norm": 0.5 if i % 2 else 2.0} for i in range(30)]
-    assert [g for g in nbdebug.check(tr, history=mixed, clip_norm=1.0) if g.code.startswith("grad_clip")] == []
+    assert [
+        g for g in nbdebug.check(tr, history=mixed, clip_norm=1.0) if g.code.startswith("grad_clip")
+    ] == []
     # the max_norm can come from the history rows too
     rows = [dict(r, clip_norm=1.0) for r in post_clip]
     assert nbdebug.check(tr, history=rows).of("grad_clip_always_on")
@@ -536,13 +698,19 @@ def test_grad_clip_always_and_never_on() -> None:
 
 def test_grad_scaler_collapse() -> None:
     tr = nbdebug.trace(_mlp(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0]), F.cross_entropy)
-    falling = [{"step": i, "scale": 2.0 ** (16 - max(0, i - 10)), "skipped": i > 10, "grad_norm": 1.0} for i in range(18)]
+    falling = [
+        {"step": i, "scale": 2.0 ** (16 - max(0, i - 10)), "skipped": i > 10, "grad_norm": 1.0}
+        for i in range(18)
+    ]
     f = nbdebug.check(tr, history=falling).of("grad_scaler_collapse")
     assert len(f) == 1 and f[0].severity == "warning" and f[0].evidence["consecutive_falls"] == 7
     gone = [dict(r, scale=0.5) if r["step"] == 17 else r for r in falling]
     f = nbdebug.check(tr, history=gone).of("grad_scaler_collapse")
     assert f[0].severity == "error"
-    stable = [{"step": i, "scale": 65536.0 if i < 3 else 32768.0, "skipped": i == 3, "grad_norm": 1.0} for i in range(30)]
+    stable = [
+        {"step": i, "scale": 65536.0 if i < 3 else 32768.0, "skipped": i == 3, "grad_norm": 1.0}
+        for i in range(30)
+    ]
     assert nbdebug.check(tr, history=stable).of("grad_scaler_collapse") == []
     # a live scaler whose scale is already below 1, no history
     scaler = torch.amp.GradScaler("cpu", init_scale=0.25)
@@ -619,19 +787,70 @@ def _frozen() -> nn.Module:
 
 
 ODD = {
-    "no_parameters_no_loss": (lambda: nn.Softmax(dim=1), lambda: torch.randn(8, 4), None, None, "no parameters"),
-    "no_parameters": (lambda: nn.ReLU(), lambda: torch.randn(8, 4), None, lambda o: o.sum(), "no parameters"),
-    "frozen_layer": (_frozen, lambda: torch.randn(8, 4), torch.tensor([0, 1] * 4), F.cross_entropy, "frozen"),
-    "all_frozen": (lambda: nn.Linear(4, 2).requires_grad_(False), lambda: torch.randn(8, 4), torch.tensor([0, 1] * 4),
-                   F.cross_entropy, "frozen"),
-    "integer_buffers": (_IntBuffers, lambda: torch.randn(8, 4), torch.tensor([0, 1] * 4), F.cross_entropy, None),
+    "no_parameters_no_loss": (
+        lambda: nn.Softmax(dim=1),
+        lambda: torch.randn(8, 4),
+        None,
+        None,
+        "no parameters",
+    ),
+    "no_parameters": (
+        lambda: nn.ReLU(),
+        lambda: torch.randn(8, 4),
+        None,
+        lambda o: o.sum(),
+        "no parameters",
+    ),
+    "frozen_layer": (
+        _frozen,
+        lambda: torch.randn(8, 4),
+        torch.tensor([0, 1] * 4),
+        F.cross_entropy,
+        "frozen",
+    ),
+    "all_frozen": (
+        lambda: nn.Linear(4, 2).requires_grad_(False),
+        lambda: torch.randn(8, 4),
+        torch.tensor([0, 1] * 4),
+        F.cross_entropy,
+        "frozen",
+    ),
+    "integer_buffers": (
+        _IntBuffers,
+        lambda: torch.randn(8, 4),
+        torch.tensor([0, 1] * 4),
+        F.cross_entropy,
+        None,
+    ),
     "complex_params": (_Complex, lambda: torch.randn(8, 4), None, lambda o: o.mean(), None),
-    "complex_input": (nn.Identity, lambda: torch.randn(8, 4, dtype=torch.cfloat), None, lambda o: o.abs().sum(),
-                      "complex"),
-    "token_ids": (lambda: nn.Embedding(10, 3), lambda: torch.randint(0, 10, (8, 5)), None, lambda o: o.sum(),
-                  "no floating input"),
-    "tuple_output_no_loss": (lambda: nn.LSTM(4, 3, batch_first=True), lambda: torch.randn(8, 5, 4), None, None, "no loss"),
-    "model_raises": (lambda: nn.Linear(5, 3), lambda: torch.randn(8, 4), None, lambda o: o.sum(), None),
+    "complex_input": (
+        nn.Identity,
+        lambda: torch.randn(8, 4, dtype=torch.cfloat),
+        None,
+        lambda o: o.abs().sum(),
+        "complex",
+    ),
+    "token_ids": (
+        lambda: nn.Embedding(10, 3),
+        lambda: torch.randint(0, 10, (8, 5)),
+        None,
+        lambda o: o.sum(),
+        "no floating input",
+    ),
+    "tuple_output_no_loss": (
+        lambda: nn.LSTM(4, 3, batch_first=True),
+        lambda: torch.randn(8, 5, 4),
+        None,
+        None,
+        "no loss",
+    ),
+    "model_raises": (
+        lambda: nn.Linear(5, 3),
+        lambda: torch.randn(8, 4),
+        None,
+        lambda o: o.sum(),
+        None,
+    ),
 }
 
 
@@ -664,7 +883,9 @@ def test_bad_input_raises_one_clear_sentence() -> None:
     with pytest.raises(ValueError, match="empty"):
         nbdebug.check((_mlp(), torch.empty(0, 4)))
     with pytest.raises(ValueError, match="target was given twice"):
-        nbdebug.check((_mlp(), torch.randn(2, 4), torch.tensor([0, 1])), target=torch.tensor([0, 1]))
+        nbdebug.check(
+            (_mlp(), torch.randn(2, 4), torch.tensor([0, 1])), target=torch.tensor([0, 1])
+        )
     bad: Any
     for bad in (-3, "often", 2.5, {"every": 0}, {"evry": 5}, {"clip_norm": -1.0}):
         with pytest.raises(ValueError, match="checks"):
@@ -702,8 +923,14 @@ def test_guard_checks_change_nothing_but_the_history() -> None:
     assert guard.check(torch.tensor(1.0), step=0)
     _assert_same(before, model)
     assert all(torch.equal(state[k], opt.state[w0][k]) for k in state)
-    assert guard.history[-1]["checks"] == [] and set(guard.history[-1]["adam"]) == {"0.weight", "0.bias",
-                                                                                    "1.weight", "1.bias", "3.weight", "3.bias"}
+    assert guard.history[-1]["checks"] == [] and set(guard.history[-1]["adam"]) == {
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "3.weight",
+        "3.bias",
+    }
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -724,7 +951,7 @@ def test_guard_records_the_warning_signs_before_the_nan(tmp_path) -> None:
         if step == 20:
             for g in opt.param_groups:
                 g["lr"] = 1e4  # the cause
-        xb, yb = x[(step % 4) * 16:(step % 4 + 1) * 16], y[(step % 4) * 16:(step % 4 + 1) * 16]
+        xb, yb = x[(step % 4) * 16 : (step % 4 + 1) * 16], y[(step % 4) * 16 : (step % 4 + 1) * 16]
         opt.zero_grad()
         loss = F.mse_loss(model(xb), yb)
         loss.backward()
@@ -737,13 +964,18 @@ def test_guard_records_the_warning_signs_before_the_nan(tmp_path) -> None:
     recorded = {(c["code"], r["step"]) for r in guard.history for c in r.get("checks", [])}
     assert ("lr_spike", 20) in recorded
     assert any(code == "exploding_gradient" and step < nan_step for code, step in recorded)
-    snap = load_snapshot(guard.snapshots[0], model=lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
+    snap = load_snapshot(
+        guard.snapshots[0],
+        model=lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)),
+    )
     found = nbdebug.check(snap)
     spike = found.of("lr_spike")
     assert snap.step is not None and spike and spike[0].step == 20 < snap.step
     # the replayed step is checked too: the first non-finite value and its cause
     assert found[0].severity == "error"
-    assert any(f.step is not None and f.step < snap.step and f.code == "exploding_gradient" for f in found)
+    assert any(
+        f.step is not None and f.step < snap.step and f.code == "exploding_gradient" for f in found
+    )
 
 
 def test_check_of_a_snapshot_without_a_model_still_reads_its_history(tmp_path) -> None:
@@ -794,7 +1026,13 @@ def test_findings_table_and_round_trip() -> None:
         d = f.to_dict()
         back = cb.Finding.from_dict(d)
         assert (back.code, back.severity, back.where, back.event, back.rows, back.param) == (
-            f.code, f.severity, f.where, f.event, f.rows, f.param)
+            f.code,
+            f.severity,
+            f.where,
+            f.event,
+            f.rows,
+            f.param,
+        )
     assert "log_of_nonpositive" in repr(found) and "2 errors" in repr(found)
     with pytest.raises(ValueError, match="severity"):
         cb.Finding("x", "fatal", "here", {}, "")

@@ -48,7 +48,11 @@ def workdir(tmp_path, monkeypatch, request):
     model = factory()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     guard = NaNGuard(
-        model, opt, directory="snaps", loss_fn=nn.functional.cross_entropy, recipe=f"{mod}:make",
+        model,
+        opt,
+        directory="snaps",
+        loss_fn=nn.functional.cross_entropy,
+        recipe=f"{mod}:make",
         recipe_kwargs={"hidden": 12},
     )
     for step in range(6):
@@ -75,7 +79,9 @@ def _run(argv, capsys) -> tuple[int, str, str]:
 def test_inspect_with_model(workdir, capsys):
     _tmp, mod, path = workdir
     before = path.read_bytes()
-    code, out, err = _run(["inspect", path, "--model", f"{mod}:make", "--rows", "4", "--top", "2"], capsys)
+    code, out, err = _run(
+        ["inspect", path, "--model", f"{mod}:make", "--rows", "4", "--top", "2"], capsys
+    )
     assert code == 0 and err == ""
     assert out.startswith("nbdebug snapshot: step 105\n")
     assert re.search(r"reason\s+loss: non-finite loss \(nan\) at step 105", out)
@@ -86,11 +92,21 @@ def test_inspect_with_model(workdir, capsys):
     assert re.search(r"phase\s+input\n", out) and re.search(r"samples\s+3\n", out)
     # the last 4 history rows: steps 102..105, the last one skipped
     hist = out.split("last 4 history rows\n")[1].split("\n\n")[0].splitlines()
-    assert hist[0].split()[:7] == ["step", "loss", "grad_norm", "param_norm", "lr", "scale", "skipped"]
+    assert hist[0].split()[:7] == [
+        "step",
+        "loss",
+        "grad_norm",
+        "param_norm",
+        "lr",
+        "scale",
+        "skipped",
+    ]
     assert [row.split()[0] for row in hist[1:]] == ["102", "103", "104", "105"]
     assert hist[-1].split()[1] == "nan" and "True" in hist[-1] and "loss" in hist[-1]
     # largest norms: the NaN gradients first, two entries each
-    grads = out.split("largest gradient norms at the failing step\n")[1].split("\n\n")[0].splitlines()
+    grads = (
+        out.split("largest gradient norms at the failing step\n")[1].split("\n\n")[0].splitlines()
+    )
     assert len(grads) == 2 and all(line.split()[1] == "nan" for line in grads)
     params = out.split("largest parameter norms\n")[1].split("\n\n")[0].splitlines()
     snap = load_snapshot(path)
@@ -103,7 +119,10 @@ def test_inspect_without_model_and_with_recipe(workdir, capsys):
     _tmp, mod, path = workdir
     code, out, err = _run(["inspect", path], capsys)
     assert code == 0 and err == ""
-    assert f"Not replayed: no model. Give --model package.module:factory or --trust-recipe to build it with the recorded recipe {mod}:make." in out
+    assert (
+        f"Not replayed: no model. Give --model package.module:factory or --trust-recipe to build it with the recorded recipe {mod}:make."
+        in out
+    )
     assert mod not in sys.modules  # the recipe was not imported
     assert "largest parameter norms" in out and "last 6 history rows" in out
 
@@ -117,7 +136,9 @@ def test_inspect_without_model_and_with_recipe(workdir, capsys):
 
 def test_report_is_one_offline_page(workdir, capsys):
     tmp, mod, path = workdir
-    code, out, err = _run(["report", path, "-o", "out/report.html", "--model", f"{mod}:make"], capsys)
+    code, out, err = _run(
+        ["report", path, "-o", "out/report.html", "--model", f"{mod}:make"], capsys
+    )
     assert code == 2 and "cannot write out/report.html" in err  # no such directory
     code, out, err = _run(["report", path, "-o", "report.html", "--model", f"{mod}:make"], capsys)
     assert code == 0 and err == "" and out.startswith("wrote report.html")
@@ -168,12 +189,21 @@ def test_list(workdir, capsys):
         (["inspect", "missing.nbsnap"], "missing.nbsnap: no such file."),
         (["inspect", "garbage.nbsnap"], "is not a snapshot: it is not a torch.save zip archive"),
         (["inspect", "snaps"], "is a directory, not a snapshot file"),
-        (["inspect", "{snap}", "--model", "no_such_pkg_q:make"], "--model: cannot import module 'no_such_pkg_q'"),
+        (
+            ["inspect", "{snap}", "--model", "no_such_pkg_q:make"],
+            "--model: cannot import module 'no_such_pkg_q'",
+        ),
         (["inspect", "{snap}", "--model", "json:dumps"], "--model json:dumps failed: TypeError"),
         (["inspect", "{snap}", "--model", "json:__doc__"], "is a str, not a callable"),
-        (["inspect", "{snap}", "--model", "{mod}:make", "--model-kwargs", "{{bad"], "--model-kwargs is not valid JSON"),
+        (
+            ["inspect", "{snap}", "--model", "{mod}:make", "--model-kwargs", "{{bad"],
+            "--model-kwargs is not valid JSON",
+        ),
         (["inspect", "{snap}", "--model-kwargs", "{{}}"], "--model-kwargs needs --model."),
-        (["inspect", "{snap}", "--model", "{mod}:make", "--model-kwargs", '{{"hidden": 5}}'], "shape mismatches: 0.weight: snapshot (12, 6) vs model (5, 6)"),
+        (
+            ["inspect", "{snap}", "--model", "{mod}:make", "--model-kwargs", '{{"hidden": 5}}'],
+            "shape mismatches: 0.weight: snapshot (12, 6) vs model (5, 6)",
+        ),
         (["inspect", "{snap}", "--loss", "nope"], "--loss: expected an import path"),
         (["inspect", "{snap}", "--rows", "-1"], "--rows and --top must be >= 0."),
         (["list", "nowhere"], "nowhere is not a directory."),
@@ -209,12 +239,20 @@ def test_real_process(workdir):
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "nbdebug.cli"]
     ok = subprocess.run(
         [*cmd, "inspect", str(path), "--model", f"{mod}:make"],
-        capture_output=True, text=True, cwd=tmp, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=120,
     )
     assert ok.returncode == 0 and ok.stderr == "" and "NaN produced in the batch" in ok.stdout
     bad = subprocess.run(
         [*cmd, "report", str(tmp / "nope.nbsnap"), "-o", "x.html"],
-        capture_output=True, text=True, cwd=tmp, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=120,
     )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == f"nbdebug: error: {tmp / 'nope.nbsnap'}: no such file.\n"

@@ -17,7 +17,12 @@ def _tabular() -> tuple[nn.Module, torch.Tensor, torch.Tensor, np.ndarray]:
     x = (data.data - data.data.mean(0)) / data.data.std(0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
-    return model, torch.tensor(x[:80], dtype=torch.float32), torch.tensor(data.target[:80]), x[200:280]
+    return (
+        model,
+        torch.tensor(x[:80], dtype=torch.float32),
+        torch.tensor(data.target[:80]),
+        x[200:280],
+    )
 
 
 def test_gradcheck_tab_sweeps_the_debugged_model() -> None:
@@ -26,7 +31,9 @@ def test_gradcheck_tab_sweeps_the_debugged_model() -> None:
     titles = list(dbg.tabs.titles)
     assert "Gradcheck" in titles
     panel_widget = dbg.tabs.children[titles.index("Gradcheck")]
-    buttons = [w for w in _walk(panel_widget) if getattr(w, "description", "") == "check all modules"]
+    buttons = [
+        w for w in _walk(panel_widget) if getattr(w, "description", "") == "check all modules"
+    ]
     assert buttons, "the Gradcheck tab has a sweep button"
     buttons[0].click()
     import ipywidgets as widgets
@@ -49,7 +56,9 @@ def test_labels_tab_with_labels_and_probabilities(tmp_path) -> None:
     with torch.no_grad():
         probs = torch.softmax(model(x), 1).numpy()
     journal = tmp_path / "j.jsonl"
-    dbg = nbdebug.debug(model, x, y, F.cross_entropy, labels=y.numpy(), pred_probs=probs, journal=journal)
+    dbg = nbdebug.debug(
+        model, x, y, F.cross_entropy, labels=y.numpy(), pred_probs=probs, journal=journal
+    )
     assert "Labels" in list(dbg.tabs.titles)
     with pytest.raises(TypeError, match="labels= and pred_probs="):
         nbdebug.debug(model, x, y, F.cross_entropy, labels=y.numpy())
@@ -85,9 +94,11 @@ def test_checks_tab_counts_in_header_and_click_moves_the_cursor() -> None:
     with_event = next(i for i, f in enumerate(panel.findings) if f.event is not None)
     dbg.step.goto(0)
     panel.select(with_event)
-    assert dbg.current_event is not None and dbg.current_event.index == panel.findings[with_event].event
+    assert (
+        dbg.current_event is not None
+        and dbg.current_event.index == panel.findings[with_event].event
+    )
     assert dbg.tabs.selected_index == 0
-
 
 
 def test_the_debugger_and_its_buttons_leave_the_model_as_it_was() -> None:

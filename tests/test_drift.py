@@ -87,8 +87,14 @@ def test_a_no_drift_alarm_rate_at_most_alpha_plus_005(name, kind, capsys):
         a, b = halves(len(x), seed)
         if shap_all is not None:
             rep = drift_from_shap(
-                x[a], x[b], shap_all[a], shap_all[b], feature_names=names, alpha=ALPHA,
-                random_state=seed, progress=False,
+                x[a],
+                x[b],
+                shap_all[a],
+                shap_all[b],
+                feature_names=names,
+                alpha=ALPHA,
+                random_state=seed,
+                progress=False,
             )
         else:
             rep = run(model, x[a], x[b], feature_names=names, alpha=ALPHA, random_state=seed)
@@ -110,7 +116,9 @@ def test_a_shortcut_equals_full_drift_for_trees(name):
         x[a], x[b], shap_all[a], shap_all[b], feature_names=names, random_state=3, progress=False
     )
     cols = ["ks_p", "shap_ks_p", "ks_p_adj", "shap_ks_p_adj"]
-    pd.testing.assert_frame_equal(full.features[cols], short.features.loc[full.features.index, cols], atol=1e-9)
+    pd.testing.assert_frame_equal(
+        full.features[cols], short.features.loc[full.features.index, cols], atol=1e-9
+    )
     assert full.cluster_test.p_value == pytest.approx(short.cluster_test.p_value, abs=1e-9)
     assert full.classifier.auc == pytest.approx(short.classifier.auc, abs=1e-9)
     assert full.alarm == short.alarm
@@ -313,7 +321,10 @@ def test_mismatched_columns_are_listed():
     with pytest.raises(ValueError) as e:
         drift(rf, ref, cur, progress=False)
     msg = str(e.value)
-    assert "missing from current: ['mean radius']" in msg and "only in current: ['radius', 'extra']" in msg
+    assert (
+        "missing from current: ['mean radius']" in msg
+        and "only in current: ['radius', 'extra']" in msg
+    )
     with pytest.raises(ValueError, match=r"reference 30, current 29"):
         drift(rf, ref.to_numpy(), cur.to_numpy()[:, :29], progress=False)
 
@@ -328,14 +339,19 @@ def test_reordered_columns_are_aligned_by_name():
 
 
 def test_non_numeric_columns_are_named_and_one_hot_on_request():
-    ref, cur = _frame()[["mean radius", "mean texture"]], _frame(seed=1)[["mean radius", "mean texture"]]
+    ref, cur = (
+        _frame()[["mean radius", "mean texture"]],
+        _frame(seed=1)[["mean radius", "mean texture"]],
+    )
     ref = ref.assign(colour=np.where(ref["mean radius"] > 0, "red", "blue"))
     cur = cur.assign(colour=np.where(cur["mean radius"] > 0.5, "red", "green"))
     rf = RandomForestClassifier(n_estimators=10, random_state=0).fit(
         ref[["mean radius", "mean texture"]], ref["mean radius"] > 0
     )
     ref_before = ref.copy()
-    with pytest.raises(ValueError, match=r"non-numeric columns: 'colour' \((object|str)\).*one_hot=True"):
+    with pytest.raises(
+        ValueError, match=r"non-numeric columns: 'colour' \((object|str)\).*one_hot=True"
+    ):
         drift(rf, ref, cur, progress=False)
     enc = pd.get_dummies(pd.concat([ref, cur]), columns=["colour"], prefix_sep="=", dtype=float)
     model = RandomForestClassifier(n_estimators=10, random_state=0).fit(enc, enc["mean radius"] > 0)
@@ -354,7 +370,10 @@ def test_nan_counted_per_column_refused_or_imputed():
     with pytest.raises(ValueError) as e:
         drift(rf, ref, cur, progress=False)
     msg = str(e.value)
-    assert "reference has 3 (mean radius: 2, mean perimeter: 1)" in msg and "nan_policy='impute'" in msg
+    assert (
+        "reference has 3 (mean radius: 2, mean perimeter: 1)" in msg
+        and "nan_policy='impute'" in msg
+    )
     rep = run(rf, ref, cur, nan_policy="impute")
     assert any("imputed 3 NaN/inf" in n for n in rep.notes) and "imputed 3" in rep.summary
     assert np.isfinite(rep.reference).all()
@@ -382,10 +401,19 @@ def test_few_rows_warn_and_too_few_refuse():
         ({"nan_policy": "drop"}, r"nan_policy must be one of"),
         ({"cluster_method": "dbscan"}, r"cluster_method must be one of"),
         ({"random_state": None}, r"random_state must be an integer; got None"),
-        ({"output": 7}, r"output must be 'auto', 'predicted' or an output index in \[0, 2\); got 7"),
-        ({"output": 0, "model": "lr"}, r"output=0 is not available: the explainer returned a single output"),
+        (
+            {"output": 7},
+            r"output must be 'auto', 'predicted' or an output index in \[0, 2\); got 7",
+        ),
+        (
+            {"output": 0, "model": "lr"},
+            r"output=0 is not available: the explainer returned a single output",
+        ),
         ({"output": "max"}, r"output must be 'auto', 'predicted' or an integer; got 'max'"),
-        ({"explainer": "tree", "model": "lr"}, r"explainer='tree' cannot explain .*LogisticRegression"),
+        (
+            {"explainer": "tree", "model": "lr"},
+            r"explainer='tree' cannot explain .*LogisticRegression",
+        ),
         ({"explainer": "deep"}, r"explainer='deep' needs a torch.nn.Module"),
     ],
 )
@@ -398,14 +426,18 @@ def test_bad_options_one_clear_message(kwargs, match):
 
 def test_bad_models_and_shapes_one_clear_message():
     ref, cur = _frame(), _frame(seed=1)
-    with pytest.raises(TypeError, match=r"model must be a fitted scikit-learn estimator.*got builtins.str|got str"):
+    with pytest.raises(
+        TypeError, match=r"model must be a fitted scikit-learn estimator.*got builtins.str|got str"
+    ):
         drift("model", ref, cur, progress=False)
     with pytest.raises(ValueError, match=r"RandomForestClassifier is not fitted"):
         drift(RandomForestClassifier(), ref, cur, progress=False)
     rf = fitted("breast_cancer", "rf")
     with pytest.raises(ValueError, match=r"fitted on 30 features but the batches have 5 columns"):
         drift(rf, ref.to_numpy()[:, :5], cur.to_numpy()[:, :5], progress=False)
-    with pytest.raises(ValueError, match=r"must be 2-D \(rows x features\); got an array of shape \(40,\)"):
+    with pytest.raises(
+        ValueError, match=r"must be 2-D \(rows x features\); got an array of shape \(40,\)"
+    ):
         drift(rf, ref.to_numpy()[:, 0], cur, progress=False)
 
     def broken(a):
@@ -440,7 +472,9 @@ def test_dataframe_model_gets_its_own_column_order():
     assert any("order the model was fitted with" in n for n in rep.notes)
     np.testing.assert_array_equal(rep.reference, x[:200, :5])
     bad = df.rename(columns={names[0]: "other"})
-    with pytest.raises(ValueError, match=rf"missing: \['{names[0]}'\], not used by the model: \['other'\]"):
+    with pytest.raises(
+        ValueError, match=rf"missing: \['{names[0]}'\], not used by the model: \['other'\]"
+    ):
         drift(model, bad.iloc[:50], bad.iloc[50:100], progress=False)
 
 
@@ -485,19 +519,29 @@ def test_nothing_the_user_passed_is_changed_torch(explainer):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     flags = [m.training for m in model.modules()]
-    hooks = [len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+    hooks = [
+        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
+        for m in model.modules()
+    ]
     threads = torch.get_num_threads()
     rng = torch.get_rng_state()
     rep = run(model, ref, cur, explainer=explainer, background=20)
     assert rep.explainer.startswith("DeepExplainer" if explainer == "auto" else "GradientExplainer")
-    assert torch.equal(ref.detach(), ref_before) and torch.equal(cur, cur_before) and ref.grad is None
+    assert (
+        torch.equal(ref.detach(), ref_before) and torch.equal(cur, cur_before) and ref.grad is None
+    )
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, grads[n]) and p.requires_grad, n
     assert [m.training for m in model.modules()] == flags
-    assert [len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] == hooks
-    assert not any(hasattr(m, "x") or hasattr(m, "y") for m in model.modules())  # DeepLIFT's attributes
+    assert [
+        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
+        for m in model.modules()
+    ] == hooks
+    assert not any(
+        hasattr(m, "x") or hasattr(m, "y") for m in model.modules()
+    )  # DeepLIFT's attributes
     assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), rng)
     n_calls = len(calls)
     model(torch.zeros(1, 30))
@@ -521,16 +565,20 @@ def test_report_tables_repr_and_correction():
         __import__("scipy").stats.wasserstein_distance(x[a][:, 3], cur[:, 3]) / x[a][:, 3].std()
     )
     flagged = f["drifted_input"] | f["drifted_explanation"]
-    assert not flagged.iloc[flagged.sum():].any()  # flagged rows first
+    assert not flagged.iloc[flagged.sum() :].any()  # flagged rows first
     assert set(f["quadrant"]) <= {"input+explanation", "input only", "explanation only", "none"}
-    assert rep.clusters["share_reference"].sum() == pytest.approx(1) and rep.clusters["share_current"].sum() == pytest.approx(1)
+    assert rep.clusters["share_reference"].sum() == pytest.approx(1) and rep.clusters[
+        "share_current"
+    ].sum() == pytest.approx(1)
     assert list(rep.tests.index) == ["inputs", "explanations", "cluster shares", "classifier"]
     assert rep.alarm == bool(rep.tests["drift"].any())
     assert "Benjamini-Hochberg" in rep.summary and "DriftReport(alarm=True" in repr(rep)
     assert rep.to_frame() is not rep.features and rep.to_frame().equals(rep.features)
     bonf = run(rf, x[a], cur, feature_names=names, correction="bonferroni")
     assert bonf.correction == "Bonferroni" and "Bonferroni" in bonf.summary
-    assert (bonf.features["ks_p_adj"] >= rep.features.loc[bonf.features.index, "ks_p_adj"] - 1e-12).all()
+    assert (
+        bonf.features["ks_p_adj"] >= rep.features.loc[bonf.features.index, "ks_p_adj"] - 1e-12
+    ).all()
     agg = run(rf, x[a], cur, feature_names=names, cluster_method="agglomerative", n_clusters=3)
     assert agg.cluster_test.k == 3 and agg.cluster_test.method == "agglomerative"
     assert nbdebug.drift is drift and nbdebug.DriftReport is DriftReport
@@ -598,7 +646,9 @@ def test_panel_driven_in_python(backend):
     for t in traces:
         c = int(t.name.split()[0][1:])
         cur_rows = t.name.endswith("current")
-        assert (rep.labels[t.customdata] == c).all() and (rep.is_current[t.customdata] == cur_rows).all()
+        assert (rep.labels[t.customdata] == c).all() and (
+            rep.is_current[t.customdata] == cur_rows
+        ).all()
     bars = panel.shares.figure.data
     np.testing.assert_allclose(bars[0].y, rep.clusters["share_reference"])
     np.testing.assert_allclose(bars[1].y, rep.clusters["share_current"])

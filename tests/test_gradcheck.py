@@ -173,10 +173,18 @@ def test_jacobians_match_torch_autograd_functional():
     ja, jb = torch.autograd.functional.jacobian(lambda x, y: x @ y, (a, b))
     # J[r, c] = d out.flat[r] / d in.flat[c]: the numerical Jacobian is the true one,
     # the analytic one is what the (buggy) backward gives
-    np.testing.assert_allclose(res.pair(input="input[0]").numerical, ja.reshape(6, 6).numpy(), atol=1e-8)
-    np.testing.assert_allclose(res.pair(input="input[1]").numerical, jb.reshape(6, 9).numpy(), atol=1e-8)
-    np.testing.assert_allclose(res.pair(input="input[1]").analytic, jb.reshape(6, 9).numpy(), atol=1e-12)
-    wrong = torch.autograd.functional.jacobian(lambda x: MatMulTransposed.apply(x, b), a).reshape(6, 6)
+    np.testing.assert_allclose(
+        res.pair(input="input[0]").numerical, ja.reshape(6, 6).numpy(), atol=1e-8
+    )
+    np.testing.assert_allclose(
+        res.pair(input="input[1]").numerical, jb.reshape(6, 9).numpy(), atol=1e-8
+    )
+    np.testing.assert_allclose(
+        res.pair(input="input[1]").analytic, jb.reshape(6, 9).numpy(), atol=1e-12
+    )
+    wrong = torch.autograd.functional.jacobian(lambda x: MatMulTransposed.apply(x, b), a).reshape(
+        6, 6
+    )
     np.testing.assert_allclose(res.pair(input="input[0]").analytic, wrong.numpy(), atol=1e-12)
 
 
@@ -212,8 +220,12 @@ def test_property_true_jacobian_passes_and_scaled_backward_fails(n, m, seed, fac
     res = gradcheck(fn, x, w)
     assert res.verdict == "ok"
     ja, jb = torch.autograd.functional.jacobian(fn, (x, w))
-    np.testing.assert_allclose(res.pair(input="input[0]").analytic, ja.reshape(n * 3, n * m).numpy(), atol=1e-12)
-    np.testing.assert_allclose(res.pair(input="input[1]").numerical, jb.reshape(n * 3, m * 3).numpy(), atol=1e-7)
+    np.testing.assert_allclose(
+        res.pair(input="input[0]").analytic, ja.reshape(n * 3, n * m).numpy(), atol=1e-12
+    )
+    np.testing.assert_allclose(
+        res.pair(input="input[1]").numerical, jb.reshape(n * 3, m * 3).numpy(), atol=1e-7
+    )
 
     ScaledSin.factor = factor
     try:
@@ -232,7 +244,15 @@ def test_to_frame_and_repr():
     df = res.to_frame()
     assert list(df["input"]) == ["input[0]", "input[1]"]
     assert list(df["verdict"]) == ["backward is wrong", "ok"]
-    for col in ("max_abs_error", "max_rel_error", "worst_output", "worst_input", "analytic", "numerical", "message"):
+    for col in (
+        "max_abs_error",
+        "max_rel_error",
+        "worst_output",
+        "worst_input",
+        "analytic",
+        "numerical",
+        "message",
+    ):
         assert col in df.columns
     row = df.iloc[0]
     p = res.pairs[0]
@@ -255,7 +275,10 @@ def test_relu_at_exactly_zero_is_a_non_differentiable_point():
     assert p.worst_input_index == (0,)
     assert "kink" in p.message and "input[0][0] = 0" in p.message
     # away from 0 the same function passes
-    assert gradcheck(torch.relu, torch.tensor([0.5, 1.5, -2.0], dtype=f64, requires_grad=True)).verdict == "ok"
+    assert (
+        gradcheck(torch.relu, torch.tensor([0.5, 1.5, -2.0], dtype=f64, requires_grad=True)).verdict
+        == "ok"
+    )
 
 
 def test_kink_within_eps_is_found_with_a_smaller_step():
@@ -360,7 +383,9 @@ def test_second_order_finds_a_backward_that_is_not_differentiable_correctly():
     first = gradcheck(SquareDetached.apply, x)
     assert first.ok and first.verdict == "ok"
     res = gradcheck(SquareDetached.apply, x, second_order=True)
-    assert [(p.order, p.output, p.input) for p in res.failures] == [(2, "grad input[0]", "input[0]")]
+    assert [(p.order, p.output, p.input) for p in res.failures] == [
+        (2, "grad input[0]", "input[0]")
+    ]
     assert res.pair("grad input[0]", "grad_output", order=2).verdict == "ok"
     good = gradcheck(Square.apply, x, second_order=True)
     assert good.ok and sum(p.order == 2 for p in good.pairs) == 2
@@ -417,7 +442,10 @@ def test_wrt_params_and_both():
     assert [p.input for p in res.pairs] == ["weight"]
     assert res.verdict == "backward is wrong"
     both = gradcheck(layer, x.clone().requires_grad_(), wrt="both")
-    assert {p.input: p.verdict for p in both.pairs} == {"input[0]": "float32 precision", "weight": "backward is wrong"}
+    assert {p.input: p.verdict for p in both.pairs} == {
+        "input[0]": "float32 precision",
+        "weight": "backward is wrong",
+    }
     good = gradcheck(nn.Linear(4, 3), x, wrt="params", native_check=False)
     assert good.verdict == "ok" and [p.input for p in good.pairs] == ["weight", "bias"]
 
@@ -426,11 +454,16 @@ def _state(model: nn.Module) -> dict:
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "dtypes": {k: v.dtype for k, v in model.state_dict().items()},
-        "grads": {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
+        "grads": {
+            n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()
+        },
         "grad_ids": {n: id(p.grad) for n, p in model.named_parameters()},
         "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
         "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks)) for n, m in model.named_modules()},
+        "hooks": {
+            n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+            for n, m in model.named_modules()
+        },
     }
 
 
@@ -471,7 +504,12 @@ def test_the_module_and_tensors_are_unchanged():
     assert (df["passed"] == False).sum() == 1  # noqa: E712
 
     _assert_same(before, _state(model))
-    assert torch.equal(x.detach(), x_before) and x.grad is None and x.requires_grad and x.dtype == torch.float32
+    assert (
+        torch.equal(x.detach(), x_before)
+        and x.grad is None
+        and x.requires_grad
+        and x.dtype == torch.float32
+    )
     assert torch.equal(torch.get_rng_state(), rng)
     assert model[0].weight.dtype == torch.float32
 
@@ -523,7 +561,15 @@ def test_module_sweep_finds_the_one_broken_layer():
     idx = torch.randint(0, 10, (16,))
     calls = []
     df = gradcheck_modules(model, idx, rows=2, progress=lambda d, t, n: calls.append((d, t, n)))
-    assert list(df.columns) == ["module", "type", "passed", "verdict", "max_error", "seconds", "reason"]
+    assert list(df.columns) == [
+        "module",
+        "type",
+        "passed",
+        "verdict",
+        "max_error",
+        "seconds",
+        "reason",
+    ]
     by = df.set_index("module")
     assert list(df.loc[df["passed"] == False, "module"]) == ["broken"]  # noqa: E712
     assert by.loc["broken", "verdict"] == "backward is wrong"
@@ -532,13 +578,18 @@ def test_module_sweep_finds_the_one_broken_layer():
         assert by.loc[name, "passed"] is True, (name, by.loc[name, "reason"])
     assert by.loc["onehot", "passed"] is None
     assert "no floating-point input or parameter" in by.loc["onehot", "reason"]
-    assert by.loc["unused", "passed"] is None and by.loc["unused", "reason"] == "not called in the forward pass"
+    assert (
+        by.loc["unused", "passed"] is None
+        and by.loc["unused", "reason"] == "not called in the forward pass"
+    )
     assert (df["seconds"] >= 0).all()
     results = df.attrs["results"]
     assert set(results) == {"embed", "fc1", "act", "broken", "drop", "out"}
     assert results["fc1"].pairs[0].input_shape == (2, 14)  # the first 2 rows reached it
     assert [p.input for p in results["embed"].pairs] == ["weight"]  # integer input: a constant
-    assert [c[0] for c in calls] == list(range(1, len(df) + 1)) and all(c[1] == len(df) for c in calls)
+    assert [c[0] for c in calls] == list(range(1, len(df) + 1)) and all(
+        c[1] == len(df) for c in calls
+    )
 
 
 def test_module_sweep_treats_non_finite_float_inputs_as_constants():
@@ -582,7 +633,9 @@ def test_module_sweep_bad_input():
 
     boom = Boom().train()
     before = _state(boom)
-    with pytest.raises(ValueError, match=r"the model raised IndexError .*Executed modules up to: a\.") as e:
+    with pytest.raises(
+        ValueError, match=r"the model raised IndexError .*Executed modules up to: a\."
+    ) as e:
         gradcheck_modules(boom, torch.randn(4, 3))
     assert "\n" not in str(e.value)
     _assert_same(before, _state(boom))  # no hook left behind, flags as before

@@ -51,7 +51,9 @@ class Broken(nn.Module):
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), Broken(), nn.ReLU(), nn.Linear(4, 2), nn.Identity())
+    return nn.Sequential(
+        nn.Linear(3, 6), nn.Tanh(), Broken(), nn.ReLU(), nn.Linear(4, 2), nn.Identity()
+    )
 
 
 @pytest.fixture

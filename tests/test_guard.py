@@ -41,7 +41,11 @@ def _batches(x: torch.Tensor, y: torch.Tensor, bs: int = 16):
 
 
 def _bad(model: nn.Module, loss: torch.Tensor) -> bool:
-    tensors = [loss] + [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors = (
+        [loss]
+        + [p for p in model.parameters()]
+        + [p.grad for p in model.parameters() if p.grad is not None]
+    )
     return not all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
@@ -118,7 +122,9 @@ def test_divergence_end_to_end(tmp_path):
 
     # exactly one snapshot, named after the step, holding that step's batch and weights
     assert [p.name for p in guard.snapshots] == [f"step-{first_bad:09d}.nbsnap"]
-    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [f"step-{first_bad:09d}.nbsnap"]
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [
+        f"step-{first_bad:09d}.nbsnap"
+    ]
     snap = nbdebug.load_snapshot(guard.snapshots[0], _mlp)
     assert snap.step == first_bad and snap.reason["kind"] in ("loss", "grad")
     assert torch.equal(snap.inputs, bad_batch[0]) and torch.equal(snap.target, bad_batch[1])
@@ -162,7 +168,9 @@ def test_nan_in_the_batch_replays_to_the_input(tmp_path):
     assert set(snap.reason["nonfinite_grads"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     tr = snap.trace()
     assert tr.origin is not None and tr.origin.phase == "input" and tr.origin.samples == [3, 11]
-    assert _origin_key(tr) == _origin_key(nbdebug.trace(model, snap.inputs, target=snap.target, loss_fn=mse))
+    assert _origin_key(tr) == _origin_key(
+        nbdebug.trace(model, snap.inputs, target=snap.target, loss_fn=mse)
+    )
 
 
 def test_corrupted_weight_is_named_and_replays(tmp_path):
@@ -218,7 +226,11 @@ def test_patience_raise_and_continue(tmp_path):
     with pytest.raises(NonFiniteError) as info:
         _bad_step(model, guard, 15)
     err = info.value
-    assert err.step == 13 and err.path == guard.snapshots[2] and err.path.name == "step-000000013.nbsnap"
+    assert (
+        err.step == 13
+        and err.path == guard.snapshots[2]
+        and err.path.name == "step-000000013.nbsnap"
+    )
     assert err.reason["kind"] == "loss" and "3 non-finite steps in a row (patience=2)" in str(err)
     assert last_error() is err and guardmod.last_error() is err
     assert len(guard.snapshots) == 5 and all(p.is_file() for p in guard.snapshots)
@@ -229,14 +241,19 @@ def test_patience_raise_and_continue(tmp_path):
     # "raise": at once, gradients cleared, the snapshot on the error
     model = _mlp()
     guard = NaNGuard(model, directory=tmp_path / "b", on_nonfinite="raise")
-    with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap") as info:
+    with pytest.raises(
+        NonFiniteError,
+        match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap",
+    ) as info:
         _bad_step(model, guard, 3)
     assert info.value.path == tmp_path / "b" / "step-000000003.nbsnap" and info.value.path.is_file()  # type: ignore[union-attr]
     assert all(p.grad is None for p in model.parameters())
 
     # "continue": only records; gradients left for inspection; never raises with patience=None
     model = _mlp()
-    guard = NaNGuard(model, directory=tmp_path / "c", on_nonfinite="continue", patience=None, max_snapshots=2)
+    guard = NaNGuard(
+        model, directory=tmp_path / "c", on_nonfinite="continue", patience=None, max_snapshots=2
+    )
     for s in range(4):
         assert _bad_step(model, guard, s) is False
     assert all(p.grad is not None for p in model.parameters())
@@ -265,7 +282,9 @@ def test_history_is_measured_right(tmp_path):
     assert len(guard.history) == 3  # rolling
     for row, (s, lv, gn, pn) in zip(guard.history, expected[-3:]):
         assert row["step"] == s and row["loss"] == pytest.approx(lv, rel=1e-6)
-        assert row["grad_norm"] == pytest.approx(gn, rel=1e-5) and row["param_norm"] == pytest.approx(pn, rel=1e-5)
+        assert row["grad_norm"] == pytest.approx(gn, rel=1e-5) and row[
+            "param_norm"
+        ] == pytest.approx(pn, rel=1e-5)
         assert row["lr"] == 0.01 and row["scale"] is None and row["skipped"] is False
     df = guard.history_frame()
     assert df["step"].tolist() == [20, 30, 40] and not guard.snapshots
@@ -292,7 +311,16 @@ def test_param_norm_cadence_and_bad_steps_measure_it(tmp_path):
 
 
 class _Count(TorchFunctionMode):
-    READS: ClassVar[set[str]] = {"item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu", "__index__"}
+    READS: ClassVar[set[str]] = {
+        "item",
+        "tolist",
+        "__bool__",
+        "__float__",
+        "__int__",
+        "numpy",
+        "cpu",
+        "__index__",
+    }
 
     def __init__(self):
         super().__init__()
@@ -334,7 +362,9 @@ def test_healthy_check_changes_nothing(tmp_path):
     rng = torch.get_rng_state()
     guard = NaNGuard(model, directory=tmp_path / "never")
     assert guard.check(mse(model(x), y).detach(), inputs=x, target=y)
-    assert _same_state(before, _state(model)) and versions == [p._version for p in model.parameters()]
+    assert _same_state(before, _state(model)) and versions == [
+        p._version for p in model.parameters()
+    ]
     assert all(torch.equal(grads[n], _grad(p)) for n, p in model.named_parameters())
     assert not model.training and torch.equal(rng, torch.get_rng_state())
     assert not (tmp_path / "never").exists()  # the directory appears with the first snapshot
@@ -348,7 +378,9 @@ def test_gradscaler_overflow_is_not_a_failure_until_the_scale_collapses(tmp_path
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    guard = NaNGuard(model, opt, scaler=scaler, directory=tmp_path, scaler_patience=4, patience=None)
+    guard = NaNGuard(
+        model, opt, scaler=scaler, directory=tmp_path, scaler_patience=4, patience=None
+    )
     x, y = _data(16)
 
     def step(i: int, overflow: bool) -> bool:
@@ -389,7 +421,9 @@ def test_gradscaler_overflow_is_not_a_failure_until_the_scale_collapses(tmp_path
     scaler2.scale(loss).backward()
     assert guard2.check(loss, step=0) is False
     reason = load_snapshot(guard2.snapshots[0]).reason
-    assert reason["kind"] == "scale" and "the scale fell to 0.5 (< min_scale=1)" in reason["message"]
+    assert (
+        reason["kind"] == "scale" and "the scale fell to 0.5 (< min_scale=1)" in reason["message"]
+    )
 
 
 def test_gradscaler_nan_loss_is_a_failure(tmp_path):
@@ -490,8 +524,11 @@ def test_decorated_step_function(tmp_path):
 def test_recipe_and_loss_stored_for_replay(tmp_path):
     model = nn.Linear(8, 1)
     guard = NaNGuard(
-        model, directory=tmp_path, loss_fn=nn.MSELoss(reduction="sum"),
-        recipe="torch.nn:Linear", recipe_kwargs={"in_features": 8, "out_features": 1},
+        model,
+        directory=tmp_path,
+        loss_fn=nn.MSELoss(reduction="sum"),
+        recipe="torch.nn:Linear",
+        recipe_kwargs={"in_features": 8, "out_features": 1},
     )
     x = torch.randn(4, 8)
     x[2, 2] = float("inf")
@@ -501,7 +538,10 @@ def test_recipe_and_loss_stored_for_replay(tmp_path):
     assert not guard.check(loss, inputs=x, target=y)
     snap = load_snapshot(guard.snapshots[0], trust_recipe=True)
     assert isinstance(snap.model, nn.Linear) and snap.model is not model
-    assert snap.loss_fn_spec is not None and snap.loss_fn_spec["name"] == "torch.nn.modules.loss:MSELoss"
+    assert (
+        snap.loss_fn_spec is not None
+        and snap.loss_fn_spec["name"] == "torch.nn.modules.loss:MSELoss"
+    )
     tr = snap.trace()  # no arguments: model from the recipe, loss from its import path
     assert tr.origin is not None and tr.origin.phase == "input" and tr.origin.samples == [2]
     assert not math.isfinite(tr.loss)
@@ -549,4 +589,6 @@ def test_half_sparse_and_grouped_norms(tmp_path):
     emb(torch.tensor([1, 2, 2])).sum().backward()
     assert _grad(emb.weight).is_sparse
     assert g2.check(torch.tensor(0.5))
-    assert g2.history[-1]["grad_norm"] == pytest.approx(_grad(emb.weight).to_dense().norm().item(), rel=1e-6)
+    assert g2.history[-1]["grad_norm"] == pytest.approx(
+        _grad(emb.weight).to_dense().norm().item(), rel=1e-6
+    )

@@ -43,7 +43,10 @@ def test_panels_values_and_marks():
     # scale is all missing: no panel; the others each have one line trace
     assert "scale" not in names
     assert [a.text for a in fig.layout.annotations][:4] == [
-        "loss", "gradient norm", "parameter norm", "learning rate",
+        "loss",
+        "gradient norm",
+        "parameter norm",
+        "learning rate",
     ]
     loss = _trace(fig, "loss")
     assert list(loss.x) == list(range(100, 112))
@@ -66,9 +69,15 @@ def test_panels_values_and_marks():
 
 def test_scale_panel_and_no_marks_when_healthy():
     h = pd.DataFrame(
-        {"step": [0, 1, 2], "loss": [1.0, 0.9, 0.8], "grad_norm": [1.0, 1.0, 1.0],
-         "param_norm": [3.0, 3.0, 3.0], "lr": [None, None, None], "scale": [65536.0, 32768.0, 1024.0],
-         "skipped": [False, True, False]}
+        {
+            "step": [0, 1, 2],
+            "loss": [1.0, 0.9, 0.8],
+            "grad_norm": [1.0, 1.0, 1.0],
+            "param_norm": [3.0, 3.0, 3.0],
+            "lr": [None, None, None],
+            "scale": [65536.0, 32768.0, 1024.0],
+            "skipped": [False, True, False],
+        }
     )
     fig = history_figure(h)
     names = [t.name for t in fig.data]
@@ -98,7 +107,9 @@ def test_bad_input():
 
 
 def test_diverging_loss_gets_a_log_axis():
-    h = pd.DataFrame({"step": range(6), "loss": [1.0, 10.0, 1e3, 1e6, 1e12, math.inf], "grad_norm": [1.0] * 6})
+    h = pd.DataFrame(
+        {"step": range(6), "loss": [1.0, 10.0, 1e3, 1e6, 1e12, math.inf], "grad_norm": [1.0] * 6}
+    )
     fig = history_figure(h, failing_step=5)
     assert fig.layout.yaxis.type == "log"
     assert list(_trace(fig, "loss non-finite").x) == [5]
@@ -110,4 +121,6 @@ def test_unmeasured_param_norm_is_a_gap_not_a_nan():
     fig = history_figure(h)
     names = [t.name for t in fig.data]
     assert "param_norm" in names and "param_norm non-finite" not in names
-    assert _trace(fig, "param_norm").connectgaps is True and _trace(fig, "loss").connectgaps is False
+    assert (
+        _trace(fig, "param_norm").connectgaps is True and _trace(fig, "loss").connectgaps is False
+    )

@@ -78,7 +78,9 @@ def test_decisions_survive_a_killed_kernel_and_resume(tmp_path, case):
         os._exit(1)          # the kernel dies: no cleanup, no close, no atexit
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1, proc.stderr
     first = int(proc.stdout.split()[-1])
     queue = list(issues.index[issues["is_issue"]])
@@ -106,7 +108,10 @@ def test_journal_lines_hold_the_audit_fields(tmp_path, case):
     assert lines[0]["type"] == "header" and lines[0]["fingerprint"] == fingerprint(images, noisy)
     rec = lines[1]
     assert {k: rec[k] for k in ("item", "old_label", "new_label", "action", "method")} == {
-        "item": item, "old_label": int(noisy[item]), "new_label": 4, "action": "relabel",
+        "item": item,
+        "old_label": int(noisy[item]),
+        "new_label": 4,
+        "action": "relabel",
         "method": "confident_learning",
     }
     assert rec["score"] == pytest.approx(issues.loc[item, "label_quality"])
@@ -122,8 +127,12 @@ def test_a_journal_of_other_data_is_refused(tmp_path, case):
     with pytest.raises(ValueError, match=r"written for different data .* refusing to mix"):
         LabelReview(noisy, issues, data=other, journal=path)
     with pytest.raises(ValueError, match="written for different data"):
-        LabelCleaner(images[:200], noisy[:200], find_label_issues(noisy[:200], pred_probs=np.full((200, 10), 0.1)),
-                     journal=path)
+        LabelCleaner(
+            images[:200],
+            noisy[:200],
+            find_label_issues(noisy[:200], pred_probs=np.full((200, 10), 0.1)),
+            journal=path,
+        )
     (tmp_path / "notes.txt").write_text("hello\n")
     with pytest.raises(ValueError, match="is not an nbdebug label journal"):
         LabelReview(noisy, issues, data=images, journal=tmp_path / "notes.txt")
@@ -195,7 +204,9 @@ def test_bulk_accept_counts_first_and_relabels_exactly_those(tmp_path, case):
     images, noisy, issues = case
     r = LabelReview(noisy, issues, data=images, journal=tmp_path / "j.jsonl")
     flagged = issues[issues["is_issue"]]
-    expected = set(flagged.index[(flagged["suggested_prob"] >= 0.9) & (flagged["suggested_label"] >= 0)])
+    expected = set(
+        flagged.index[(flagged["suggested_prob"] >= 0.9) & (flagged["suggested_label"] >= 0)]
+    )
     first = r.current
     r.keep()  # decided items are not touched by the bulk
     expected.discard(first)
@@ -231,7 +242,10 @@ def test_filter_by_pair(tmp_path, case):
 def test_test_split_guard(tmp_path, case):
     images, noisy, issues = case
     r = LabelReview(noisy, issues, data=images, journal=tmp_path / "a.jsonl", is_test=True)
-    with pytest.raises(SplitGuardError, match=r"is_test=True: relabeling test samples biases the evaluation; pass force=True"):
+    with pytest.raises(
+        SplitGuardError,
+        match=r"is_test=True: relabeling test samples biases the evaluation; pass force=True",
+    ):
         r.relabel()
     with pytest.raises(SplitGuardError, match="excluding test samples"):
         r.exclude()
@@ -241,7 +255,9 @@ def test_test_split_guard(tmp_path, case):
     r.skip()
     assert list(r.decisions["action"]) == ["keep", "skip"]
     np.testing.assert_array_equal(r.cleaned_labels(), noisy)
-    forced = LabelReview(noisy, issues, data=images, journal=tmp_path / "b.jsonl", is_test=True, force=True)
+    forced = LabelReview(
+        noisy, issues, data=images, journal=tmp_path / "b.jsonl", is_test=True, force=True
+    )
     forced.relabel()
     assert forced.decisions["action"].tolist() == ["relabel"]
 
@@ -255,12 +271,21 @@ def test_export_round_trips(tmp_path, case):
     r.skip()
     for name in ("clean.csv", "clean.parquet"):
         path = r.export(tmp_path / name)
-        back = pd.read_csv(path, keep_default_na=False) if name.endswith(".csv") else pd.read_parquet(path)
+        back = (
+            pd.read_csv(path, keep_default_na=False)
+            if name.endswith(".csv")
+            else pd.read_parquet(path)
+        )
         np.testing.assert_array_equal(back["label"].to_numpy(), r.cleaned_labels())
         np.testing.assert_array_equal(back["keep"].to_numpy(), r.mask())
         np.testing.assert_array_equal(back["given_label"].to_numpy(), noisy)
         np.testing.assert_array_equal(back["index"].to_numpy(), np.arange(N))
-        assert sorted(back.loc[back["action"] != "", "action"]) == ["exclude", "keep", "relabel", "skip"]
+        assert sorted(back.loc[back["action"] != "", "action"]) == [
+            "exclude",
+            "keep",
+            "relabel",
+            "skip",
+        ]
     with pytest.raises(ValueError, match=r"must end in \.csv or \.parquet; got 'clean\.xlsx'"):
         r.export(tmp_path / "clean.xlsx")
 
@@ -269,14 +294,18 @@ def test_parquet_without_pyarrow_says_so(tmp_path, case, monkeypatch):
     images, noisy, issues = case
     r = LabelReview(noisy, issues, data=images, journal=tmp_path / "j.jsonl")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now fails
-    with pytest.raises(ImportError, match="Parquet needs pyarrow, which is not installed: pip install pyarrow"):
+    with pytest.raises(
+        ImportError, match="Parquet needs pyarrow, which is not installed: pip install pyarrow"
+    ):
         r.export(tmp_path / "clean.parquet")
     assert not (tmp_path / "clean.parquet").exists()
 
 
 def test_review_bad_inputs(tmp_path, case):
     _, noisy, issues = case
-    with pytest.raises(TypeError, match=r"issues must be the DataFrame returned by nbdebug\.find_label_issues"):
+    with pytest.raises(
+        TypeError, match=r"issues must be the DataFrame returned by nbdebug\.find_label_issues"
+    ):
         LabelReview(noisy, issues.to_numpy(), journal=tmp_path / "j.jsonl")
     with pytest.raises(ValueError, match="lacks the columns"):
         LabelReview(noisy, issues.drop(columns=["is_issue"]), journal=tmp_path / "j.jsonl")
@@ -297,7 +326,9 @@ def test_review_bad_inputs(tmp_path, case):
 def test_cleaner_buttons_keys_and_results(tmp_path, case):
     images, noisy, issues = case
     labels_before, issues_before, images_before = noisy.copy(), issues.copy(), images.copy()
-    c = nbdebug.LabelCleaner(images, noisy, issues, journal=tmp_path / "j.jsonl", backend="figurewidget")
+    c = nbdebug.LabelCleaner(
+        images, noisy, issues, journal=tmp_path / "j.jsonl", backend="figurewidget"
+    )
     assert isinstance(c, LabelCleaner)
     assert c.kind == "image"
     queue = list(issues.index[issues["is_issue"]])
@@ -362,7 +393,9 @@ def test_heatmap_click_and_dropdowns_filter_the_queue(tmp_path, case):
     trace = c.heatmap.figure.data[0]
     assert trace.name == "confident joint"
     # what plotly sends for a click on cell (x=s, y=g) of the heatmap
-    trace._dispatch_on_click(Points(point_inds=[[g, s]], xs=[s], ys=[g], trace_name=trace.name, trace_index=0), None)
+    trace._dispatch_on_click(
+        Points(point_inds=[[g, s]], xs=[s], ys=[g], trace_name=trace.name, trace_index=0), None
+    )
     assert c.review.filter == (g, s)
     assert (c.filter_given.value, c.filter_suggested.value) == (g, s)
     assert c.current == want[0]
@@ -391,7 +424,9 @@ def test_cleaner_test_split_disables_relabeling(tmp_path, case):
     assert "is_test=True" in c.message.value and c.decisions.empty
     c.keep_button.click()
     assert list(c.decisions["action"]) == ["keep"]
-    forced = LabelCleaner(images, noisy, issues, journal=tmp_path / "k.jsonl", is_test=True, force=True)
+    forced = LabelCleaner(
+        images, noisy, issues, journal=tmp_path / "k.jsonl", is_test=True, force=True
+    )
     assert not forced.relabel_button.disabled
     forced.relabel_button.click()
     assert list(forced.decisions["action"]) == ["relabel"]
@@ -402,7 +437,9 @@ def test_sample_rendering_kinds(tmp_path):
     flat = LabelCleaner(images.reshape(120, 64), noisy, issues, journal=tmp_path / "a.jsonl")
     assert flat.kind == "image"
     np.testing.assert_array_equal(shown(flat), images[flat.current])
-    chw = LabelCleaner(torch.as_tensor(images[:, None]), noisy, issues, journal=tmp_path / "b.jsonl")
+    chw = LabelCleaner(
+        torch.as_tensor(images[:, None]), noisy, issues, journal=tmp_path / "b.jsonl"
+    )
     assert chw.kind == "image"
     np.testing.assert_array_equal(shown(chw), images[chw.current])
     table = pd.DataFrame({"height": np.arange(120) * 1.5, "colour": ["red"] * 120})
@@ -418,13 +455,23 @@ def test_sample_rendering_kinds(tmp_path):
         calls.append(index)
         return widgets.Label(f"custom {index}")
 
-    cu = LabelCleaner(texts, noisy, issues, render=render, journal=tmp_path / "e.jsonl", class_names=list("abcdefghij"))
+    cu = LabelCleaner(
+        texts,
+        noisy,
+        issues,
+        render=render,
+        journal=tmp_path / "e.jsonl",
+        class_names=list("abcdefghij"),
+    )
     assert cu.kind == "custom" and calls == [cu.current]
     cu.skip_button.click()
     assert calls[-1] == cu.current
     assert cu.names[0] == "0: a"
     row = issues.loc[cu.current]
-    assert f"given <b style=\"color:#d62728\">{row['given_label']}: {'abcdefghij'[row['given_label']]}</b>" in cu.info.value
+    assert (
+        f'given <b style="color:#d62728">{row["given_label"]}: {"abcdefghij"[row["given_label"]]}</b>'
+        in cu.info.value
+    )
 
 
 def test_cleaner_bad_inputs(tmp_path, case):
@@ -436,7 +483,9 @@ def test_cleaner_bad_inputs(tmp_path, case):
     with pytest.raises(TypeError, match="render must be a callable"):
         LabelCleaner(images, noisy, issues, render="png", journal=tmp_path / "c.jsonl")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="class_names must name all 10 classes; got 3"):
-        LabelCleaner(images, noisy, issues, class_names=["a", "b", "c"], journal=tmp_path / "d.jsonl")
+        LabelCleaner(
+            images, noisy, issues, class_names=["a", "b", "c"], journal=tmp_path / "d.jsonl"
+        )
 
 
 def test_ensemble_rows_without_agreed_suggestion(tmp_path):

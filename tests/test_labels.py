@@ -25,9 +25,20 @@ from nbdebug.analysis.labels import LabelNoise, find_label_issues
 from nbdebug.analysis.torch_classifier import TorchClassifier
 
 COLUMNS = [
-    "given_label", "suggested_label", "suggested_prob", "label_quality", "self_confidence",
-    "normalized_margin", "is_issue", "method", "top1", "top1_prob", "top2", "top2_prob",
-    "top3", "top3_prob",
+    "given_label",
+    "suggested_label",
+    "suggested_prob",
+    "label_quality",
+    "self_confidence",
+    "normalized_margin",
+    "is_issue",
+    "method",
+    "top1",
+    "top1_prob",
+    "top2",
+    "top2_prob",
+    "top3",
+    "top3_prob",
 ]
 
 
@@ -52,7 +63,9 @@ def digits_oof():
     noisy = flip(y, 0.10, seed=0)
     folds = StratifiedKFold(5, shuffle=True, random_state=0)
     knn = make_pipeline(StandardScaler(), KNeighborsClassifier(10))
-    p_lda = cross_val_predict(LinearDiscriminantAnalysis(), X, noisy, cv=folds, method="predict_proba")
+    p_lda = cross_val_predict(
+        LinearDiscriminantAnalysis(), X, noisy, cv=folds, method="predict_proba"
+    )
     p_knn = cross_val_predict(knn, X, noisy, cv=folds, method="predict_proba")
     return X, y, noisy, p_lda, p_knn
 
@@ -100,10 +113,14 @@ def test_ensemble_vote_is_precise_and_only_suggests_agreed_labels(digits_oof):
     assert precision >= 0.8 and recall >= 0.9, (precision, recall)
     s = df.sort_index()
     agreed = (p_lda.argmax(1) == p_knn.argmax(1)) & (p_lda.argmax(1) != noisy)
-    conf = np.minimum(p_lda[np.arange(len(y)), p_lda.argmax(1)], p_knn[np.arange(len(y)), p_lda.argmax(1)])
+    conf = np.minimum(
+        p_lda[np.arange(len(y)), p_lda.argmax(1)], p_knn[np.arange(len(y)), p_lda.argmax(1)]
+    )
     proposes = agreed & (conf >= 0.4)
     np.testing.assert_array_equal(s["suggested_label"].to_numpy() >= 0, proposes)
-    np.testing.assert_array_equal(s.loc[proposes, "suggested_label"].to_numpy(), p_lda.argmax(1)[proposes])
+    np.testing.assert_array_equal(
+        s.loc[proposes, "suggested_label"].to_numpy(), p_lda.argmax(1)[proposes]
+    )
     assert s.loc[~proposes, "suggested_prob"].isna().all()
     # every agreed correction is flagged
     assert s.loc[proposes, "is_issue"].all()
@@ -136,7 +153,10 @@ def test_frame_layout_ranking_and_accessor():
     assert isinstance(est, LabelNoise)
     assert df.label_issues.confident_joint is est.confident_joint
     assert est.confident_joint.shape == (3, 3)
-    assert f"{est.n_flagged} of 20" in est.summary() and f"estimates {est.n_estimated}" in est.summary()
+    assert (
+        f"{est.n_flagged} of 20" in est.summary()
+        and f"estimates {est.n_estimated}" in est.summary()
+    )
     assert "n_flagged=" in repr(est)
     # results concatenate (attrs compared by identity, no ambiguous array truth value)
     assert len(pd.concat([df, df])) == 40
@@ -182,7 +202,9 @@ def test_confident_joint_matches_a_hand_computation():
 
 def test_prune_by_noise_rate_takes_the_largest_margins():
     # 6 samples labelled 0; two of them look like 1; calibrated says 2 issues (0 -> 1)
-    P = np.array([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.3, 0.7], [0.1, 0.9]] + [[0.1, 0.9]] * 6)
+    P = np.array(
+        [[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.3, 0.7], [0.1, 0.9]] + [[0.1, 0.9]] * 6
+    )
     y = np.array([0] * 6 + [1] * 6)
     counts = cl.class_counts(y, 2)
     cal = np.array([[4.0, 2.0], [0.0, 6.0]])
@@ -252,7 +274,9 @@ def test_out_of_fold_from_sklearn_model_leaves_model_unfitted():
 class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)
+        )
 
     def forward(self, x):
         return self.net(x / 16.0)
@@ -285,7 +309,11 @@ def test_torch_classifier_is_a_sklearn_estimator():
     np.testing.assert_allclose(p.sum(axis=1), 1.0)
     assert (clf.predict(X[300:360]) == y[300:360]).mean() > 0.6
     # same seed, same result
-    p2 = TorchClassifier(MLP, epochs=5, random_state=1).fit(X[:300], y[:300]).predict_proba(X[300:360])
+    p2 = (
+        TorchClassifier(MLP, epochs=5, random_state=1)
+        .fit(X[:300], y[:300])
+        .predict_proba(X[300:360])
+    )
     np.testing.assert_allclose(p, p2)
     with pytest.raises(TypeError, match=r"must return a torch\.nn\.Module"):
         TorchClassifier(lambda: 3).fit(X[:10], y[:10])  # type: ignore[arg-type, return-value]
@@ -313,10 +341,25 @@ def good():
 @pytest.mark.parametrize(
     "labels, probs, exc, match",
     [
-        (np.array([0, 1, 3, 0, 1, 2]), None, ValueError, r"labels must lie in 0\.\.2 .* sample 2 has label 3"),
+        (
+            np.array([0, 1, 3, 0, 1, 2]),
+            None,
+            ValueError,
+            r"labels must lie in 0\.\.2 .* sample 2 has label 3",
+        ),
         (np.array([0, 1, -1, 0, 1, 2]), None, ValueError, r"sample 2 has label -1"),
-        (np.array([0, 1, 2, 0, 1]), None, ValueError, r"pred_probs has 6 rows but there are 5 labels"),
-        (np.array(["a", "b", "c", "a", "b", "c"]), None, TypeError, r"integer class indices.*LabelEncoder"),
+        (
+            np.array([0, 1, 2, 0, 1]),
+            None,
+            ValueError,
+            r"pred_probs has 6 rows but there are 5 labels",
+        ),
+        (
+            np.array(["a", "b", "c", "a", "b", "c"]),
+            None,
+            TypeError,
+            r"integer class indices.*LabelEncoder",
+        ),
         (np.array([0, 1, 2.5, 0, 1, 2]), None, ValueError, r"sample 2 has label 2\.5"),
         (np.zeros((6, 2), dtype=int), None, ValueError, r"labels must be 1-D"),
         (np.array([], dtype=int), None, ValueError, r"labels is empty"),
@@ -382,7 +425,9 @@ def test_a_class_with_one_sample_cannot_be_assessed():
     y = np.array([0] * 10 + [1] * 10 + [2])
     P = rng.dirichlet(np.ones(3), size=21)
     P[20] = [0.98, 0.01, 0.01]  # the lone class-2 sample looks like class 0
-    with pytest.warns(UserWarning, match=r"class \[2\] has fewer than 2 samples and cannot be assessed"):
+    with pytest.warns(
+        UserWarning, match=r"class \[2\] has fewer than 2 samples and cannot be assessed"
+    ):
         df = find_label_issues(y, pred_probs=P)
     assert not df.loc[20, "is_issue"]
     assert df.label_issues.unassessed == [2]
@@ -417,7 +462,9 @@ def test_out_of_fold_columns_follow_the_class_indices():
     X, y = X[keep][:240], y[keep][:240]
     y = np.where(y == 2, 3, y)  # classes 0, 1, 3: class 2 has no sample
     y[0] = 5  # and class 5 a single one
-    with pytest.warns(UserWarning, match=r"class \[5\] has fewer than 2 samples and cannot be assessed"):
+    with pytest.warns(
+        UserWarning, match=r"class \[5\] has fewer than 2 samples and cannot be assessed"
+    ):
         df = find_label_issues(y, X=X, model=KNeighborsClassifier(5), cv=3)
     s = df.sort_index()
     assert df.label_issues.n_classes == 6

@@ -76,7 +76,9 @@ def test_imports_point_down_the_layers(path: Path) -> None:
         if own in ("core", "analysis") and top:
             assert not mod.startswith(UI), f"{rel} imports the UI package {mod} at module level"
         if own == "core" and top:
-            assert not mod.startswith(("pandas", "scipy", "sklearn", "shap")), f"{rel} imports {mod} at module level"
+            assert not mod.startswith(("pandas", "scipy", "sklearn", "shap")), (
+                f"{rel} imports {mod} at module level"
+            )
 
 
 def test_importing_core_loads_no_ui_and_no_pandas() -> None:

@@ -28,8 +28,12 @@ def shell():
     sh = InteractiveShell.instance()
     torch.manual_seed(0)
     sh.user_ns.update(
-        model=LogNet(), x=torch.randn(6, 8), y=torch.randint(0, 3, (6,)), my_loss=F.cross_entropy,
-        data={"pair": (1, 2)}, factory=LogNet,
+        model=LogNet(),
+        x=torch.randn(6, 8),
+        y=torch.randint(0, 3, (6,)),
+        my_loss=F.cross_entropy,
+        data={"pair": (1, 2)},
+        factory=LogNet,
     )
     sh.run_cell("%load_ext nbdebug")
     yield sh
@@ -40,7 +44,9 @@ def shell():
 
 def one_error_line(capsys) -> str:
     out = capsys.readouterr()
-    lines = [line for line in (out.err + out.out).splitlines() if line.strip() and "VBox(" not in line]
+    lines = [
+        line for line in (out.err + out.out).splitlines() if line.strip() and "VBox(" not in line
+    ]
     assert len(lines) == 1, lines
     assert "Traceback" not in out.err + out.out
     assert lines[0].startswith("nbdebug: ")
@@ -53,7 +59,9 @@ def test_load_registers_the_magic_and_opens_a_debugger(shell, capsys):
     assert res.success
     dbg = magics.open_debuggers()[-1]
     assert isinstance(dbg, nbdebug.Debugger)
-    expected = nbdebug.trace(shell.user_ns["model"], shell.user_ns["x"], shell.user_ns["y"], F.cross_entropy)
+    expected = nbdebug.trace(
+        shell.user_ns["model"], shell.user_ns["x"], shell.user_ns["y"], F.cross_entropy
+    )
     assert dbg.trace.summary() == expected.summary() and dbg.trace.origin.op == "torch.log"
     # --loss from the notebook's names
     shell.run_line_magic("nbdebug", "model x y --loss my_loss")
@@ -123,13 +131,19 @@ def test_files_that_are_not_snapshots(shell, capsys, tmp_path):
 def test_snapshot_path_and_snapshot_object(shell, tmp_path, capsys):
     m = LogNet()
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
-    history = [{"step": s, "loss": 1.0 / (s + 1), "grad_norm": 1.0 + s, "param_norm": 3.0, "lr": 0.1} for s in range(6)]
-    path = nbdebug.save_snapshot(tmp_path, m, x, y, step=6, reason="loss is nan", history=history,
-                                 loss_fn=F.cross_entropy)
+    history = [
+        {"step": s, "loss": 1.0 / (s + 1), "grad_norm": 1.0 + s, "param_norm": 3.0, "lr": 0.1}
+        for s in range(6)
+    ]
+    path = nbdebug.save_snapshot(
+        tmp_path, m, x, y, step=6, reason="loss is nan", history=history, loss_fn=F.cross_entropy
+    )
     shell.run_line_magic("nbdebug", f"{path} --model factory")
     dbg = magics.open_debuggers()[-1]
     assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Gradcheck"]
-    assert dbg.history is not None and dbg.history.failing_step == 6 and len(dbg.history.history) == 6
+    assert (
+        dbg.history is not None and dbg.history.failing_step == 6 and len(dbg.history.history) == 6
+    )
     assert dbg.trace.origin is not None and dbg.trace.origin.op == "torch.log"
     # without a model: one line that says how to give it
     shell.run_line_magic("nbdebug", str(path))
@@ -186,8 +200,11 @@ def test_rerunning_a_cell_leaves_no_hooks_and_no_widgets(shell):
         counts.append(len(ipw_widget._instances))
         refs.append(weakref.ref(magics.open_debuggers()[-1]))
         assert all(
-            not m._forward_hooks and not m._backward_hooks and not m._forward_pre_hooks
-            and not m._backward_pre_hooks for m in model.modules()
+            not m._forward_hooks
+            and not m._backward_hooks
+            and not m._forward_pre_hooks
+            and not m._backward_pre_hooks
+            for m in model.modules()
         )
     assert counts[1] == counts[2] == counts[3]
     assert len(magics.open_debuggers()) == 1
@@ -208,7 +225,9 @@ def test_unload_removes_everything_and_reload_works(shell):
     assert not hasattr(shell.magics_manager.user_magics, "nbdebug")
     assert len(shell.events.callbacks["pre_run_cell"]) == len(pre) - 1
     assert len(shell.events.callbacks["post_run_cell"]) == len(post) - 1
-    assert not any("nbdebug" in getattr(f, "__module__", "") for f in shell.events.callbacks["pre_run_cell"])
+    assert not any(
+        "nbdebug" in getattr(f, "__module__", "") for f in shell.events.callbacks["pre_run_cell"]
+    )
     shell.run_cell("%load_ext nbdebug")
     shell.run_cell("%nbdebug model x y --loss cross_entropy", cell_id="c2")
     assert len(ipw_widget._instances) > before

@@ -24,8 +24,12 @@ def _free_port() -> int:
 def test_make_lab_prints_a_working_url() -> None:
     port = _free_port()
     proc = subprocess.Popen(
-        ["make", "lab", f"PORT={port}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
+        ["make", "lab", f"PORT={port}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     url = None
     lines: list[str] = []

@@ -63,10 +63,14 @@ def test_stored_without_outputs(path):
         for i, c in enumerate(nb.cells)
         if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)
     ]
-    assert not dirty, f"{path.name}: cells {dirty} are stored with outputs or execution counts: strip them"
+    assert not dirty, (
+        f"{path.name}: cells {dirty} are stored with outputs or execution counts: strip them"
+    )
     timed = [i for i, c in enumerate(nb.cells) if "execution" in c.get("metadata", {})]
     assert not timed, f"{path.name}: cells {timed} carry execution timing metadata: strip it"
-    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name}: kernelspec must be python3"
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", (
+        f"{path.name}: kernelspec must be python3"
+    )
 
 
 def _headings(cell: nbformat.NotebookNode) -> list[str]:
@@ -77,20 +81,38 @@ def _headings(cell: nbformat.NotebookNode) -> list[str]:
 def test_lesson_layout(path):
     cells = _read(path).cells
     first = cells[0]
-    assert first.cell_type == "markdown" and first.source.startswith("# "), f"{path.name}: open with a title"
-    assert re.search(r"you\s+will\s+see", first.source, re.I), f"{path.name}: the opening says what the learner will see"
+    assert first.cell_type == "markdown" and first.source.startswith("# "), (
+        f"{path.name}: open with a title"
+    )
+    assert re.search(r"you\s+will\s+see", first.source, re.I), (
+        f"{path.name}: the opening says what the learner will see"
+    )
 
-    ex = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and "## Exercises" in _headings(c)]
+    ex = [
+        i
+        for i, c in enumerate(cells)
+        if c.cell_type == "markdown" and "## Exercises" in _headings(c)
+    ]
     assert len(ex) == 1, f"{path.name}: one '## Exercises' section"
-    sol = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and any("Solutions" in h for h in _headings(c))]
-    assert len(sol) == 1 and sol[0] > ex[0], f"{path.name}: a 'Solutions' heading after the exercises"
+    sol = [
+        i
+        for i, c in enumerate(cells)
+        if c.cell_type == "markdown" and any("Solutions" in h for h in _headings(c))
+    ]
+    assert len(sol) == 1 and sol[0] > ex[0], (
+        f"{path.name}: a 'Solutions' heading after the exercises"
+    )
     exercises = re.findall(r"^\d+\. ", cells[ex[0]].source, re.M)
     solutions = [c for c in cells[sol[0] + 1 :] if c.cell_type == "code" and c.source.strip()]
     assert exercises and solutions, f"{path.name}: numbered exercises and solution code cells"
-    assert all(c.cell_type == "code" for c in cells[sol[0] + 1 :]), f"{path.name}: nothing but solutions at the end"
+    assert all(c.cell_type == "code" for c in cells[sol[0] + 1 :]), (
+        f"{path.name}: nothing but solutions at the end"
+    )
     # the solutions are separate cells, collapsed in JupyterLab, and the exercises come before them
     for c in solutions:
-        assert c.metadata.get("jupyter", {}).get("source_hidden") is True, f"{path.name}: collapse solution cells"
+        assert c.metadata.get("jupyter", {}).get("source_hidden") is True, (
+            f"{path.name}: collapse solution cells"
+        )
 
 
 DOWNLOADS = re.compile(
@@ -129,4 +151,7 @@ def test_readme_lessons_table_lists_every_notebook():
     assert sorted(set(linked)) == sorted(f"notebooks/{p.name}" for p in LESSONS)
     rows = [line for line in section.splitlines() if line.startswith("| [")]
     assert len(rows) == len(LESSONS) and all(line.count("|") >= 4 for line in rows)
-    assert "mybinder.org/v2/gh/" in section and "urlpath=lab/tree/notebooks/01_quickstart.ipynb" in section
+    assert (
+        "mybinder.org/v2/gh/" in section
+        and "urlpath=lab/tree/notebooks/01_quickstart.ipynb" in section
+    )

@@ -20,13 +20,21 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_clean(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
-    stored = [c for c in nb.cells if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count"))]
+    stored = [
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count"))
+    ]
     assert not stored, f"{path.name} is stored with outputs: strip them"
     # raises CellExecutionError on the first cell that fails
-    NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     for cell in nb.cells:
         for out in cell.get("outputs", []):
-            assert out.get("output_type") != "error", f"{path.name}: {out.get('ename')}: {out.get('evalue')}"
+            assert out.get("output_type") != "error", (
+                f"{path.name}: {out.get('ename')}: {out.get('evalue')}"
+            )
             # %nbdebug reports bad input as one printed line instead of raising
             if out.get("output_type") == "stream" and out.get("name") == "stderr":
                 assert "nbdebug: " not in out.get("text", ""), f"{path.name}: {out['text']}"

@@ -50,10 +50,15 @@ def _fingerprint(model: nn.Module) -> dict:
     return {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "versions": {n: p._version for n, p in model.named_parameters()},
-        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "grads": {
+            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+        },
         "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
         "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": {n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for n, m in model.named_modules()},
+        "hooks": {
+            n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for n, m in model.named_modules()
+        },
     }
 
 
@@ -92,8 +97,15 @@ def _save(tmp_path, trained, **kw):
         "optimizer": opt,
         "scheduler": sched,
         "step": 12,
-        "reason": {"kind": "loss", "message": "non-finite loss (nan) at step 12", "loss": float("nan")},
-        "history": [{"step": 11, "loss": 1.5, "grad_norm": 0.3, "skipped": False}, {"step": 12, "loss": float("nan")}],
+        "reason": {
+            "kind": "loss",
+            "message": "non-finite loss (nan) at step 12",
+            "loss": float("nan"),
+        },
+        "history": [
+            {"step": 11, "loss": 1.5, "grad_norm": 0.3, "skipped": False},
+            {"step": 12, "loss": float("nan")},
+        ],
         "loss_fn": nn.functional.cross_entropy,
     }
     args.update(kw)
@@ -127,8 +139,18 @@ def test_round_trip_fields(tmp_path, trained):
     assert "step 12" in repr(snap) and "Net" in repr(snap)
 
     h = snap.history_frame()
-    assert list(h.columns[:7]) == ["step", "loss", "grad_norm", "param_norm", "lr", "scale", "skipped"]
-    assert h["step"].tolist() == [11, 12] and h["loss"].iloc[0] == 1.5 and np.isnan(h["loss"].iloc[1])
+    assert list(h.columns[:7]) == [
+        "step",
+        "loss",
+        "grad_norm",
+        "param_norm",
+        "lr",
+        "scale",
+        "skipped",
+    ]
+    assert (
+        h["step"].tolist() == [11, 12] and h["loss"].iloc[0] == 1.5 and np.isnan(h["loss"].iloc[1])
+    )
     assert h["skipped"].dtype == bool and h["grad_norm"].isna().tolist() == [False, True]
 
     # the optimizer comes back with its moments and step counts
@@ -224,7 +246,11 @@ def test_batch_structures_and_unstorable_values(tmp_path):
     model = nn.Linear(3, 2)
     big = torch.randn(1000, 3)
     Pair = collections.namedtuple("Pair", "a b")
-    inputs = {"x": big[:4], "extra": (Pair(torch.ones(2), 3), [np.arange(3), np.float32(2.5)]), "fn": print}
+    inputs = {
+        "x": big[:4],
+        "extra": (Pair(torch.ones(2), 3), [np.arange(3), np.float32(2.5)]),
+        "fn": print,
+    }
     path = save_snapshot(tmp_path / "s.nbsnap", model, inputs, None, step=0)
     snap = load_snapshot(path, model)
     got = snap.inputs
@@ -270,7 +296,9 @@ def test_replay_uses_the_stored_rng(tmp_path):
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     rng = snapmod.RngState.capture()
     loss = nn.functional.cross_entropy(model(x), y).item()  # consumes RNG (dropout)
-    path = save_snapshot(tmp_path, model, x, y, step=3, rng=rng, loss_fn=nn.functional.cross_entropy)
+    path = save_snapshot(
+        tmp_path, model, x, y, step=3, rng=rng, loss_fn=nn.functional.cross_entropy
+    )
     torch.manual_seed(12345)
     state = torch.get_rng_state()
     np_state, py_state = np.random.get_state(), random.getstate()
@@ -305,13 +333,20 @@ def test_bad_files(tmp_path, trained):
     with pytest.raises(SnapshotError, match="is empty"):
         load_snapshot(put("empty.nbsnap", b""))
     with pytest.raises(SnapshotError, match=r"not a torch.save zip archive"):
-        load_snapshot(put("random.nbsnap", bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8))))
+        load_snapshot(
+            put(
+                "random.nbsnap",
+                bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)),
+            )
+        )
     for cut in (len(data) // 3, len(data) - 30):
         with pytest.raises(SnapshotError, match="truncated or corrupt"):
             load_snapshot(put(f"cut{cut}.nbsnap", data[:cut]))
     # a plain checkpoint
     torch.save(trained[0].state_dict(), tmp_path / "ckpt.pt")
-    with pytest.raises(SnapshotError, match=r"not an nbdebug snapshot.*fc1.weight.*plain checkpoint"):
+    with pytest.raises(
+        SnapshotError, match=r"not an nbdebug snapshot.*fc1.weight.*plain checkpoint"
+    ):
         load_snapshot(tmp_path / "ckpt.pt")
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(SnapshotError, match="holds a list"):
@@ -332,15 +367,24 @@ def test_bad_files(tmp_path, trained):
     torch.save({**payload, "step": "twelve"}, tmp_path / "wrongtype.nbsnap")
     with pytest.raises(SnapshotError, match="'step' should be int or None, got str"):
         load_snapshot(tmp_path / "wrongtype.nbsnap")
-    for t in (1e300, float("nan"), -1e20):  # found by the fuzz test: a flipped bit in the time stamp
+    for t in (
+        1e300,
+        float("nan"),
+        -1e20,
+    ):  # found by the fuzz test: a flipped bit in the time stamp
         torch.save({**payload, "time": t}, tmp_path / "badtime.nbsnap")
         with pytest.raises(SnapshotError, match=r"time stamp .* is not a date"):
             load_snapshot(tmp_path / "badtime.nbsnap")
     torch.save({**payload, "model_state": {"fc1.weight": 3}}, tmp_path / "badstate.nbsnap")
     with pytest.raises(SnapshotError, match="not named tensors"):
         load_snapshot(tmp_path / "badstate.nbsnap")
-    torch.save({"format": "nbdebug-snapshot", "version": FORMAT_VERSION + 1, "future": 1}, tmp_path / "new.nbsnap")
-    with pytest.raises(SnapshotError, match=f"newer nbdebug.*version {FORMAT_VERSION + 1}.*upgrade"):
+    torch.save(
+        {"format": "nbdebug-snapshot", "version": FORMAT_VERSION + 1, "future": 1},
+        tmp_path / "new.nbsnap",
+    )
+    with pytest.raises(
+        SnapshotError, match=f"newer nbdebug.*version {FORMAT_VERSION + 1}.*upgrade"
+    ):
         load_snapshot(tmp_path / "new.nbsnap")
 
 
@@ -384,7 +428,10 @@ def test_state_that_does_not_fit(tmp_path, trained):
     assert "does not fit the given Other" in msg
     assert "missing keys: extra.weight, extra.bias" in msg
     assert "unexpected keys: bn.weight, bn.bias, bn.running_mean" in msg
-    assert "fc1.weight: snapshot (6, 4) vs model (7, 4)" in msg and "fc2.weight: snapshot (3, 6) vs model (3, 7)" in msg
+    assert (
+        "fc1.weight: snapshot (6, 4) vs model (7, 4)" in msg
+        and "fc2.weight: snapshot (3, 6) vs model (3, 7)" in msg
+    )
     _assert_same(before, _fingerprint(user_model))
 
 
@@ -400,7 +447,9 @@ def test_crash_between_write_and_rename(tmp_path, trained, monkeypatch):
 
     def crash(src, dst):
         calls.append((src, dst))
-        assert Path(src).stat().st_size > 0 and Path(src).parent == tmp_path  # fully written, same dir
+        assert (
+            Path(src).stat().st_size > 0 and Path(src).parent == tmp_path
+        )  # fully written, same dir
         raise OSError("simulated crash before rename")
 
     monkeypatch.setattr(snapmod.os, "replace", crash)
@@ -503,9 +552,15 @@ def small_snapshot(tmp_path_factory) -> tuple[bytes, int]:
     d = tmp_path_factory.mktemp("fuzz")
     model = nn.Linear(3, 2)
     p = save_snapshot(
-        d, model, torch.randn(2, 3), torch.tensor([0, 1]), step=1,
-        reason={"kind": "loss", "message": "m"}, history=[{"step": 0, "loss": 1.0}],
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+        d,
+        model,
+        torch.randn(2, 3),
+        torch.tensor([0, 1]),
+        step=1,
+        reason={"kind": "loss", "message": "m"},
+        history=[{"step": 0, "loss": 1.0}],
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
     )
     with zipfile.ZipFile(p) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
@@ -516,7 +571,9 @@ _pos = st.integers(0, 10**7)
 _mutation = st.tuples(
     st.sampled_from(["pickle", "anywhere"]),
     st.one_of(
-        st.tuples(st.just("flip"), st.lists(st.tuples(_pos, st.integers(1, 255)), min_size=1, max_size=6)),
+        st.tuples(
+            st.just("flip"), st.lists(st.tuples(_pos, st.integers(1, 255)), min_size=1, max_size=6)
+        ),
         st.tuples(st.just("cut"), _pos),
         st.tuples(st.just("insert"), st.tuples(_pos, st.binary(min_size=1, max_size=64))),
         st.tuples(st.just("delete"), st.tuples(_pos, st.integers(1, 256))),
@@ -542,7 +599,9 @@ def _mutate(data: bytes, pickle_end: int, mutation) -> bytes:
     return bytes(b)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(mutation=_mutation)
 def test_fuzz_only_snapshot_error(small_snapshot, tmp_path, mutation):
     data, pickle_end = small_snapshot

@@ -67,11 +67,19 @@ def test_exact_stats_match_numpy(a: np.ndarray) -> None:
     assert s.n_nan == e["n_nan"] and s.n_inf == e["n_inf"]
     assert s.finite == (e["n_nan"] == 0 and e["n_inf"] == 0)
     for k in ("norm", "mean", "min", "max"):
-        assert _close(getattr(s, k), e[k], scale * (a.size if k == "norm" else 1)), (k, getattr(s, k), e[k])
+        assert _close(getattr(s, k), e[k], scale * (a.size if k == "norm" else 1)), (
+            k,
+            getattr(s, k),
+            e[k],
+        )
     if not np.isnan(e["std"]):
         assert abs(s.std - e["std"]) <= 1e-3 * max(scale, 1.0)
     assert s.zero_frac == pytest.approx(e["zero_frac"])
-    assert s.absmax == pytest.approx(max(abs(e["min"]), abs(e["max"]))) if not np.isnan(e["min"]) else True
+    assert (
+        s.absmax == pytest.approx(max(abs(e["min"]), abs(e["max"])))
+        if not np.isnan(e["min"])
+        else True
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -93,7 +101,9 @@ def test_histogram_counts_every_element_once(a: np.ndarray) -> None:
     _, h = finalize(exact_vector(torch.from_numpy(a)).numpy())
     assert h.counts.sum() + h.n_zero + h.n_nonfinite == a.size == h.total
     mags = np.abs(a[np.isfinite(a) & (a != 0)]).astype(np.float64)
-    expected = np.histogram(np.clip(np.log10(mags), HIST_EDGES[0], HIST_EDGES[-1] - 1e-9), HIST_EDGES)[0]
+    expected = np.histogram(
+        np.clip(np.log10(mags), HIST_EDGES[0], HIST_EDGES[-1] - 1e-9), HIST_EDGES
+    )[0]
     assert np.array_equal(h.counts, expected)
 
 

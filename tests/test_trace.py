@@ -32,7 +32,11 @@ def test_origin_scenarios(name: str) -> None:
         assert o.samples == s.samples
     if s.op is not None:
         assert o.op is not None and s.op in o.op, f"{name}: op {o.op}"
-        expected = "torch/nn/modules/" if isinstance(s.model.get_submodule(s.module), nn.Linear) else "models.py:"
+        expected = (
+            "torch/nn/modules/"
+            if isinstance(s.model.get_submodule(s.module), nn.Linear)
+            else "models.py:"
+        )
         assert o.source is not None and o.source.startswith(expected), o.source
     if s.param is not None:
         assert o.param == s.param
@@ -110,14 +114,18 @@ def test_multi_output_tuple_dict_integer_and_none_gradients() -> None:
 
     model = Multi()
     tokens = torch.randint(0, 10, (4, 6))
-    tr = nbdebug.trace(model, (tokens, torch.full((4,), 6)), loss_fn=lambda o: o["logits"].pow(2).mean())
+    tr = nbdebug.trace(
+        model, (tokens, torch.full((4,), 6)), loss_fn=lambda o: o["logits"].pow(2).mean()
+    )
     names = {(e.module, e.name) for e in tr.events if e.phase == "forward"}
     assert ("lstm", "output[0]") in names and ("lstm", "output[1][1]") in names
     assert ("", "output['logits']") in names and ("", "output['lengths']") in names
     ints = next(e for e in tr.events if e.phase == "input" and e.dtype == "int64")
     assert ints.stats.max <= 9
     pf = tr.params_frame()
-    assert pf.loc["unused.weight", "grad_norm"] is None or np.isnan(pf.loc["unused.weight", "grad_norm"])
+    assert pf.loc["unused.weight", "grad_norm"] is None or np.isnan(
+        pf.loc["unused.weight", "grad_norm"]
+    )
     assert pf.loc["head.weight", "grad_norm"] > 0
 
 
@@ -186,10 +194,14 @@ def test_frames_and_repr() -> None:
     assert isinstance(df, pd.DataFrame) and len(df) == len(tr.events)
     assert df["is_origin"].sum() == 1
     assert df.loc[tr.origin.index, "module"] == "0"  # type: ignore[union-attr]
-    assert {"norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf"} <= set(df.columns)
+    assert {"norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf"} <= set(
+        df.columns
+    )
     pf = tr.params_frame()
     assert list(pf.index) == [n for n, _ in s.model.named_parameters()]
-    assert {"norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf"} <= set(pf.columns)
+    assert {"norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf"} <= set(
+        pf.columns
+    )
     text = repr(tr)
     assert "Sequential" in text and "NaN produced in 0" in text and "div" in text
     assert len(text.splitlines()) <= 5
@@ -202,7 +214,9 @@ def test_ratio_matches_norms() -> None:
     pf = tr.params_frame()
     g = torch.autograd.grad(F.mse_loss(model(x), y), model.weight)[0]
     assert pf.loc["weight", "norm"] == pytest.approx(float(model.weight.detach().norm()), rel=1e-6)
-    assert pf.loc["weight", "ratio"] == pytest.approx(float(g.norm() / model.weight.detach().norm()), rel=1e-5)
+    assert pf.loc["weight", "ratio"] == pytest.approx(
+        float(g.norm() / model.weight.detach().norm()), rel=1e-5
+    )
 
 
 # ---------------------------------------------------------------------- bad input
@@ -340,7 +354,10 @@ def test_activation_checkpointing(reentrant: bool) -> None:
     with torch.no_grad():
         model.blocks[1].a.weight[0, 0] = float("nan")
     tr = nbdebug.trace(model, x, loss_fn=lambda o: o.pow(2).mean())
-    assert tr.origin is not None and (tr.origin.phase, tr.origin.module) == ("forward", "blocks.1.a")
+    assert tr.origin is not None and (tr.origin.phase, tr.origin.module) == (
+        "forward",
+        "blocks.1.a",
+    )
     assert tr.origin.param == "blocks.1.a.weight"
 
 

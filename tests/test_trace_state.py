@@ -19,9 +19,15 @@ def _hook_dicts(model: nn.Module) -> list[Any]:
     out = []
     for m in model.modules():
         for attr in (
-            "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-            "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-            "_state_dict_hooks", "_load_state_dict_pre_hooks",
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+            "_state_dict_hooks",
+            "_load_state_dict_pre_hooks",
         ):
             d = getattr(m, attr, None)
             out.append((attr, None if d is None else dict(d)))
@@ -37,7 +43,10 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
         "param_ids": {n: id(p) for n, p in model.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "buffer_ids": {n: id(b) for n, b in model.named_buffers()},
-        "grads": {n: (None if p.grad is None else (id(p.grad), p.grad.clone())) for n, p in model.named_parameters()},
+        "grads": {
+            n: (None if p.grad is None else (id(p.grad), p.grad.clone()))
+            for n, p in model.named_parameters()
+        },
         "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
         "training": {n: m.training for n, m in model.named_modules()},
         "hooks": _hook_dicts(model),
@@ -80,8 +89,13 @@ def _assert_same(before: dict[str, Any], model: nn.Module) -> None:
 
 def _bn_dropout_model() -> nn.Module:
     model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Dropout(0.3),
-        nn.Flatten(), nn.Linear(4 * 6 * 6, 3), nn.BatchNorm1d(3),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+        nn.BatchNorm1d(3),
     )
     model.train()
     model[6].eval()  # mixed modes must survive too

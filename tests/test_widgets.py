@@ -216,7 +216,9 @@ def test_histogram_and_ratio_figures(bad_dbg):
     h = histogram_figure(ev)
     assert list(h.data[0].y) == [int(c) for c in ev.hist.counts]
     assert len(h.data[0].x) == len(ev.hist.edges) - 1
-    ok = nbdebug.trace(LogNet(bad=False), torch.randn(6, 8), torch.randint(0, 3, (6,)), F.cross_entropy)
+    ok = nbdebug.trace(
+        LogNet(bad=False), torch.randn(6, 8), torch.randint(0, 3, (6,)), F.cross_entropy
+    )
     f = ratio_figure(ok)
     assert list(f.data[0].x) == [p.name for p in ok.params]
     assert list(f.data[0].y) == pytest.approx([p.ratio for p in ok.params])
@@ -321,8 +323,11 @@ def test_debugging_changes_nothing_on_the_model(batch):
     assert not m.enc[0].weight.requires_grad and m.head.weight.requires_grad
     assert not any(mod.training for mod in m.modules())
     assert list(m.head._forward_hooks) == [handle.id]
-    assert all(not mod._forward_hooks and not mod._backward_hooks and not mod._forward_pre_hooks
-               for mod in m.modules() if mod is not m.head)
+    assert all(
+        not mod._forward_hooks and not mod._backward_hooks and not mod._forward_pre_hooks
+        for mod in m.modules()
+        if mod is not m.head
+    )
     assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(torch.get_rng_state(), rng)
     handle.remove()
 
@@ -357,7 +362,9 @@ def test_cursor_alone(bad_dbg):
         c.set_filter(phase="sideways")
     with pytest.raises(ValueError, match="event index"):
         c.goto(len(tr.events))
-    healthy = nbdebug.trace(LogNet(bad=False), torch.randn(2, 8), torch.randint(0, 3, (2,)), F.cross_entropy)
+    healthy = nbdebug.trace(
+        LogNet(bad=False), torch.randn(2, 8), torch.randint(0, 3, (2,)), F.cross_entropy
+    )
     hc = Cursor(healthy)
     assert hc.to_origin() is False and hc.next_nonfinite() is False and hc.index == 0
     assert math.isfinite(healthy.loss)
@@ -366,9 +373,13 @@ def test_cursor_alone(bad_dbg):
 def test_snapshot_gets_a_history_tab(tmp_path):
     m = LogNet()
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
-    history = [{"step": s, "loss": 2.0 - 0.1 * s, "grad_norm": 1.0, "param_norm": 4.0, "lr": 0.01} for s in range(9)]
-    path = nbdebug.save_snapshot(tmp_path, m, x, y, step=9, reason="loss is nan", history=history,
-                                 loss_fn=F.cross_entropy)
+    history = [
+        {"step": s, "loss": 2.0 - 0.1 * s, "grad_norm": 1.0, "param_norm": 4.0, "lr": 0.01}
+        for s in range(9)
+    ]
+    path = nbdebug.save_snapshot(
+        tmp_path, m, x, y, step=9, reason="loss is nan", history=history, loss_fn=F.cross_entropy
+    )
     dbg = debug(path, model=LogNet)
     assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Gradcheck"]
     hist = dbg.history
@@ -383,7 +394,12 @@ def test_snapshot_gets_a_history_tab(tmp_path):
     assert "step 9" in dbg.header.value
     # the same from a loaded Snapshot; no history -> no History tab
     bare = nbdebug.save_snapshot(tmp_path / "b.nbsnap", m, x, y, step=1, loss_fn=F.cross_entropy)
-    assert list(debug(nbdebug.load_snapshot(bare, model=LogNet)).tabs.titles) == ["Step", "Layers", "Checks", "Gradcheck"]
+    assert list(debug(nbdebug.load_snapshot(bare, model=LogNet)).tabs.titles) == [
+        "Step",
+        "Layers",
+        "Checks",
+        "Gradcheck",
+    ]
     with pytest.raises(nbdebug.SnapshotError):
         debug(tmp_path / "missing.nbsnap", model=LogNet)
     with pytest.raises(TypeError, match="model="):
@@ -391,8 +407,15 @@ def test_snapshot_gets_a_history_tab(tmp_path):
 
 
 def test_an_empty_trace_still_opens():
-    empty = nbdebug.Trace(events=[], origin=None, first_nonfinite=None, loss=None, params=[],
-                          model_name="Broken", error="ValueError in <model> before any module ran")
+    empty = nbdebug.Trace(
+        events=[],
+        origin=None,
+        first_nonfinite=None,
+        loss=None,
+        params=[],
+        model_name="Broken",
+        error="ValueError in <model> before any module ran",
+    )
     dbg = debug(empty)
     assert dbg.current_event is None and "no events" in dbg.step.detail.value
     for b in dbg.step.buttons.values():

@@ -119,9 +119,23 @@ from .checks_optim import (
 )
 from .checks_state import check_state_dict
 
-__all__ = ["CHECK_EVERY", "Finding", "Findings", "check", "check_state_dict", "guard_findings", "run_guard_checks"]
+__all__ = [
+    "CHECK_EVERY",
+    "Finding",
+    "Findings",
+    "check",
+    "check_state_dict",
+    "guard_findings",
+    "run_guard_checks",
+]
 
-_HISTORY_CHECKS = ["lr_spike", "lr_schedule_boundary", "grad_clip_always_on", "grad_clip_never_on", "grad_scaler_collapse"]
+_HISTORY_CHECKS = [
+    "lr_spike",
+    "lr_schedule_boundary",
+    "grad_clip_always_on",
+    "grad_clip_never_on",
+    "grad_scaler_collapse",
+]
 
 
 def check(
@@ -205,13 +219,22 @@ def check(
             except SnapshotError as e:
                 found.append(skipped(["forward", "backward"], str(e)))
         if snap.model is None:
-            found.append(skipped(["forward", "backward"], "the snapshot was loaded without a model (load_snapshot(path, model=...))"))
+            found.append(
+                skipped(
+                    ["forward", "backward"],
+                    "the snapshot was loaded without a model (load_snapshot(path, model=...))",
+                )
+            )
         elif loss_fn is not None or snap.target is None:
             model = snap.model
             tr, extra = _traced(lambda lf: snap.trace(loss_fn=lf), loss_fn)
             found += extra
         elif not any(f.code == "check_skipped" for f in found):
-            found.append(skipped(["forward", "backward"], "the snapshot recorded no loss function: pass loss_fn="))
+            found.append(
+                skipped(
+                    ["forward", "backward"], "the snapshot recorded no loss function: pass loss_fn="
+                )
+            )
         if snap.optimizer_state is not None and optimizer is None:
             opt_params = state_dict_params(snap.optimizer_state, snap.optimizer_params)
         if snap.scaler_state and scaler is None:
@@ -219,7 +242,11 @@ def check(
             s = snap.scaler_state.get("scale")
             scale_now = float(s) if isinstance(s, (int, float)) else None
     else:
-        if isinstance(source, (tuple, list)) and len(source) in (2, 3) and isinstance(source[0], torch.nn.Module):
+        if (
+            isinstance(source, (tuple, list))
+            and len(source) in (2, 3)
+            and isinstance(source[0], torch.nn.Module)
+        ):
             model, inputs = source[0], source[1]
             if len(source) == 3:
                 if target is not None:
@@ -228,7 +255,9 @@ def check(
         elif isinstance(source, torch.nn.Module):
             model = source
             if inputs is None:
-                raise ValueError("check(model) needs the batch: pass inputs=... (or a (model, inputs) tuple).")
+                raise ValueError(
+                    "check(model) needs the batch: pass inputs=... (or a (model, inputs) tuple)."
+                )
         else:
             raise TypeError(
                 "source must be a Trace, a Snapshot, a NaNGuard, a (model, inputs) tuple or a model with "
@@ -240,8 +269,13 @@ def check(
         early = labels_before_trace(m, x, y, loss_fn)
         if early:
             found += early
-            found.append(skipped(["forward", "backward"], "not traced: the loss would hit these out-of-range "
-                                 "labels on the device (a device-side assert breaks the CUDA context)"))
+            found.append(
+                skipped(
+                    ["forward", "backward"],
+                    "not traced: the loss would hit these out-of-range "
+                    "labels on the device (a device-side assert breaks the CUDA context)",
+                )
+            )
             target = None  # judged already
         else:
             tr, extra = _traced(lambda lf: _trace(m, x, y, lf), loss_fn)
@@ -249,13 +283,17 @@ def check(
 
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__qualname__}.")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__qualname__}."
+            )
         opt_params = optimizer_params(optimizer, model)
         if model is None and tr is not None:
             _name_by_trace(opt_params, optimizer, tr)
     if scaler is not None:
         if not hasattr(scaler, "get_scale"):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__qualname__}.")
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler; got {type(scaler).__qualname__}."
+            )
         if getattr(scaler, "is_enabled", lambda: True)():
             scale_now = float(scaler.get_scale())
 
@@ -267,12 +305,22 @@ def check(
         found += weight_findings(tr.params, view)
         found += forward_findings(view, loss_fn=loss_fn, mixed_precision=mixed)
         if tr.error:
-            found.append(skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
-                                 "the trace stopped at an error before the backward"))
+            found.append(
+                skipped(
+                    ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
+                    "the trace stopped at an error before the backward",
+                )
+            )
         else:
-            ran = any(e.phase == "backward" for e in tr.events) or not any(p.requires_grad for p in tr.params)
-            found += grad_findings(tr.params, module_types=tr.module_types, position=view.position_of_param,
-                                   backward_ran=ran)
+            ran = any(e.phase == "backward" for e in tr.events) or not any(
+                p.requires_grad for p in tr.params
+            )
+            found += grad_findings(
+                tr.params,
+                module_types=tr.module_types,
+                position=view.position_of_param,
+                backward_ran=ran,
+            )
             if rows:
                 found += history_grad_findings(rows, total_grad_norm(tr.params))
     else:
@@ -311,7 +359,9 @@ def _traced(run: Any, loss_fn: Any) -> tuple[Trace | None, list[Finding]]:
     try:
         return run(loss_fn), []
     except LossError as e:
-        note = skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"], f"no loss: {e}")
+        note = skipped(
+            ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"], f"no loss: {e}"
+        )
         try:
             return run(_no_loss), [note]
         except TraceError as err:
@@ -336,7 +386,10 @@ def _no_loss(*args: Any) -> torch.Tensor:
 
 def _trace_error(message: str) -> Finding:
     return Finding(
-        "trace_error", "error", "the traced step", {"message": message[:500]},
+        "trace_error",
+        "error",
+        "the traced step",
+        {"message": message[:500]},
         "the model or the loss raised; the findings above come from the partial trace (fix them first).",
         position=1e11,
     )
@@ -350,9 +403,13 @@ def _history_rows(history: Any) -> list[dict[str, Any]] | None:
     if isinstance(history, Sequence) or hasattr(history, "__iter__"):
         rows = list(history)
         if not all(isinstance(r, Mapping) for r in rows):
-            raise TypeError("history must be a list of dicts (a guard's history), a DataFrame or a NaNGuard.")
+            raise TypeError(
+                "history must be a list of dicts (a guard's history), a DataFrame or a NaNGuard."
+            )
         return [dict(r) for r in rows]
-    raise TypeError(f"history must be a list of dicts, a DataFrame or a NaNGuard; got {type(history).__qualname__}.")
+    raise TypeError(
+        f"history must be a list of dicts, a DataFrame or a NaNGuard; got {type(history).__qualname__}."
+    )
 
 
 def _nan_none(v: Any) -> Any:
@@ -411,12 +468,16 @@ def parse_checks(checks: Any) -> dict[str, Any] | None:
         return {"every": CHECK_EVERY, "clip_norm": None}
     if isinstance(checks, int) and not isinstance(checks, bool):
         if checks < 1:
-            raise ValueError(f"checks must be True, a positive number of steps or a dict; got {checks!r}.")
+            raise ValueError(
+                f"checks must be True, a positive number of steps or a dict; got {checks!r}."
+            )
         return {"every": checks, "clip_norm": None}
     if isinstance(checks, Mapping):
         unknown = set(checks) - {"every", "clip_norm"}
         if unknown:
-            raise ValueError(f"checks accepts the keys 'every' and 'clip_norm'; got {sorted(unknown)}.")
+            raise ValueError(
+                f"checks accepts the keys 'every' and 'clip_norm'; got {sorted(unknown)}."
+            )
         every = checks.get("every", CHECK_EVERY)
         clip = checks.get("clip_norm")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -427,7 +488,9 @@ def parse_checks(checks: Any) -> dict[str, Any] | None:
     raise ValueError(f"checks must be True, a positive number of steps or a dict; got {checks!r}.")
 
 
-def run_guard_checks(guard: Any, row: dict[str, Any], *, failing: bool = False) -> list[Finding] | None:
+def run_guard_checks(
+    guard: Any, row: dict[str, Any], *, failing: bool = False
+) -> list[Finding] | None:
     """Called by :meth:`NaNGuard.check` after it appended ``row`` to its history: every
     ``every`` calls (and on a failing step) run :func:`guard_findings` and record them in
     ``row["checks"]`` (warnings and errors; information once) and the Adam moments in
@@ -444,8 +507,13 @@ def run_guard_checks(guard: Any, row: dict[str, Any], *, failing: bool = False) 
         findings = guard_findings(guard, row=row, clip_norm=opts["clip_norm"], since_step=state[1])
     except Exception as e:  # a diagnosis aid must never stop the training loop
         findings = [
-            Finding("check_skipped", "info", "guard checks", {"error": f"{type(e).__name__}: {e}"[:300]},
-                    "not checked: the health checks failed on this step.")
+            Finding(
+                "check_skipped",
+                "info",
+                "guard checks",
+                {"error": f"{type(e).__name__}: {e}"[:300]},
+                "not checked: the health checks failed on this step.",
+            )
         ]
     state[1] = row.get("step")
     keep = []
@@ -485,8 +553,12 @@ def guard_findings(
     if any(p.grad_norm is not None for p in params) or not params:
         out += grad_findings(params, module_types=types)
     else:
-        out.append(skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
-                           "no parameter has a .grad (call the checks after backward)"))
+        out.append(
+            skipped(
+                ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
+                "no parameter has a .grad (call the checks after backward)",
+            )
+        )
     out += history_grad_findings(past, _num(current.get("grad_norm")))
     opt = getattr(guard, "optimizer", None)
     if opt is not None:
@@ -497,7 +569,11 @@ def guard_findings(
             row["adam"] = moments
     sched = lr_findings(rows)
     if since_step is not None:
-        sched = [f for f in sched if f.step is None or not isinstance(since_step, int) or f.step > since_step]
+        sched = [
+            f
+            for f in sched
+            if f.step is None or not isinstance(since_step, int) or f.step > since_step
+        ]
     out += sched
     out += clip_findings(rows, clip_norm)
     if getattr(guard, "scaler", None) is not None:

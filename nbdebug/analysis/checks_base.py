@@ -156,7 +156,12 @@ class Finding:
 
     @property
     def sort_key(self) -> tuple[int, float, int, str]:
-        return (_SEVERITY_RANK[self.severity], self.position, _CODE_RANK.get(self.code, 99), self.where)
+        return (
+            _SEVERITY_RANK[self.severity],
+            self.position,
+            _CODE_RANK.get(self.code, 99),
+            self.where,
+        )
 
     @property
     def message(self) -> str:
@@ -172,7 +177,19 @@ class Finding:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Finding:
-        keys = ("code", "severity", "where", "evidence", "advice", "fix", "event", "param", "module", "rows", "step")
+        keys = (
+            "code",
+            "severity",
+            "where",
+            "evidence",
+            "advice",
+            "fix",
+            "event",
+            "param",
+            "module",
+            "rows",
+            "step",
+        )
         kw = {k: d[k] for k in keys if k in d}
         kw.setdefault("evidence", {})
         kw.setdefault("advice", "")
@@ -207,14 +224,40 @@ class Findings(list[Finding]):
         """One row per finding: severity, code, where, advice, evidence, event, param, module, rows, step."""
         import pandas as pd
 
-        columns = ["severity", "code", "where", "advice", "evidence", "event", "param", "module", "rows", "step"]
+        columns = [
+            "severity",
+            "code",
+            "where",
+            "advice",
+            "evidence",
+            "event",
+            "param",
+            "module",
+            "rows",
+            "step",
+        ]
         return pd.DataFrame.from_records(
-            [(f.severity, f.code, f.where, f.advice, f.evidence, f.event, f.param, f.module, f.rows, f.step) for f in self],
+            [
+                (
+                    f.severity,
+                    f.code,
+                    f.where,
+                    f.advice,
+                    f.evidence,
+                    f.event,
+                    f.param,
+                    f.module,
+                    f.rows,
+                    f.step,
+                )
+                for f in self
+            ],
             columns=columns,
         )
 
     def __repr__(self) -> str:
         c = self.counts
+
         def n(k: int, word: str) -> str:
             return f"{k} {word}{'' if k == 1 else 's'}"
 
@@ -288,7 +331,11 @@ class TraceView:
                 self.param_event[e.param] = e.index
         self.loss_event = next((e.index for e in self.events if e.phase == "loss"), None)
         # the model's own outputs: module "" at depth 0 (the last call of the model)
-        outs = [e for e in self.events if e.phase == "forward" and e.kind == "output" and e.module == "" and e.depth == 0]
+        outs = [
+            e
+            for e in self.events
+            if e.phase == "forward" and e.kind == "output" and e.module == "" and e.depth == 0
+        ]
         last_call = max((e.call for e in outs), default=None)
         self.outputs = [e for e in outs if e.call == last_call]
         self.modules = set(self.types)

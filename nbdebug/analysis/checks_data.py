@@ -25,7 +25,14 @@ from .checks_forward import is_floating, is_torch_loss, loss_name
 
 #: Keys of a dict batch that hold the labels when no target is given (Hugging Face style).
 LABEL_KEYS = ("labels", "label", "targets", "target", "y")
-_CLASS_LOSSES = ("cross_entropy", "crossentropyloss", "nll_loss", "nllloss", "multi_margin_loss", "multimarginloss")
+_CLASS_LOSSES = (
+    "cross_entropy",
+    "crossentropyloss",
+    "nll_loss",
+    "nllloss",
+    "multi_margin_loss",
+    "multimarginloss",
+)
 
 
 def trace_input_findings(view: TraceView) -> list[Finding]:
@@ -39,12 +46,15 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
             rows = f"rows {rows_text(e.samples)} of " if e.samples else ""
             out.append(
                 Finding(
-                    "nonfinite_input", "error", f"{rows}input {e.name}",
+                    "nonfinite_input",
+                    "error",
+                    f"{rows}input {e.name}",
                     {"n_nan": s.n_nan, "n_inf": s.n_inf, "n_rows": len(e.samples), "threshold": 0},
                     "the batch itself holds NaN/Inf: drop or repair these rows in the data pipeline "
                     "(torch.nan_to_num, or filter rows where ~torch.isfinite(x).all(1)).",
                     fix="keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]",
-                    event=e.index, rows=list(e.samples),
+                    event=e.index,
+                    rows=list(e.samples),
                 )
             )
         if is_floating(e.dtype) or e.dtype.startswith("complex"):
@@ -52,7 +62,9 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
             if spread == spread and spread > UNSCALED_RANGE:  # NaN-safe
                 out.append(
                     Finding(
-                        "unscaled_input", "warning", f"input {e.name}",
+                        "unscaled_input",
+                        "warning",
+                        f"input {e.name}",
                         {"min": s.min, "max": s.max, "range": spread, "threshold": UNSCALED_RANGE},
                         f"inputs span {fmt(s.min)} .. {fmt(s.max)}: standardise them (subtract the mean, "
                         "divide by the std, per feature) so the first layer's activations and gradients stay O(1).",
@@ -79,7 +91,11 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
                 notes.append(f"{name} is complex")
             continue
         if t.ndim < 2 or t.shape[0] < CONSTANT_MIN_ROWS:
-            notes.append(f"{name} has fewer than {CONSTANT_MIN_ROWS} rows" if t.ndim >= 2 else f"{name} has one dimension")
+            notes.append(
+                f"{name} has fewer than {CONSTANT_MIN_ROWS} rows"
+                if t.ndim >= 2
+                else f"{name} has one dimension"
+            )
             continue
         checked += 1
         x = t.detach().to(torch.float64)
@@ -97,10 +113,15 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
         which = "channels" if dim == 1 and x.ndim >= 4 else "features"
         out.append(
             Finding(
-                "constant_feature", "warning", f"{which} {rows_text(const)} of input {name}",
+                "constant_feature",
+                "warning",
+                f"{which} {rows_text(const)} of input {name}",
                 {
-                    "features": const[:50], "n_constant": len(const), "n_features": int(x.shape[dim]),
-                    "values": [float(mean[i]) for i in const[:10]], "threshold": CONSTANT_STD,
+                    "features": const[:50],
+                    "n_constant": len(const),
+                    "n_features": int(x.shape[dim]),
+                    "values": [float(mean[i]) for i in const[:10]],
+                    "threshold": CONSTANT_STD,
                 },
                 f"{len(const)} of {x.shape[dim]} {which} do not vary across the {x.shape[0]} rows: a "
                 "standardisation divides them by a zero std (0/0), and they carry no signal; drop them "
@@ -116,7 +137,12 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
 
 
 def label_findings(
-    view: TraceView | None, inputs: Any, target: Any, loss_fn: Any, *, output_shape: tuple[int, ...] | None = None
+    view: TraceView | None,
+    inputs: Any,
+    target: Any,
+    loss_fn: Any,
+    *,
+    output_shape: tuple[int, ...] | None = None,
 ) -> list[Finding]:
     """``label_out_of_range``: class indices outside ``[0, C)`` (``ignore_index`` aside) or
     binary targets outside ``[0, 1]``, with their rows. ``C`` comes from the model output
@@ -142,10 +168,18 @@ def label_findings(
         rows = _rows(bad)
         return [
             Finding(
-                "label_out_of_range", "error", f"target rows {rows_text(rows)}",
-                {"min": float(y.min()), "max": float(y.max()), "n_bad": int(bad.sum()), "threshold": "0 <= y <= 1"},
+                "label_out_of_range",
+                "error",
+                f"target rows {rows_text(rows)}",
+                {
+                    "min": float(y.min()),
+                    "max": float(y.max()),
+                    "n_bad": int(bad.sum()),
+                    "threshold": "0 <= y <= 1",
+                },
                 "binary cross-entropy targets must lie in [0, 1]: fix the labels of these rows.",
-                rows=rows, position=position,
+                rows=rows,
+                position=position,
             )
         ]
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
@@ -157,11 +191,23 @@ def label_findings(
             # the model raised before returning (e.g. its own loss on these labels): the
             # last module output shaped like per-row class scores stands for the logits
             out_event = next(
-                (e for e in reversed(view.events) if e.phase == "forward" and e.kind == "output"
-                 and len(e.shape) == y.ndim + 1 and e.shape[0] == (y.shape[0] if y.ndim else -1)),
+                (
+                    e
+                    for e in reversed(view.events)
+                    if e.phase == "forward"
+                    and e.kind == "output"
+                    and len(e.shape) == y.ndim + 1
+                    and e.shape[0] == (y.shape[0] if y.ndim else -1)
+                ),
                 None,
             )
-    shape = tuple(output_shape) if output_shape is not None else tuple(out_event.shape) if out_event is not None else ()
+    shape = (
+        tuple(output_shape)
+        if output_shape is not None
+        else tuple(out_event.shape)
+        if out_event is not None
+        else ()
+    )
     if len(shape) < 2:
         return []
     if tuple(y.shape) == shape[:1] + shape[2:]:
@@ -184,15 +230,22 @@ def label_findings(
     vals = sorted({int(v) for v in y[bad].flatten()[:1000].tolist()})
     return [
         Finding(
-            "label_out_of_range", "error", f"target rows {rows_text(rows)}",
+            "label_out_of_range",
+            "error",
+            f"target rows {rows_text(rows)}",
             {
-                "bad_labels": vals[:20], "n_classes": int(n_classes), "min": int(y.min()), "max": int(y.max()),
-                "n_bad": int(bad.sum()), "threshold": f"0 <= y < {n_classes}",
+                "bad_labels": vals[:20],
+                "n_classes": int(n_classes),
+                "min": int(y.min()),
+                "max": int(y.max()),
+                "n_bad": int(bad.sum()),
+                "threshold": f"0 <= y < {n_classes}",
             },
             f"labels {vals[:5]} fall outside the {n_classes} classes the model outputs (the loss raises, or "
             "on CUDA triggers a device-side assert): fix the label mapping or the output size.",
             fix=f"assert 0 <= y.min() and y.max() < {n_classes}",
-            rows=rows, position=position,
+            rows=rows,
+            position=position,
         )
     ]
 

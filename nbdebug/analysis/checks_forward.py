@@ -25,10 +25,23 @@ from .checks_base import (
     rows_text,
 )
 
-LOG_OPS = frozenset({"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "xlogy", "lgamma", "digamma", "acosh"})
+LOG_OPS = frozenset(
+    {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "xlogy", "lgamma", "digamma", "acosh"}
+)
 EXP_OPS = frozenset({"exp", "exp2", "expm1", "cosh", "sinh", "ldexp"})
 DIV_OPS = frozenset(
-    {"div", "truediv", "rtruediv", "itruediv", "true_divide", "divide", "reciprocal", "floor_divide", "fmod", "remainder"}
+    {
+        "div",
+        "truediv",
+        "rtruediv",
+        "itruediv",
+        "true_divide",
+        "divide",
+        "reciprocal",
+        "floor_divide",
+        "fmod",
+        "remainder",
+    }
 )
 SOFTMAX_TYPES = frozenset({"Softmax", "LogSoftmax", "Softmin", "Softmax2d"})
 RELU_TYPES = frozenset({"ReLU", "ReLU6"})
@@ -61,11 +74,15 @@ def origin_findings(view: TraceView) -> list[Finding]:
             return []
         return [
             Finding(
-                "nonfinite_origin", "error", _where(view, first),
+                "nonfinite_origin",
+                "error",
+                _where(view, first),
                 {"n_nan": first.stats.n_nan, "n_inf": first.stats.n_inf},
                 "non-finite values appear here but their origin was not found; step through the "
                 "events before it.",
-                event=first.index, module=first.module, rows=list(first.samples),
+                event=first.index,
+                module=first.module,
+                rows=list(first.samples),
             )
         ]
     if o.phase == "input":
@@ -97,7 +114,11 @@ def origin_findings(view: TraceView) -> list[Finding]:
             else f"the derivative of {op} is infinite at 0{rows}: clamp its input away from 0 "
             "(x.clamp_min(1e-12)) before the call, also behind torch.where."
         )
-        fix = "torch.log(x.clamp_min(1e-12))" if "sqrt" not in op else "torch.sqrt(x.clamp_min(1e-12))"
+        fix = (
+            "torch.log(x.clamp_min(1e-12))"
+            if "sqrt" not in op
+            else "torch.sqrt(x.clamp_min(1e-12))"
+        )
         return [Finding("log_of_nonpositive", "error", where, ev, advice, fix=fix, **common)]
     if any(k in EXP_OPS for k in kinds):
         inp = view.input_of(o) if o.phase == "forward" else None
@@ -106,20 +127,28 @@ def origin_findings(view: TraceView) -> list[Finding]:
         ev["threshold"] = exp_limit(o.dtype)
         return [
             Finding(
-                "exp_overflow_risk", "error", where, ev,
+                "exp_overflow_risk",
+                "error",
+                where,
+                ev,
                 f"{made_by} overflowed{rows}: exp(x) is infinite for x > {exp_limit(o.dtype):.4g} in {o.dtype}; "
                 "subtract the max first (torch.logsumexp, softmax) or clamp x.",
-                fix="torch.exp(x - x.amax(dim=-1, keepdim=True))", **common,
+                fix="torch.exp(x - x.amax(dim=-1, keepdim=True))",
+                **common,
             )
         ]
     if any(k in DIV_OPS for k in kinds):
         ev["threshold"] = "denominator == 0"
         return [
             Finding(
-                "division_by_zero", "error", where, ev,
+                "division_by_zero",
+                "error",
+                where,
+                ev,
                 f"{made_by} divided by zero{rows} (0/0 gives NaN, x/0 Inf): add an epsilon to the "
                 "denominator or clamp it.",
-                fix="x / (d + 1e-6)  # or d.clamp_min(1e-6)", **common,
+                fix="x / (d + 1e-6)  # or d.clamp_min(1e-6)",
+                **common,
             )
         ]
     if o.dtype == "float16" and o.stats.n_inf:
@@ -129,16 +158,23 @@ def origin_findings(view: TraceView) -> list[Finding]:
         ev["threshold"] = FP16_MAX
         return [
             Finding(
-                "fp16_overflow_risk", "error", where, ev,
+                "fp16_overflow_risk",
+                "error",
+                where,
+                ev,
                 f"{made_by or 'this module'} overflowed float16 (largest finite value 65504){rows}: run it "
                 "in float32 (autocast keeps reductions in float32), or scale its inputs or weights down.",
-                fix="with torch.autocast('cuda', dtype=torch.bfloat16): ...  # or module.float()", **common,
+                fix="with torch.autocast('cuda', dtype=torch.bfloat16): ...  # or module.float()",
+                **common,
             )
         ]
     note = f" ({o.note})" if o.note else ""
     return [
         Finding(
-            "nonfinite_origin", "error", where, ev,
+            "nonfinite_origin",
+            "error",
+            where,
+            ev,
             f"{made_by or 'this module'} produced the first non-finite value{rows}{note}; step into it.",
             **common,
         )
@@ -171,30 +207,49 @@ def weight_findings(params: Any, view: TraceView | None = None) -> list[Finding]
         if view is not None:
             event = o.index if o is not None and o.param == p.name else None
             if event is None:
-                event = next((e.index for e in view.events if e.phase == "forward" and e.module == p.module), None)
+                event = next(
+                    (e.index for e in view.events if e.phase == "forward" and e.module == p.module),
+                    None,
+                )
         out.append(
             Finding(
-                "nonfinite_weight", "error", f"parameter {p.name}",
+                "nonfinite_weight",
+                "error",
+                f"parameter {p.name}",
                 {"n_nan": p.n_nan, "n_inf": p.n_inf, "numel": math.prod(p.shape), "threshold": 0},
                 "this weight already holds NaN/Inf (a previous update diverged, or a bad checkpoint): "
                 "reload the last good checkpoint and find the step that broke it (NaNGuard).",
-                event=event, param=p.name, module=p.module,
+                event=event,
+                param=p.name,
+                module=p.module,
             )
         )
-    if o is not None and o.param and o.param not in named and "already held non-finite" in (o.note or ""):
+    if (
+        o is not None
+        and o.param
+        and o.param not in named
+        and "already held non-finite" in (o.note or "")
+    ):
         out.append(
             Finding(
-                "nonfinite_weight", "error", f"buffer {o.param}", {"threshold": 0},
+                "nonfinite_weight",
+                "error",
+                f"buffer {o.param}",
+                {"threshold": 0},
                 "this buffer already holds NaN/Inf (e.g. BatchNorm running statistics updated on a "
                 "non-finite batch): reset it or reload a good checkpoint.",
-                event=o.index, param=o.param, module=o.module,
+                event=o.index,
+                param=o.param,
+                module=o.module,
             )
         )
     return out
 
 
 # --------------------------------------------------------------------------- warning signs
-def forward_findings(view: TraceView, *, loss_fn: Any = None, mixed_precision: bool = False) -> list[Finding]:
+def forward_findings(
+    view: TraceView, *, loss_fn: Any = None, mixed_precision: bool = False
+) -> list[Finding]:
     """Large inputs to softmax/exp, activations near the float16 limit, dead ReLUs,
     saturated tanh/sigmoid, probabilities of 0/1 reaching a binary cross-entropy."""
     out: list[Finding] = []
@@ -225,61 +280,99 @@ def forward_findings(view: TraceView, *, loss_fn: Any = None, mixed_precision: b
                 if inp.stats.absmax > lim:
                     keep(
                         Finding(
-                            "exp_overflow_risk", "warning", where,
-                            {"input_absmax": inp.stats.absmax, "threshold": lim, "input_from": inp.label},
+                            "exp_overflow_risk",
+                            "warning",
+                            where,
+                            {
+                                "input_absmax": inp.stats.absmax,
+                                "threshold": lim,
+                                "input_from": inp.label,
+                            },
                             f"inputs up to {fmt(inp.stats.absmax)} reach this {mtype} (exp overflows above "
                             f"{lim:.4g} in {e.dtype}); its probabilities saturate to exact 0/1 and a log of "
                             "them gives -inf: scale the logits down (temperature, normalisation) or keep "
                             "them in log space.",
-                            event=e.index, module=e.module,
+                            event=e.index,
+                            module=e.module,
                         ),
                         inp.stats.absmax,
                     )
         if e.dtype == "float16" and s.absmax > FP16_RISK_FRACTION * FP16_MAX:
             keep(
                 Finding(
-                    "fp16_overflow_risk", "warning", where,
-                    {"absmax": s.absmax, "threshold": FP16_RISK_FRACTION * FP16_MAX, "limit": FP16_MAX},
+                    "fp16_overflow_risk",
+                    "warning",
+                    where,
+                    {
+                        "absmax": s.absmax,
+                        "threshold": FP16_RISK_FRACTION * FP16_MAX,
+                        "limit": FP16_MAX,
+                    },
                     f"float16 activations reach {fmt(s.absmax)}, within a factor 2 of the largest float16 "
                     "(65504): run this module in float32 or bfloat16, or rescale its inputs.",
-                    event=e.index, module=e.module,
+                    event=e.index,
+                    module=e.module,
                 ),
                 s.absmax,
             )
-        elif mixed_precision and is_floating(e.dtype) and e.dtype != "float16" and s.absmax > FP16_RISK_FRACTION * FP16_MAX:
+        elif (
+            mixed_precision
+            and is_floating(e.dtype)
+            and e.dtype != "float16"
+            and s.absmax > FP16_RISK_FRACTION * FP16_MAX
+        ):
             keep(
                 Finding(
-                    "fp16_overflow_risk", "warning", where,
-                    {"absmax": s.absmax, "threshold": FP16_RISK_FRACTION * FP16_MAX, "limit": FP16_MAX},
+                    "fp16_overflow_risk",
+                    "warning",
+                    where,
+                    {
+                        "absmax": s.absmax,
+                        "threshold": FP16_RISK_FRACTION * FP16_MAX,
+                        "limit": FP16_MAX,
+                    },
                     f"activations reach {fmt(s.absmax)}: under float16 autocast (a GradScaler is in use) "
                     "this module's output would overflow 65504; use bfloat16 autocast or rescale.",
-                    event=e.index, module=e.module,
+                    event=e.index,
+                    module=e.module,
                 ),
                 s.absmax,
             )
         if mtype in RELU_TYPES and s.zero_frac > DEAD_RELU_ZERO_FRAC:
             keep(
                 Finding(
-                    "dead_relu", "warning", where,
+                    "dead_relu",
+                    "warning",
+                    where,
                     {"zero_frac": s.zero_frac, "threshold": DEAD_RELU_ZERO_FRAC},
                     f"{s.zero_frac:.0%} of this ReLU's outputs are exactly 0, so no gradient flows "
                     "through them: lower the learning rate, check the initialisation and the bias, or use "
                     "LeakyReLU/GELU.",
                     fix="nn.LeakyReLU(0.01)",
-                    event=e.index, module=e.module,
+                    event=e.index,
+                    module=e.module,
                 ),
                 s.zero_frac,
             )
-        share = saturated_share(mtype, e, view.input_of(e) if mtype in ("Tanh", "Sigmoid") else None)
+        share = saturated_share(
+            mtype, e, view.input_of(e) if mtype in ("Tanh", "Sigmoid") else None
+        )
         if share is not None and share > SATURATION_SHARE:
             keep(
                 Finding(
-                    "saturated_activation", "warning", where,
-                    {"saturated_share_at_least": share, "threshold": SATURATION_SHARE, "eps": SATURATION_EPS},
+                    "saturated_activation",
+                    "warning",
+                    where,
+                    {
+                        "saturated_share_at_least": share,
+                        "threshold": SATURATION_SHARE,
+                        "eps": SATURATION_EPS,
+                    },
                     f"at least {share:.0%} of this {mtype}'s outputs lie within {SATURATION_EPS:g} of its "
                     "bounds, where its derivative is ~0: normalise its inputs (LayerNorm/BatchNorm before "
                     "it) or lower the initial weights.",
-                    event=e.index, module=e.module,
+                    event=e.index,
+                    module=e.module,
                 ),
                 share,
             )
@@ -318,7 +411,9 @@ def saturated_share(mtype: str, e: Any, inp: Any = None) -> float | None:
         lo = (1 - eps) ** 2
         share = max(0.0, min(1.0, (ms - lo) / (1 - lo)))
     else:
-        cut = max(int((math.log10(eps) + 1e-12 >= HIST_EDGES).sum()) - 1, 0)  # bins entirely below eps
+        cut = max(
+            int((math.log10(eps) + 1e-12 >= HIST_EDGES).sum()) - 1, 0
+        )  # bins entirely below eps
         low = h.counts[:cut]
         near0 = (int(low.sum()) + int(h.n_zero)) / total
         rest = 1.0 - near0
@@ -329,7 +424,9 @@ def saturated_share(mtype: str, e: Any, inp: Any = None) -> float | None:
         share = min(1.0, near0 + rest * max(0.0, (mean_rest - (1 - eps)) / eps))
     if inp is not None and inp.finite and inp.stats.numel == s.numel and inp.hist.total:
         big = _share(inp.hist, lo=1.0)
-        agree = _share(h, lo=-0.5) + (0.0 if mtype == "Tanh" else _share(h, hi=-4.0) + h.n_zero / total)
+        agree = _share(h, lo=-0.5) + (
+            0.0 if mtype == "Tanh" else _share(h, hi=-4.0) + h.n_zero / total
+        )
         share = max(share, min(big, agree))
     return share
 
@@ -373,17 +470,25 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
     if not is_torch_loss(loss_fn) or poisson_exp:
         lim = exp_limit(out.dtype)
         if out.stats.absmax > lim:
-            kind = "PoissonNLLLoss with log_input=True computes exp(input)" if poisson_exp else (
-                "a hand-written loss that exponentiates them (exp, softmax + log) overflows or underflows"
+            kind = (
+                "PoissonNLLLoss with log_input=True computes exp(input)"
+                if poisson_exp
+                else (
+                    "a hand-written loss that exponentiates them (exp, softmax + log) overflows or underflows"
+                )
             )
             findings.append(
                 Finding(
-                    "exp_overflow_risk", "warning", "the loss (model output)",
+                    "exp_overflow_risk",
+                    "warning",
+                    "the loss (model output)",
                     {"output_absmax": out.stats.absmax, "threshold": lim},
                     f"the model's outputs reach {fmt(out.stats.absmax)} (> {lim:.4g} in {out.dtype}): {kind}; "
                     "use a stable built-in (F.cross_entropy, F.log_softmax, torch.logsumexp) or scale the logits.",
                     fix="loss = F.cross_entropy(logits, y)",
-                    event=out.index, module="", position=float(position),
+                    event=out.index,
+                    module="",
+                    position=float(position),
                 )
             )
     if ("binary_cross_entropy" in name or name == "bceloss") and "logits" not in name:
@@ -391,13 +496,17 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
         if s.min <= 0 or s.max >= 1:
             findings.append(
                 Finding(
-                    "log_of_nonpositive", "warning", "the loss (model output)",
+                    "log_of_nonpositive",
+                    "warning",
+                    "the loss (model output)",
                     {"output_min": s.min, "output_max": s.max, "threshold": "0 < p < 1"},
                     "probabilities of exactly 0 or 1 reach binary_cross_entropy, which takes log(p) and "
                     "log(1 - p) (clamped at -100, gradients of 1e12): output logits and use "
                     "binary_cross_entropy_with_logits.",
                     fix="loss = F.binary_cross_entropy_with_logits(logits, y)",
-                    event=out.index, module="", position=float(position),
+                    event=out.index,
+                    module="",
+                    position=float(position),
                 )
             )
     return findings

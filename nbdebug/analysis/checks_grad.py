@@ -56,9 +56,17 @@ def live_param_infos(model: torch.nn.Module) -> list[ParamInfo]:
         w_nan, w_inf = (0, 0) if math.isfinite(float(n)) else _count(p.detach())
         out.append(
             ParamInfo(
-                name=name, module=name.rsplit(".", 1)[0] if "." in name else "", shape=tuple(p.shape),
-                dtype=str(p.dtype).replace("torch.", ""), requires_grad=p.requires_grad, norm=float(n),
-                grad_norm=g_norm, n_nan=w_nan, n_inf=w_inf, grad_n_nan=g_nan, grad_n_inf=g_inf,
+                name=name,
+                module=name.rsplit(".", 1)[0] if "." in name else "",
+                shape=tuple(p.shape),
+                dtype=str(p.dtype).replace("torch.", ""),
+                requires_grad=p.requires_grad,
+                norm=float(n),
+                grad_norm=g_norm,
+                n_nan=w_nan,
+                n_inf=w_inf,
+                grad_n_nan=g_nan,
+                grad_n_inf=g_inf,
             )
         )
     return out
@@ -103,21 +111,37 @@ def grad_findings(
     types = module_types or {}
     pos = position or (lambda name: math.inf)
     if not params:
-        return [skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"], "the model has no parameters")]
+        return [
+            skipped(
+                ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
+                "the model has no parameters",
+            )
+        ]
     if not backward_ran:
-        return [skipped(["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
-                        "no backward pass (no loss, or nothing requires grad)")]
+        return [
+            skipped(
+                ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
+                "no backward pass (no loss, or nothing requires grad)",
+            )
+        ]
     out: list[Finding] = []
     frozen = [p.name for p in params if not p.requires_grad]
     unused = [p.name for p in params if p.requires_grad and p.grad_norm is None]
     if frozen:
-        out.append(skipped(["vanishing_gradient", "exploding_gradient"],
-                           f"{len(frozen)} frozen parameter(s) (requires_grad=False) have no gradient",
-                           params=frozen[:20]))
+        out.append(
+            skipped(
+                ["vanishing_gradient", "exploding_gradient"],
+                f"{len(frozen)} frozen parameter(s) (requires_grad=False) have no gradient",
+                params=frozen[:20],
+            )
+        )
     if unused and len(unused) < len(params) - len(frozen):
         out.append(
             Finding(
-                "unused_parameter", "info", f"{len(unused)} parameter(s)", {"params": unused[:20]},
+                "unused_parameter",
+                "info",
+                f"{len(unused)} parameter(s)",
+                {"params": unused[:20]},
                 "no gradient reached these parameters: they are not used by this forward (or "
                 "their path is detached); with DDP this needs find_unused_parameters=True.",
                 param=unused[0],
@@ -130,13 +154,21 @@ def grad_findings(
         ev: dict[str, Any] = {p.name: {"nan": p.grad_n_nan, "inf": p.grad_n_inf} for p in bad[:10]}
         ev["n_params"] = len(bad)
         ev["threshold"] = 0
-        names = ", ".join(p.name for p in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        names = ", ".join(p.name for p in bad[:5]) + (
+            f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        )
         out.append(
             Finding(
-                "nonfinite_gradient", "error", f"gradients of {names}", ev,
+                "nonfinite_gradient",
+                "error",
+                f"gradients of {names}",
+                ev,
                 "these gradients hold NaN/Inf: skip the step (NaNGuard does), and look at the first "
                 "backward event that is not finite for the cause.",
-                event=None, param=first.name, module=first.module, position=pos(first.name),
+                event=None,
+                param=first.name,
+                module=first.module,
+                position=pos(first.name),
             )
         )
     for p in params:
@@ -154,32 +186,46 @@ def grad_findings(
         if ratio < VANISHING_RATIO:
             out.append(
                 Finding(
-                    "vanishing_gradient", "warning", where, {**ev, "threshold": VANISHING_RATIO},
+                    "vanishing_gradient",
+                    "warning",
+                    where,
+                    {**ev, "threshold": VANISHING_RATIO},
                     f"grad/weight norm ratio {fmt(ratio)}: this layer barely learns; add normalisation or "
                     "residual connections, check for saturated or dead activations before it, or raise "
                     "its learning rate.",
-                    param=p.name, module=p.module, position=at,
+                    param=p.name,
+                    module=p.module,
+                    position=at,
                 )
             )
         elif ratio > EXPLODING_RATIO:
             out.append(
                 Finding(
-                    "exploding_gradient", "warning", where, {**ev, "threshold": EXPLODING_RATIO},
+                    "exploding_gradient",
+                    "warning",
+                    where,
+                    {**ev, "threshold": EXPLODING_RATIO},
                     f"grad/weight norm ratio {fmt(ratio)}: one step would move this weight far beyond its "
                     "size; clip the gradient norm and lower the learning rate.",
                     fix="torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
-                    param=p.name, module=p.module, position=at,
+                    param=p.name,
+                    module=p.module,
+                    position=at,
                 )
             )
     return out
 
 
-def history_grad_findings(history: Sequence[dict[str, Any]], current: float | None) -> list[Finding]:
+def history_grad_findings(
+    history: Sequence[dict[str, Any]], current: float | None
+) -> list[Finding]:
     """``exploding_gradient`` when ``current`` (the total gradient norm) is more than
     ``EXPLODING_HISTORY_FACTOR`` times the median of the recent history."""
     if current is None or not math.isfinite(current):
         return []
-    norms = [float(r["grad_norm"]) for r in history[-HISTORY_WINDOW:] if _finite(r.get("grad_norm"))]
+    norms = [
+        float(r["grad_norm"]) for r in history[-HISTORY_WINDOW:] if _finite(r.get("grad_norm"))
+    ]
     if len(norms) < HISTORY_MIN_ROWS:
         return []
     med = float(np.median(norms))
@@ -187,9 +233,16 @@ def history_grad_findings(history: Sequence[dict[str, Any]], current: float | No
         return []
     return [
         Finding(
-            "exploding_gradient", "warning", "total gradient norm",
-            {"grad_norm": current, "median": med, "factor": current / med, "threshold": EXPLODING_HISTORY_FACTOR,
-             "history_rows": len(norms)},
+            "exploding_gradient",
+            "warning",
+            "total gradient norm",
+            {
+                "grad_norm": current,
+                "median": med,
+                "factor": current / med,
+                "threshold": EXPLODING_HISTORY_FACTOR,
+                "history_rows": len(norms),
+            },
             f"the gradient norm is {current / med:.3g}x its recent median ({fmt(med)}): a loss spike or a bad "
             "batch; clip the gradient norm (e.g. at a few times the median) and check this batch.",
             fix=f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={3 * med:.3g})",

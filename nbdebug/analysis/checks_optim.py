@@ -54,7 +54,9 @@ class OptimParam:
     dtype: str
 
 
-def optimizer_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> list[OptimParam]:
+def optimizer_params(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None
+) -> list[OptimParam]:
     """The parameters of a live optimizer, named after ``model``'s parameters when given."""
     names: dict[int, str] = {}
     if model is not None:
@@ -65,11 +67,17 @@ def optimizer_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | 
         hyper = {k: v for k, v in g.items() if k != "params"}
         for pi, p in enumerate(g["params"]):
             name = names.get(id(p), f"group{gi}.param{pi}")
-            out.append(OptimParam(name, hyper, optimizer.state.get(p, {}), str(p.dtype).replace("torch.", "")))
+            out.append(
+                OptimParam(
+                    name, hyper, optimizer.state.get(p, {}), str(p.dtype).replace("torch.", "")
+                )
+            )
     return out
 
 
-def state_dict_params(state: Mapping[str, Any], names: Sequence[str | None] | None = None) -> list[OptimParam]:
+def state_dict_params(
+    state: Mapping[str, Any], names: Sequence[str | None] | None = None
+) -> list[OptimParam]:
     """The parameters of an optimizer ``state_dict()`` (e.g. a snapshot's), named by ``names``
     (the parameter name of each index, as snapshots record them)."""
     out = []
@@ -81,7 +89,14 @@ def state_dict_params(state: Mapping[str, Any], names: Sequence[str | None] | No
             if names is not None and isinstance(idx, int) and 0 <= idx < len(names):
                 name = names[idx]
             st = per_index.get(idx, {}) or {}
-            dtype = next((str(v.dtype).replace("torch.", "") for v in st.values() if isinstance(v, torch.Tensor) and v.ndim), "")
+            dtype = next(
+                (
+                    str(v.dtype).replace("torch.", "")
+                    for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.ndim
+                ),
+                "",
+            )
             out.append(OptimParam(name or f"group{gi}.param{idx}", hyper, st, dtype))
     return out
 
@@ -90,7 +105,11 @@ def state_dict_params(state: Mapping[str, Any], names: Sequence[str | None] | No
 def adam_moments(params: Sequence[OptimParam]) -> dict[str, list[float]]:
     """Bias-corrected RMS of ``exp_avg`` and ``exp_avg_sq`` per parameter (Adam-like state):
     ``{name: [m_rms, v_rms]}``. One fused norm per device and dtype."""
-    rows = [p for p in params if _is_tensor(p.state.get("exp_avg")) and _is_tensor(p.state.get("exp_avg_sq"))]
+    rows = [
+        p
+        for p in params
+        if _is_tensor(p.state.get("exp_avg")) and _is_tensor(p.state.get("exp_avg_sq"))
+    ]
     if not rows:
         return {}
     tensors = []
@@ -125,7 +144,12 @@ def adam_findings(
     for p in params:
         v = p.state.get("exp_avg_sq")
         eps = p.hyper.get("eps")
-        if not isinstance(v, torch.Tensor) or not v.numel() or not isinstance(eps, (int, float)) or v.dtype != torch.float16:
+        if (
+            not isinstance(v, torch.Tensor)
+            or not v.numel()
+            or not isinstance(eps, (int, float))
+            or v.dtype != torch.float16
+        ):
             continue
         if float(torch.tensor(float(eps), dtype=torch.float16)) != 0.0:
             continue
@@ -133,9 +157,16 @@ def adam_findings(
         if n_zero:
             out.append(
                 Finding(
-                    "adam_state_outlier", "error", f"optimizer state of {p.name}",
-                    {"eps": float(eps), "eps_in_float16": 0.0, "exp_avg_sq_zeros": n_zero, "numel": v.numel(),
-                     "threshold": FP16_SMALLEST},
+                    "adam_state_outlier",
+                    "error",
+                    f"optimizer state of {p.name}",
+                    {
+                        "eps": float(eps),
+                        "eps_in_float16": 0.0,
+                        "exp_avg_sq_zeros": n_zero,
+                        "numel": v.numel(),
+                        "threshold": FP16_SMALLEST,
+                    },
                     f"exp_avg_sq is 0 for {n_zero} elements and eps={eps:g} rounds to 0 in float16, so "
                     "the update divides by sqrt(v) + eps = 0: use eps >= 1e-4 with float16 states, or keep "
                     "float32 master weights (autocast + GradScaler).",
@@ -156,7 +187,10 @@ def adam_findings(
         series = past.get(name, [])
         if len(series) < HISTORY_MIN_ROWS:
             continue
-        for label, cur, hist in (("exp_avg", m, [s[0] for s in series]), ("exp_avg_sq", v, [s[1] for s in series])):
+        for label, cur, hist in (
+            ("exp_avg", m, [s[0] for s in series]),
+            ("exp_avg_sq", v, [s[1] for s in series]),
+        ):
             logs = np.log10([h for h in hist if h > 0 and math.isfinite(h)])
             if len(logs) < HISTORY_MIN_ROWS or not (cur > 0 and math.isfinite(cur)):
                 continue
@@ -165,9 +199,17 @@ def adam_findings(
             if abs(z) > ADAM_SIGMA:
                 out.append(
                     Finding(
-                        "adam_state_outlier", "warning", f"optimizer state of {name}",
-                        {"moment": label, "rms": cur, "history_median": float(10 ** np.median(logs)),
-                         "z_log10": z, "threshold": ADAM_SIGMA, "history_rows": len(logs)},
+                        "adam_state_outlier",
+                        "warning",
+                        f"optimizer state of {name}",
+                        {
+                            "moment": label,
+                            "rms": cur,
+                            "history_median": float(10 ** np.median(logs)),
+                            "z_log10": z,
+                            "threshold": ADAM_SIGMA,
+                            "history_rows": len(logs),
+                        },
                         f"the {label} RMS of {name} is {abs(z):.1f} sigma {'above' if z > 0 else 'below'} its "
                         "history (log scale): a gradient spike reached this parameter; clip gradients, lower "
                         "the learning rate, or check the batches of these steps.",
@@ -198,15 +240,28 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
     for k in range(2, len(lr)):
         prev, cur = lr[k - 1], lr[k]
         steady = sign[k - 2] <= 0  # not during a warm-up
-        if prev > 0 and cur / prev > LR_SPIKE_RATIO and steady and prev >= LR_SPIKE_MIN_SHARE * float(np.max(lr[:k])):
+        if (
+            prev > 0
+            and cur / prev > LR_SPIKE_RATIO
+            and steady
+            and prev >= LR_SPIKE_MIN_SHARE * float(np.max(lr[:k]))
+        ):
             spikes.add(k)
             out.append(
                 Finding(
-                    "lr_spike", "warning", f"step {steps[k]}",
-                    {"lr_before": float(prev), "lr": float(cur), "ratio": float(cur / prev), "threshold": LR_SPIKE_RATIO},
+                    "lr_spike",
+                    "warning",
+                    f"step {steps[k]}",
+                    {
+                        "lr_before": float(prev),
+                        "lr": float(cur),
+                        "ratio": float(cur / prev),
+                        "threshold": LR_SPIKE_RATIO,
+                    },
                     f"the learning rate jumped {cur / prev:.3g}x at step {steps[k]}: check the scheduler "
                     "(a restart, a wrong step count, scheduler.step() called per batch instead of per epoch).",
-                    step=_int(steps[k]), position=1e12 + k,
+                    step=_int(steps[k]),
+                    position=1e12 + k,
                 )
             )
     # boundaries: where the sign of the change switches; a one-step jump (step decay)
@@ -219,12 +274,16 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
                 k += 2 if k + 1 < len(sign) and sign[k + 1] != sign[k] else 1
                 continue
             kind = _regime(sign[k - 1], sign[k], sign[k + 1] if k + 1 < len(sign) else sign[k])
-            after = [r for _, r in pts[at + 1: at + 1 + LR_BOUNDARY_WINDOW]]
-            before = [r for _, r in pts[max(0, at + 1 - LR_BOUNDARY_WINDOW): at + 1]]
+            after = [r for _, r in pts[at + 1 : at + 1 + LR_BOUNDARY_WINDOW]]
+            before = [r for _, r in pts[max(0, at + 1 - LR_BOUNDARY_WINDOW) : at + 1]]
             rise = _loss_rise(before, after)
             bad = rise is not None and (not math.isfinite(rise) or rise > LR_BOUNDARY_LOSS_RISE)
-            ev: dict[str, Any] = {"lr_before": float(lr[at]), "lr_after": float(lr[min(at + 1, len(lr) - 1)]),
-                                  "kind": kind, "threshold": LR_BOUNDARY_LOSS_RISE}
+            ev: dict[str, Any] = {
+                "lr_before": float(lr[at]),
+                "lr_after": float(lr[min(at + 1, len(lr) - 1)]),
+                "kind": kind,
+                "threshold": LR_BOUNDARY_LOSS_RISE,
+            }
             if rise is not None:
                 ev["loss_rise"] = rise
             advice = (
@@ -235,8 +294,13 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
             )
             out.append(
                 Finding(
-                    "lr_schedule_boundary", "warning" if bad else "info", f"step {steps[min(at + 1, len(steps) - 1)]}",
-                    ev, advice, step=_int(steps[min(at + 1, len(steps) - 1)]), position=1e12 + at,
+                    "lr_schedule_boundary",
+                    "warning" if bad else "info",
+                    f"step {steps[min(at + 1, len(steps) - 1)]}",
+                    ev,
+                    advice,
+                    step=_int(steps[min(at + 1, len(steps) - 1)]),
+                    position=1e12 + at,
                 )
             )
             k += 2 if k + 1 < len(sign) and sign[k + 1] != sign[k] else 1
@@ -259,7 +323,9 @@ def _regime(before: int, now: int, after: int) -> str:
     return "end of decay"
 
 
-def _loss_rise(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> float | None:
+def _loss_rise(
+    before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]
+) -> float | None:
     if not after:
         return None
     if any(r.get("loss") is not None and not _finite(r.get("loss")) for r in after):
@@ -279,20 +345,31 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
     """``grad_clip_always_on`` (the recorded gradient norm reached ``max_norm`` in more than
     ``CLIP_ALWAYS_SHARE`` of the last steps) and ``grad_clip_never_on`` (it never did)."""
     if clip_norm is None:
-        clip_norm = next((float(r["clip_norm"]) for r in reversed(history) if _finite(r.get("clip_norm"))), None)
+        clip_norm = next(
+            (float(r["clip_norm"]) for r in reversed(history) if _finite(r.get("clip_norm"))), None
+        )
     if clip_norm is None or clip_norm <= 0:
         return []
-    norms = np.array([float(r["grad_norm"]) for r in history[-HISTORY_WINDOW:] if _finite(r.get("grad_norm"))])
+    norms = np.array(
+        [float(r["grad_norm"]) for r in history[-HISTORY_WINDOW:] if _finite(r.get("grad_norm"))]
+    )
     if len(norms) < CLIP_MIN_STEPS:
         return []
     # a norm measured before clipping exceeds max_norm; after clipping it equals it
     on = norms >= clip_norm * (1 - CLIP_REL_TOL)
     share = float(on.mean())
-    ev = {"max_norm": clip_norm, "share_clipped": share, "steps": len(norms), "median_grad_norm": float(np.median(norms))}
+    ev = {
+        "max_norm": clip_norm,
+        "share_clipped": share,
+        "steps": len(norms),
+        "median_grad_norm": float(np.median(norms)),
+    }
     if share > CLIP_ALWAYS_SHARE:
         return [
             Finding(
-                "grad_clip_always_on", "warning", f"clip_grad_norm_(max_norm={clip_norm:g})",
+                "grad_clip_always_on",
+                "warning",
+                f"clip_grad_norm_(max_norm={clip_norm:g})",
                 {**ev, "threshold": CLIP_ALWAYS_SHARE},
                 f"the gradient was clipped in {share:.0%} of the last {len(norms)} steps (median norm "
                 f"{fmt(float(np.median(norms)))}): every update has the same length, so max_norm acts as the "
@@ -303,7 +380,9 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
     if share == 0.0:
         return [
             Finding(
-                "grad_clip_never_on", "info", f"clip_grad_norm_(max_norm={clip_norm:g})",
+                "grad_clip_never_on",
+                "info",
+                f"clip_grad_norm_(max_norm={clip_norm:g})",
                 {**ev, "max_grad_norm": float(norms.max()), "threshold": clip_norm},
                 f"the gradient norm never reached max_norm={clip_norm:g} in {len(norms)} steps (largest "
                 f"{fmt(float(norms.max()))}): clipping is only a safety net here; lower max_norm if spikes "
@@ -314,7 +393,9 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
 
 
 # --------------------------------------------------------------------------- GradScaler
-def scaler_findings(history: Sequence[Mapping[str, Any]], scale_now: float | None = None) -> list[Finding]:
+def scaler_findings(
+    history: Sequence[Mapping[str, Any]], scale_now: float | None = None
+) -> list[Finding]:
     """``grad_scaler_collapse``: the scale fell ``SCALER_FALLS`` times in a row, or
     ``SCALER_SKIPS`` of the last ``SCALER_WINDOW`` steps were skipped (warning); the scale
     is below ``SCALER_MIN_SCALE`` (error)."""
@@ -329,12 +410,20 @@ def scaler_findings(history: Sequence[Mapping[str, Any]], scale_now: float | Non
             break
     recent = list(history[-SCALER_WINDOW:])
     skips = sum(1 for r in recent if r.get("skipped") and _finite(r.get("scale")))
-    ev = {"scale": scale_now, "consecutive_falls": falls, "skipped_recent": skips, "window": SCALER_WINDOW,
-          "threshold": {"falls": SCALER_FALLS, "skips": SCALER_SKIPS, "min_scale": SCALER_MIN_SCALE}}
+    ev = {
+        "scale": scale_now,
+        "consecutive_falls": falls,
+        "skipped_recent": skips,
+        "window": SCALER_WINDOW,
+        "threshold": {"falls": SCALER_FALLS, "skips": SCALER_SKIPS, "min_scale": SCALER_MIN_SCALE},
+    }
     if scale_now is not None and scale_now < SCALER_MIN_SCALE:
         return [
             Finding(
-                "grad_scaler_collapse", "error", "GradScaler", ev,
+                "grad_scaler_collapse",
+                "error",
+                "GradScaler",
+                ev,
                 f"the loss scale fell to {fmt(scale_now)} (< {SCALER_MIN_SCALE:g}): the gradients overflow float16 "
                 "even unscaled, i.e. something is already Inf/NaN; find the first non-finite step (NaNGuard "
                 "snapshot) rather than scaling further.",
@@ -343,7 +432,10 @@ def scaler_findings(history: Sequence[Mapping[str, Any]], scale_now: float | Non
     if falls >= SCALER_FALLS or skips >= SCALER_SKIPS:
         return [
             Finding(
-                "grad_scaler_collapse", "warning", "GradScaler", ev,
+                "grad_scaler_collapse",
+                "warning",
+                "GradScaler",
+                ev,
                 f"the loss scale fell {falls} times in a row and {skips} of the last {len(recent)} steps were "
                 "skipped: float16 gradients keep overflowing; look for activations near 65504, lower the "
                 "learning rate, or use bfloat16.",

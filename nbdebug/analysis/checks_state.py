@@ -54,25 +54,43 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
     shapes = {
         k: [list(sd[k].shape), list(own[k].shape)]
         for k in own
-        if k in sd and isinstance(sd[k], torch.Tensor) and isinstance(own[k], torch.Tensor)
+        if k in sd
+        and isinstance(sd[k], torch.Tensor)
+        and isinstance(own[k], torch.Tensor)
         and tuple(sd[k].shape) != tuple(own[k].shape)
     }
     if missing or unexpected or shapes:
         hint, fix = _prefix_hint(list(own), list(sd))
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+            parts.append(
+                f"{len(missing)} missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
+            )
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})")
+            parts.append(
+                f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})"
+            )
         if shapes:
             k0 = next(iter(shapes))
-            parts.append(f"{len(shapes)} shape change(s) ({k0}: checkpoint {tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})")
+            parts.append(
+                f"{len(shapes)} shape change(s) ({k0}: checkpoint {tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})"
+            )
         out.append(
             Finding(
-                "state_dict_mismatch", "error", "; ".join(parts),
-                {"missing": missing, "unexpected": unexpected, "shapes": shapes, "n_missing": len(missing),
-                 "n_unexpected": len(unexpected), "n_shape": len(shapes), "threshold": 0},
-                hint or "the checkpoint does not fit this model: load it into the architecture it was saved "
+                "state_dict_mismatch",
+                "error",
+                "; ".join(parts),
+                {
+                    "missing": missing,
+                    "unexpected": unexpected,
+                    "shapes": shapes,
+                    "n_missing": len(missing),
+                    "n_unexpected": len(unexpected),
+                    "n_shape": len(shapes),
+                    "threshold": 0,
+                },
+                hint
+                or "the checkpoint does not fit this model: load it into the architecture it was saved "
                 "from, or load with strict=False only for keys you expect to differ (and re-initialise them).",
                 fix=fix,
                 param=next(iter(missing or list(shapes)), None),
@@ -88,8 +106,15 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
             if n_bad:
                 out.append(
                     Finding(
-                        "nonfinite_weight", "error", f"checkpoint tensor {k}",
-                        {"n_nan": int(torch.isnan(v.detach()).sum()), "n_nonfinite": n_bad, "numel": v.numel(), "threshold": 0},
+                        "nonfinite_weight",
+                        "error",
+                        f"checkpoint tensor {k}",
+                        {
+                            "n_nan": int(torch.isnan(v.detach()).sum()),
+                            "n_nonfinite": n_bad,
+                            "numel": v.numel(),
+                            "threshold": 0,
+                        },
                         "the checkpoint stores NaN/Inf in this tensor: it was saved after the run diverged; "
                         "load an earlier checkpoint.",
                         param=k,
@@ -105,7 +130,7 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
         absmax = float(fin.abs().max()) if fin.numel() else 0.0
         ulp_half = fv.eps / 2
         tiny = fv.tiny
-        n_flushed = int(((fin.abs() < tiny)).sum()) - int((fin == 0).sum()) if fin.numel() else 0
+        n_flushed = int((fin.abs() < tiny).sum()) - int((fin == 0).sum()) if fin.numel() else 0
         n_zero = int((fin == 0).sum()) if fin.numel() else 0
         ev: dict[str, Any] = {
             "checkpoint_dtype": str(v.dtype).replace("torch.", ""),
@@ -125,7 +150,10 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                 ev["max_abs_error_vs_model"] = float(fin_d.max())
         out.append(
             Finding(
-                "dtype_downcast", "warning", f"{k}: {ev['checkpoint_dtype']} -> {ev['model_dtype']}", ev,
+                "dtype_downcast",
+                "warning",
+                f"{k}: {ev['checkpoint_dtype']} -> {ev['model_dtype']}",
+                ev,
                 f"these {ev['model_dtype']} weights come from a {ev['checkpoint_dtype']} checkpoint: up to "
                 f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and {ev['n_subnormal']} values "
                 "near 0 lost their precision; save full-precision checkpoints (master weights) for training.",
@@ -138,7 +166,7 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
 def _prefix_hint(own: list[str], sd: list[str]) -> tuple[str, str]:
     """(advice, fix) when a wrapper prefix explains the mismatch."""
     for p in _PREFIXES:
-        if sd and all(k.startswith(p) for k in sd) and any(k[len(p):] in own for k in sd):
+        if sd and all(k.startswith(p) for k in sd) and any(k[len(p) :] in own for k in sd):
             return (
                 f"every checkpoint key starts with '{p}' (saved from a wrapper such as DDP or "
                 "torch.compile): strip it before loading.",

@@ -69,9 +69,7 @@ def confident_assignment(pred_probs: np.ndarray, thresholds: np.ndarray) -> np.n
     return best
 
 
-def confident_joint(
-    labels: np.ndarray, assigned: np.ndarray, n_classes: int
-) -> np.ndarray:
+def confident_joint(labels: np.ndarray, assigned: np.ndarray, n_classes: int) -> np.ndarray:
     """Counts ``C[given, confidently-assigned]``, shape ``(K, K)`` int64."""
     ok = assigned >= 0
     flat = labels[ok] * n_classes + assigned[ok]
@@ -155,9 +153,7 @@ def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(part, o, axis=1).astype(np.int64), np.take_along_axis(vals, o, axis=1)
 
 
-def prune_global(
-    scores: np.ndarray, candidates: np.ndarray, n_remove: int
-) -> np.ndarray:
+def prune_global(scores: np.ndarray, candidates: np.ndarray, n_remove: int) -> np.ndarray:
     """Boolean mask ``(n,)``: the ``n_remove`` candidates with the lowest ``scores``.
 
     With ``scores`` the self-confidence, ``candidates`` the samples whose most probable

@@ -250,7 +250,11 @@ def _summary(
 
 
 def _check_options(
-    alpha: Any, correction: Any, n_clusters: Any, cluster_method: Any, n_permutations: Any,
+    alpha: Any,
+    correction: Any,
+    n_clusters: Any,
+    cluster_method: Any,
+    n_permutations: Any,
     random_state: Any = 0,
 ) -> None:
     if isinstance(random_state, bool) or not isinstance(random_state, (int, np.integer)):
@@ -260,17 +264,23 @@ def _check_options(
     if correction not in st.CORRECTIONS:
         raise ValueError(f"correction must be one of {tuple(st.CORRECTIONS)}; got {correction!r}.")
     if n_clusters != "auto" and (
-        isinstance(n_clusters, bool) or not isinstance(n_clusters, (int, np.integer)) or n_clusters < 2
+        isinstance(n_clusters, bool)
+        or not isinstance(n_clusters, (int, np.integer))
+        or n_clusters < 2
     ):
         raise ValueError(f"n_clusters must be 'auto' or an integer >= 2; got {n_clusters!r}.")
     if cluster_method not in st.CLUSTER_METHODS:
-        raise ValueError(f"cluster_method must be one of {st.CLUSTER_METHODS}; got {cluster_method!r}.")
+        raise ValueError(
+            f"cluster_method must be one of {st.CLUSTER_METHODS}; got {cluster_method!r}."
+        )
     if n_permutations != "auto" and (
         isinstance(n_permutations, bool)
         or not isinstance(n_permutations, (int, np.integer))
         or n_permutations < 1
     ):
-        raise ValueError(f"n_permutations must be 'auto' or a positive integer; got {n_permutations!r}.")
+        raise ValueError(
+            f"n_permutations must be 'auto' or a positive integer; got {n_permutations!r}."
+        )
 
 
 def drift_from_shap(
@@ -314,18 +324,35 @@ def drift_from_shap(
     sr = np.array(reference_shap, dtype=np.float64)
     sc = np.array(current_shap, dtype=np.float64)
     for name, a, like in (
-        ("reference_shap", sr, xr), ("current_shap", sc, xc), ("current", xc, xr),
+        ("reference_shap", sr, xr),
+        ("current_shap", sc, xc),
+        ("current", xc, xr),
     ):
-        if a.ndim != 2 or a.shape[1] != like.shape[1] or (name != "current" and a.shape[0] != like.shape[0]):
+        if (
+            a.ndim != 2
+            or a.shape[1] != like.shape[1]
+            or (name != "current" and a.shape[0] != like.shape[0])
+        ):
             raise ValueError(
                 f"{name} must have shape {(like.shape[0] if name != 'current' else 'n_current', like.shape[1])}; "
                 f"got {a.shape}."
             )
-    for name, a in (("reference", xr), ("current", xc), ("reference_shap", sr), ("current_shap", sc)):
+    for name, a in (
+        ("reference", xr),
+        ("current", xc),
+        ("reference_shap", sr),
+        ("current_shap", sc),
+    ):
         if not np.isfinite(a).all():
-            raise ValueError(f"{name} holds {int((~np.isfinite(a)).sum())} NaN/inf values; expected finite numbers.")
+            raise ValueError(
+                f"{name} holds {int((~np.isfinite(a)).sum())} NaN/inf values; expected finite numbers."
+            )
     d = xr.shape[1]
-    names = [str(n) for n in feature_names] if feature_names is not None else [f"x{j}" for j in range(d)]
+    names = (
+        [str(n) for n in feature_names]
+        if feature_names is not None
+        else [f"x{j}" for j in range(d)]
+    )
     if len(names) != d:
         raise ValueError(f"feature_names has {len(names)} names but the data has {d} columns.")
     timings = dict(timings or {})
@@ -336,10 +363,22 @@ def drift_from_shap(
     # and the results no longer depend on the thread count
     with threadpool_limits(limits=1):
         return _statistics(
-            xr, xc, sr, sc, names, n_clusters=n_clusters, cluster_method=cluster_method,
-            alpha=float(alpha), correction=correction, n_permutations=n_permutations,
-            random_state=random_state, progress=progress, explainer=explainer, output=output,
-            notes=notes, timings=timings,
+            xr,
+            xc,
+            sr,
+            sc,
+            names,
+            n_clusters=n_clusters,
+            cluster_method=cluster_method,
+            alpha=float(alpha),
+            correction=correction,
+            n_permutations=n_permutations,
+            random_state=random_state,
+            progress=progress,
+            explainer=explainer,
+            output=output,
+            notes=notes,
+            timings=timings,
         )
 
 
@@ -371,8 +410,12 @@ def _statistics(
     is_cur = np.r_[np.zeros(len(xr), bool), np.ones(len(xc), bool)]
     t = time.perf_counter()
     clustering = st.cluster_shap(
-        s, n_clusters=n_clusters, method=cluster_method, random_state=random_state,
-        progress=progress, max_k=st.auto_max_k(len(xr), len(xc)),
+        s,
+        n_clusters=n_clusters,
+        method=cluster_method,
+        random_state=random_state,
+        progress=progress,
+        max_k=st.auto_max_k(len(xr), len(xc)),
     )
     table, chi2, p_clu, dof = st.cluster_table(clustering, is_cur, s, x, names)
     timings["clusters"] = time.perf_counter() - t
@@ -381,7 +424,9 @@ def _statistics(
         # the smallest attainable p-value, 1 / (B + 1), stays well below alpha / 4
         n_permutations = max(999, math.ceil(40 / alpha))
     t = time.perf_counter()
-    clf = st.classifier_test(s, is_cur, n_permutations=int(n_permutations), random_state=random_state)
+    clf = st.classifier_test(
+        s, is_cur, n_permutations=int(n_permutations), random_state=random_state
+    )
     timings["classifier test"] = time.perf_counter() - t
 
     adjusted, families = st.hierarchical(
@@ -399,24 +444,44 @@ def _statistics(
     feats["drifted_input"] = feats["ks_p_adj"] <= alpha
     feats["drifted_explanation"] = feats["shap_ks_p_adj"] <= alpha
     feats["quadrant"] = [
-        st.quadrant(bool(a), bool(b)) for a, b in zip(feats["drifted_input"], feats["drifted_explanation"])
+        st.quadrant(bool(a), bool(b))
+        for a, b in zip(feats["drifted_input"], feats["drifted_explanation"])
     ]
     feats["_flag"] = feats["drifted_input"] | feats["drifted_explanation"]
     feats["_score"] = np.maximum(feats["ks"], feats["shap_ks"])
     feats = feats.sort_values(["_flag", "_score"], ascending=[False, False], kind="stable")
     feats = feats[
         [
-            "quadrant", "ks", "ks_p", "ks_p_adj", "wasserstein", "shap_ks", "shap_ks_p",
-            "shap_ks_p_adj", "shap_wasserstein", "drifted_input", "drifted_explanation",
-            "mean_shift", "shap_importance",
+            "quadrant",
+            "ks",
+            "ks_p",
+            "ks_p_adj",
+            "wasserstein",
+            "shap_ks",
+            "shap_ks_p",
+            "shap_ks_p_adj",
+            "shap_wasserstein",
+            "drifted_input",
+            "drifted_explanation",
+            "mean_shift",
+            "shap_importance",
         ]
     ]
     ctest = ClusterTest(
-        chi2, p_clu, float(adjusted["cluster shares"][0]), dof, clustering.k, clustering.method,
+        chi2,
+        p_clu,
+        float(adjusted["cluster shares"][0]),
+        dof,
+        clustering.k,
+        clustering.method,
         clustering.silhouette,
     )
     ctest_obj = ClassifierTest(
-        clf.auc, clf.p_value, float(adjusted["classifier"][0]), clf.n_permutations, clf.n_splits,
+        clf.auc,
+        clf.p_value,
+        float(adjusted["classifier"][0]),
+        clf.n_permutations,
+        clf.n_splits,
         clf.classifier,
     )
     alarm = bool(families["drift"].any())
@@ -427,8 +492,18 @@ def _statistics(
 
     corr_name = st.CORRECTIONS[correction]
     summary = _summary(
-        feats, table, ctest, ctest_obj, alarm=alarm, alpha=float(alpha), correction=corr_name,
-        explainer=explainer, output=output, n_ref=len(xr), n_cur=len(xc), notes=notes,
+        feats,
+        table,
+        ctest,
+        ctest_obj,
+        alarm=alarm,
+        alpha=float(alpha),
+        correction=corr_name,
+        explainer=explainer,
+        output=output,
+        n_ref=len(xr),
+        n_cur=len(xc),
+        notes=notes,
     )
     return DriftReport(
         features=feats,
@@ -525,8 +600,14 @@ def drift(
     """
     if explainer not in EXPLAINERS:
         raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
-    if isinstance(background, bool) or not isinstance(background, (int, np.integer)) or background < 1:
-        raise ValueError(f"background must be a positive number of reference rows; got {background!r}.")
+    if (
+        isinstance(background, bool)
+        or not isinstance(background, (int, np.integer))
+        or background < 1
+    ):
+        raise ValueError(
+            f"background must be a positive number of reference rows; got {background!r}."
+        )
     _check_options(alpha, correction, n_clusters, cluster_method, n_permutations, random_state)
     if output not in ("auto", "predicted") and (
         isinstance(output, bool) or not isinstance(output, (int, np.integer))
@@ -559,14 +640,32 @@ def drift(
 
     t = time.perf_counter()
     sv = explain_batches(
-        model, xr, xc, explainer=explainer, background=background, output=output,
-        random_state=random_state, progress=progress, adapter=adapter,
+        model,
+        xr,
+        xc,
+        explainer=explainer,
+        background=background,
+        output=output,
+        random_state=random_state,
+        progress=progress,
+        adapter=adapter,
     )
     timings["shap"] = time.perf_counter() - t
     return drift_from_shap(
-        xr, xc, sv.reference, sv.current,
-        feature_names=names, n_clusters=n_clusters, cluster_method=cluster_method, alpha=alpha,
-        correction=correction, n_permutations=n_permutations, random_state=random_state,
-        progress=progress, explainer=sv.explainer, output=sv.output, notes=notes + sv.notes,
+        xr,
+        xc,
+        sv.reference,
+        sv.current,
+        feature_names=names,
+        n_clusters=n_clusters,
+        cluster_method=cluster_method,
+        alpha=alpha,
+        correction=correction,
+        n_permutations=n_permutations,
+        random_state=random_state,
+        progress=progress,
+        explainer=sv.explainer,
+        output=sv.output,
+        notes=notes + sv.notes,
         timings=timings,
     )

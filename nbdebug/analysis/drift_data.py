@@ -83,7 +83,9 @@ def _to_frame(x: Any, which: str) -> tuple[pd.DataFrame, bool]:
     )
 
 
-def _align_columns(ref: pd.DataFrame, cur: pd.DataFrame, named: tuple[bool, bool], notes: list[str]) -> pd.DataFrame:
+def _align_columns(
+    ref: pd.DataFrame, cur: pd.DataFrame, named: tuple[bool, bool], notes: list[str]
+) -> pd.DataFrame:
     """``cur`` with the columns of ``ref`` (same names, reference order)."""
     if named[0] and named[1]:
         rcols, ccols = [str(c) for c in ref.columns], [str(c) for c in cur.columns]
@@ -189,8 +191,10 @@ def prepare_batches(
         if df.shape[1] == 0:
             raise ValueError(f"the {which} batch has no columns; expected at least one feature.")
     cur = _align_columns(ref, cur, (ref_named, cur_named), notes)
-    frame_columns = [str(c) for c in ref.columns] if ref_named else (
-        [str(c) for c in cur.columns] if cur_named else None
+    frame_columns = (
+        [str(c) for c in ref.columns]
+        if ref_named
+        else ([str(c) for c in cur.columns] if cur_named else None)
     )
     if not (ref_named and cur_named):
         # positional match: the DataFrame side (if any) gives the names
@@ -213,9 +217,11 @@ def prepare_batches(
         notes.append(f"one-hot encoded {len(bad)} non-numeric column(s): {', '.join(bad)}")
         frame_columns = [str(c) for c in ref.columns]
 
-    names = [str(c) for c in ref.columns] if (ref_named or cur_named or bad) else [
-        f"x{j}" for j in range(ref.shape[1])
-    ]
+    names = (
+        [str(c) for c in ref.columns]
+        if (ref_named or cur_named or bad)
+        else [f"x{j}" for j in range(ref.shape[1])]
+    )
     if feature_names is not None:
         names_given = [str(n) for n in feature_names]
         if len(names_given) != ref.shape[1]:
@@ -248,7 +254,8 @@ def prepare_batches(
                 if c
             ]
             raise ValueError(
-                "NaN/inf values in the features: " + "; ".join(parts)
+                "NaN/inf values in the features: "
+                + "; ".join(parts)
                 + ". Clean them, or pass nan_policy='impute' to replace them with the reference median."
             )
         ref_fin = np.where(np.isfinite(xr), xr, np.nan)

@@ -80,7 +80,9 @@ def feature_tests(
                 "shap_ks": float(sks.statistic),
                 "shap_ks_p": float(sks.pvalue),
                 "shap_wasserstein": scaled_wasserstein(sa, sb),
-                "mean_shift": shift / sd if sd > 0 else (0.0 if shift == 0 else math.copysign(math.inf, shift)),
+                "mean_shift": shift / sd
+                if sd > 0
+                else (0.0 if shift == 0 else math.copysign(math.inf, shift)),
                 "shap_importance": float(np.mean(np.abs(sa))),
             }
         )
@@ -135,7 +137,8 @@ def hierarchical(
     """
     within = {k: correct(v, method) for k, v in families.items()}
     glob = np.array(
-        [np.nanmin(w) if np.isfinite(w).any() else np.nan for w in within.values()], dtype=np.float64
+        [np.nanmin(w) if np.isfinite(w).any() else np.nan for w in within.values()],
+        dtype=np.float64,
     )
     top = correct(glob, method)
     m = int(np.isfinite(glob).sum())

@@ -124,7 +124,9 @@ def _as_2d(out: Any, n: int, what: str) -> np.ndarray:
     try:
         arr = np.asarray(out, dtype=np.float64)
     except (TypeError, ValueError) as e:
-        raise BadOutputValue(f"{what} must return numbers; it returned {type(out).__qualname__}.") from e
+        raise BadOutputValue(
+            f"{what} must return numbers; it returned {type(out).__qualname__}."
+        ) from e
     if arr.ndim == 1:
         arr = arr[:, None]
     if arr.ndim != 2 or arr.shape[0] != n:
@@ -192,8 +194,14 @@ def adapt_model(model: Any, n_features: int) -> ModelAdapter:
             return out.detach().to(device="cpu", dtype=torch.float64).numpy()
 
         return ModelAdapter(
-            "torch", model, predict_torch, "output", None, wrapped if work is not None else None,
-            dtype, device,
+            "torch",
+            model,
+            predict_torch,
+            "output",
+            None,
+            wrapped if work is not None else None,
+            dtype,
+            device,
         )
 
     if _is_estimator(model):
@@ -204,7 +212,9 @@ def adapt_model(model: Any, n_features: int) -> ModelAdapter:
         try:
             check_is_fitted(model)
         except NotFittedError as e:
-            raise ValueError(f"the model {type(model).__name__} is not fitted; fit it before drift().") from e
+            raise ValueError(
+                f"the model {type(model).__name__} is not fitted; fit it before drift()."
+            ) from e
         except TypeError:  # not a scikit-learn estimator: trust its predict
             pass
         n_in = getattr(model, "n_features_in_", None)
@@ -230,7 +240,9 @@ def adapt_model(model: Any, n_features: int) -> ModelAdapter:
                 x = pd.DataFrame(x, columns=columns)  # type: ignore[assignment]
             return _as_2d(fn(x), len(x), f"{type(model).__name__}.{method}")
 
-        classes = [c.item() if isinstance(c, np.generic) else c for c in getattr(model, "classes_", [])]
+        classes = [
+            c.item() if isinstance(c, np.generic) else c for c in getattr(model, "classes_", [])
+        ]
         return ModelAdapter("sklearn", model, predict_sklearn, method, classes or None)
 
     if callable(model):
@@ -305,14 +317,14 @@ class _Built:
     background: int
 
 
-def _build(
-    kind: str, adapter: ModelAdapter, bg: np.ndarray, d: int, random_state: int
-) -> _Built:
+def _build(kind: str, adapter: ModelAdapter, bg: np.ndarray, d: int, random_state: int) -> _Built:
     import shap
 
     if kind == "tree":
         if adapter.kind != "sklearn":
-            raise _WrongKind(f"explainer='tree' needs a tree-based estimator; got {_kind(adapter.model)}.")
+            raise _WrongKind(
+                f"explainer='tree' needs a tree-based estimator; got {_kind(adapter.model)}."
+            )
         ex = shap.TreeExplainer(adapter.model)
         return _Built(
             "TreeExplainer (path-dependent)",
@@ -322,12 +334,18 @@ def _build(
         )
     if kind == "linear":
         if adapter.kind != "sklearn" or not hasattr(adapter.model, "coef_"):
-            raise _WrongKind(f"explainer='linear' needs a linear estimator with coef_; got {_kind(adapter.model)}.")
+            raise _WrongKind(
+                f"explainer='linear' needs a linear estimator with coef_; got {_kind(adapter.model)}."
+            )
         lin = shap.LinearExplainer(adapter.model, shap.maskers.Independent(bg, max_samples=len(bg)))
-        return _Built("LinearExplainer", lambda x: _stack_outputs(lin.shap_values(x)), 100_000, len(bg))
+        return _Built(
+            "LinearExplainer", lambda x: _stack_outputs(lin.shap_values(x)), 100_000, len(bg)
+        )
     if kind in ("deep", "gradient"):
         if adapter.kind != "torch":
-            raise _WrongKind(f"explainer={kind!r} needs a torch.nn.Module; got {_kind(adapter.model)}.")
+            raise _WrongKind(
+                f"explainer={kind!r} needs a torch.nn.Module; got {_kind(adapter.model)}."
+            )
         if adapter.torch_copy is None:
             if kind == "deep":
                 raise _WrongKind(
@@ -342,7 +360,9 @@ def _build(
             deep = shap.DeepExplainer(target, bg_t)
             return _Built(
                 "DeepExplainer (DeepLIFT)",
-                lambda x: _stack_outputs(deep.shap_values(adapter.to_tensor(x), check_additivity=True)),
+                lambda x: _stack_outputs(
+                    deep.shap_values(adapter.to_tensor(x), check_additivity=True)
+                ),
                 64,
                 len(bg),
             )
@@ -424,7 +444,11 @@ def _scale(kind: str, adapter: ModelAdapter) -> str:
     if kind == "tree":
         name = type(adapter.model).__name__
         if clf:
-            return "probability" if name.startswith(("RandomForest", "ExtraTree", "DecisionTree")) else "raw tree output, log-odds"
+            return (
+                "probability"
+                if name.startswith(("RandomForest", "ExtraTree", "DecisionTree"))
+                else "raw tree output, log-odds"
+            )
         return "prediction"
     if kind == "linear":
         return "log-odds" if clf else "prediction"
@@ -464,10 +488,14 @@ def _pick_output(
                 f"{preds.shape[1]}, the explainer {k}."
             )
         pick = preds.argmax(axis=1)
-        return values[np.arange(len(values)), :, pick], f"each row's predicted class, of {k} ({scale})"
+        return values[
+            np.arange(len(values)), :, pick
+        ], f"each row's predicted class, of {k} ({scale})"
     if isinstance(output, (int, np.integer)) and not isinstance(output, bool) and -k <= output < k:
         return values[:, :, int(output)], f"{name(int(output))} ({scale})"
-    raise ValueError(f"output must be 'auto', 'predicted' or an output index in [0, {k}); got {output!r}.")
+    raise ValueError(
+        f"output must be 'auto', 'predicted' or an output index in [0, {k}); got {output!r}."
+    )
 
 
 def explain_batches(
@@ -509,8 +537,14 @@ def explain_batches(
 
     if explainer not in EXPLAINERS:
         raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
-    if isinstance(background, bool) or not isinstance(background, (int, np.integer)) or background < 1:
-        raise ValueError(f"background must be a positive number of reference rows; got {background!r}.")
+    if (
+        isinstance(background, bool)
+        or not isinstance(background, (int, np.integer))
+        or background < 1
+    ):
+        raise ValueError(
+            f"background must be a positive number of reference rows; got {background!r}."
+        )
     d = reference.shape[1]
     if adapter is None:
         adapter = adapt_model(model, d)
@@ -531,21 +565,29 @@ def explain_batches(
                     f"explainer={kind!r} cannot explain {_kind(adapter.model)}; shap says: "
                     f"{type(e).__name__}: {str(e)[:200]}"
                 ) from e
-            notes.append(f"{kind} explainer not applicable ({type(e).__name__}); used KernelExplainer")
+            notes.append(
+                f"{kind} explainer not applicable ({type(e).__name__}); used KernelExplainer"
+            )
             kind = "kernel"
             built = _build(kind, adapter, bg, d, random_state)
         if kind == "deep" and explainer == "auto":
             why = _deep_works(built, reference)
             if why is not None:
-                notes.append(f"DeepExplainer does not fit this module ({why}); used GradientExplainer")
+                notes.append(
+                    f"DeepExplainer does not fit this module ({why}); used GradientExplainer"
+                )
                 kind = "gradient"
                 built = _build(kind, adapter, bg, d, random_state)
 
         total = len(reference) + len(current)
         parts: dict[str, list[np.ndarray]] = {"reference": [], "current": []}
         with tqdm(
-            total=total, desc=f"SHAP ({built.name.split(' ')[0]})", unit="row", delay=1.0,
-            disable=not progress, leave=False,
+            total=total,
+            desc=f"SHAP ({built.name.split(' ')[0]})",
+            unit="row",
+            delay=1.0,
+            disable=not progress,
+            leave=False,
         ) as bar:
             for which, x in (("reference", reference), ("current", current)):
                 for s in range(0, len(x), built.chunk):
@@ -572,4 +614,3 @@ def explain_batches(
     sr, desc = _pick_output(vr, pr, output, adapter, scale)
     sc, _ = _pick_output(vc, pc, output, adapter, scale)
     return ShapValues(sr, sc, built.name, desc, built.background, notes)
-

@@ -230,13 +230,17 @@ class GradcheckResult:
         w = self.worst
         return w.message if w is not None else "ok: nothing to check."
 
-    def pair(self, output: str | None = None, input: str | None = None, *, order: int = 1) -> PairCheck:
+    def pair(
+        self, output: str | None = None, input: str | None = None, *, order: int = 1
+    ) -> PairCheck:
         """The pair with these names (``None`` matches any)."""
         for p in self.pairs:
             if p.order == order and output in (None, p.output) and input in (None, p.input):
                 return p
         have = [p.label for p in self.pairs]
-        raise KeyError(f"no pair with output={output!r}, input={input!r}, order={order}; pairs: {have}.")
+        raise KeyError(
+            f"no pair with output={output!r}, input={input!r}, order={order}; pairs: {have}."
+        )
 
     def to_frame(self) -> Any:
         """One row per pair: order, output, input, verdict, close, errors, the worst element's
@@ -256,8 +260,12 @@ class GradcheckResult:
                     "close": p.close,
                     "max_abs_error": p.max_abs_error,
                     "max_rel_error": p.max_rel_error,
-                    "worst_output": p.worst_output_index if p.mode == "elements" else f"projection {c}",
-                    "worst_input": p.worst_input_index if p.mode == "elements" else f"projection {c}",
+                    "worst_output": p.worst_output_index
+                    if p.mode == "elements"
+                    else f"projection {c}",
+                    "worst_input": p.worst_input_index
+                    if p.mode == "elements"
+                    else f"projection {c}",
                     "analytic": float(p.analytic[r, c]) if has else math.nan,
                     "numerical": float(p.numerical[r, c]) if has else math.nan,
                     "checked": _checked_text(p),
@@ -407,14 +415,21 @@ def _check_options(*, eps: float, atol: float, rtol: float, wrt: str, max_elemen
 
 def _resolve_fn(fn: Any) -> tuple[torch.nn.Module | None, Any, str]:
     if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
-        raise TypeError(f"fn must be callable on tensors; got the autograd.Function class {fn.__name__}: pass {fn.__name__}.apply.")
+        raise TypeError(
+            f"fn must be callable on tensors; got the autograd.Function class {fn.__name__}: pass {fn.__name__}.apply."
+        )
     if isinstance(fn, torch.nn.Module):
         return fn, fn, type(fn).__name__
     owner = getattr(fn, "__self__", None)
-    if isinstance(owner, torch.nn.Module) and getattr(fn, "__name__", None) in ("forward", "__call__"):
+    if isinstance(owner, torch.nn.Module) and getattr(fn, "__name__", None) in (
+        "forward",
+        "__call__",
+    ):
         return owner, owner, type(owner).__name__
     if not callable(fn):
-        raise TypeError(f"fn must be a function, an autograd.Function.apply or an nn.Module; got {type(fn).__qualname__}.")
+        raise TypeError(
+            f"fn must be a function, an autograd.Function.apply or an nn.Module; got {type(fn).__qualname__}."
+        )
     owner_name = getattr(owner, "__name__", None)
     name = getattr(fn, "__name__", None) or type(fn).__name__
     if name == "apply" and owner_name:
@@ -432,11 +447,15 @@ def _check_gradcheck_inputs(
             raise TypeError(f"gradcheck supports real floating-point tensors; {n} is {t.dtype}.")
     if wrt in ("params", "both"):
         if module is None:
-            raise TypeError(f"wrt={wrt!r} needs fn to be an nn.Module (to reach its parameters); got {fn_name}.")
+            raise TypeError(
+                f"wrt={wrt!r} needs fn to be an nn.Module (to reach its parameters); got {fn_name}."
+            )
         has_params = any(p.is_floating_point() and p.requires_grad for p in module.parameters())
         if wrt == "params":
             if not has_params:
-                raise ValueError(f"wrt='params' but {fn_name} has no floating-point parameter with requires_grad=True.")
+                raise ValueError(
+                    f"wrt='params' but {fn_name} has no floating-point parameter with requires_grad=True."
+                )
             return
         if has_params:
             return
@@ -445,7 +464,9 @@ def _check_gradcheck_inputs(
     hint = " (or wrt='params' to check the module's parameters)" if module is not None else ""
     if not tensors:
         given = describe(template[0]) if template[0] else "no inputs"
-        raise ValueError(f"gradcheck needs at least one floating-point input tensor with requires_grad=True; got {given}{hint}.")
+        raise ValueError(
+            f"gradcheck needs at least one floating-point input tensor with requires_grad=True; got {given}{hint}."
+        )
     floats = [(n, t) for n, t in tensors if t.is_floating_point()]
     if not floats:
         kinds = ", ".join(f"{n}: {str(t.dtype).replace('torch.', '')}" for n, t in tensors)
@@ -519,7 +540,9 @@ class _Problem:
                 )
             floats = [(n, t) for n, t in named if t.is_floating_point()]
             if not floats:
-                raise TypeError(f"{self.fn_name} returned no floating-point tensor to differentiate: {describe(raw)}.")
+                raise TypeError(
+                    f"{self.fn_name} returned no floating-point tensor to differentiate: {describe(raw)}."
+                )
             self.out_names = [n for n, _ in floats]
             self.out_shapes = [tuple(t.shape) for _, t in floats]
         got = {n: t for n, t in named}
@@ -569,7 +592,9 @@ def _make_problem(
         try:
             mod = copy.deepcopy(module)
         except Exception as e:
-            raise ValueError(f"{fn_name} cannot be copied to check it without touching it ({type(e).__name__}: {_first_line(e)}).") from e
+            raise ValueError(
+                f"{fn_name} cannot be copied to check it without touching it ({type(e).__name__}: {_first_line(e)})."
+            ) from e
         if dtype is not None:
             mod.to(dtype)
         if wrt in ("params", "both"):
@@ -603,7 +628,9 @@ def _second_order_problem(p: _Problem, seed: int) -> _Problem:
     """The backward as a function of (inputs, grad_output), like ``gradgradcheck``."""
     outs = p.outputs(p.diff)
     gen = torch.Generator().manual_seed(seed)
-    vs = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype) for o in outs]
+    vs = [
+        torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype) for o in outs
+    ]
     n = len(p.diff)
     out_names = p.out_names or []
 
@@ -616,14 +643,22 @@ def _second_order_problem(p: _Problem, seed: int) -> _Problem:
             if not live:
                 return [torch.zeros_like(x) for x in x_in]
             grads = torch.autograd.grad(
-                [y for y, _ in live], x_in, [g for _, g in live], create_graph=True, allow_unused=True
+                [y for y, _ in live],
+                x_in,
+                [g for _, g in live],
+                create_graph=True,
+                allow_unused=True,
             )
-        if any(g is not None and type(g.grad_fn).__name__ in ("Error", "DelayedError") for g in grads):
+        if any(
+            g is not None and type(g.grad_fn).__name__ in ("Error", "DelayedError") for g in grads
+        ):
             raise _FnRaised(f"the backward of {p.fn_name} is marked @once_differentiable")
         return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, x_in)]
 
     v_names = [f"grad_output {o}" if len(out_names) > 1 else "grad_output" for o in out_names]
-    q = _GradProblem(call, [*p.diff, *vs], [*p.names, *v_names], fn_name=p.fn_name, fixed_seed=p.fixed_seed)
+    q = _GradProblem(
+        call, [*p.diff, *vs], [*p.names, *v_names], fn_name=p.fn_name, fixed_seed=p.fixed_seed
+    )
     q.out_names = [f"grad {nm}" for nm in p.names]
     q.out_shapes = [tuple(x.shape) for x in p.diff]
     return q
@@ -639,7 +674,9 @@ class _GradProblem(_Problem):
         except _FnRaised:
             raise
         except Exception as e:
-            raise _FnRaised(f"the backward of {self.fn_name} raised {type(e).__name__}: {_first_line(e)}") from e
+            raise _FnRaised(
+                f"the backward of {self.fn_name} raised {type(e).__name__}: {_first_line(e)}"
+            ) from e
 
 
 # --------------------------------------------------------------------------- running
@@ -698,7 +735,13 @@ def _run_gradcheck(
     if not problem.diff:
         raise ValueError(f"{fn_name} has nothing to differentiate with wrt={wrt!r}.")
     check = functools.partial(
-        _check, eps=eps, atol=atol, rtol=rtol, max_elements=max_elements, fast=fast, seed=random_state
+        _check,
+        eps=eps,
+        atol=atol,
+        rtol=rtol,
+        max_elements=max_elements,
+        fast=fast,
+        seed=random_state,
     )
     try:
         pairs, sample_notes = check(problem, analyze=True, check_determinism=True)
@@ -873,9 +916,13 @@ class _Layout:
         for name, x in zip(problem.names, xs0):
             n = x.numel()
             if n > max_elements:
-                lay.cols.append(np.sort(rng.choice(n, size=max_elements, replace=False)).astype(np.int64))
+                lay.cols.append(
+                    np.sort(rng.choice(n, size=max_elements, replace=False)).astype(np.int64)
+                )
                 lay.sampled_in.append(True)
-                lay.notes.append(f"{name} has {n} elements: checked a random subset of {max_elements}.")
+                lay.notes.append(
+                    f"{name} has {n} elements: checked a random subset of {max_elements}."
+                )
             else:
                 lay.cols.append(np.arange(n, dtype=np.int64))
                 lay.sampled_in.append(False)
@@ -886,7 +933,9 @@ class _Layout:
             for i, x in enumerate(xs0):
                 s = torch.zeros(x.numel(), dtype=torch.float64)
                 picked = lay.cols[i]
-                s[torch.from_numpy(picked)] = torch.from_numpy(rng.uniform(0.5, 1.0, picked.size) * rng.choice([-1.0, 1.0], picked.size))
+                s[torch.from_numpy(picked)] = torch.from_numpy(
+                    rng.uniform(0.5, 1.0, picked.size) * rng.choice([-1.0, 1.0], picked.size)
+                )
                 direction = s.reshape(x.shape).to(x.device, x.dtype)
                 plus = lay.shifted(i, direction, eps)
                 minus = lay.shifted(i, direction, -eps)
@@ -908,11 +957,15 @@ class _Layout:
             for j, hit in enumerate(sets):
                 share = (quota - len(chosen)) // (len(sets) - j)
                 if share > 0:
-                    fresh = np.setdiff1d(hit, np.fromiter(chosen, dtype=np.int64, count=len(chosen)))
+                    fresh = np.setdiff1d(
+                        hit, np.fromiter(chosen, dtype=np.int64, count=len(chosen))
+                    )
                     if fresh.size:
                         take = rng.choice(fresh, size=min(share, fresh.size), replace=False)
                         chosen.update(int(t) for t in take)
-            rest = np.setdiff1d(np.arange(n), np.fromiter(chosen, dtype=np.int64, count=len(chosen)))
+            rest = np.setdiff1d(
+                np.arange(n), np.fromiter(chosen, dtype=np.int64, count=len(chosen))
+            )
             extra = rng.choice(rest, size=min(max_elements - len(chosen), rest.size), replace=False)
             chosen.update(int(t) for t in extra)
             lay.rows.append(np.sort(np.fromiter(chosen, dtype=np.int64, count=len(chosen))))
@@ -954,7 +1007,9 @@ class _Layout:
                 plus = self.shifted(i, d, h)
                 minus = self.shifted(i, d, -h)
                 for k in range(K):
-                    cols_k[k].append((self.measure(k, c, plus[k]) - self.measure(k, c, minus[k])) / (2 * h))
+                    cols_k[k].append(
+                        (self.measure(k, c, plus[k]) - self.measure(k, c, minus[k])) / (2 * h)
+                    )
             for k in range(K):
                 R = 1 if self.fast else self.rows[k].size
                 out[k][i] = np.stack(cols_k[k], axis=1) if C else np.zeros((R, 0))
@@ -972,7 +1027,14 @@ class _Layout:
             vecs = []
             for k in range(K):
                 for p in range(self.n_proj):
-                    vecs.append(torch.cat([self.u[k][p].to(y.dtype) if j == k else torch.zeros_like(y) for j, y in enumerate(ys)]))
+                    vecs.append(
+                        torch.cat(
+                            [
+                                self.u[k][p].to(y.dtype) if j == k else torch.zeros_like(y)
+                                for j, y in enumerate(ys)
+                            ]
+                        )
+                    )
             y = torch.cat(ys)
             grads, no_graph = _batched_vjp(y, xs, torch.stack(vecs), self.problem.fn_name)
             out = [[np.zeros((1, self.n_proj)) for _ in range(n_in)] for _ in range(K)]
@@ -980,9 +1042,15 @@ class _Layout:
                 for i in range(n_in):
                     for p in range(self.n_proj):
                         g = grads[i][k * self.n_proj + p]
-                        out[k][i][0, p] = float(torch.dot(g.to(torch.float64), self.v[i][p].reshape(-1).to(torch.float64)))
+                        out[k][i][0, p] = float(
+                            torch.dot(
+                                g.to(torch.float64), self.v[i][p].reshape(-1).to(torch.float64)
+                            )
+                        )
             return out, no_graph
-        sel = [o.reshape(-1)[torch.from_numpy(self.rows[k]).to(o.device)] for k, o in enumerate(outs)]
+        sel = [
+            o.reshape(-1)[torch.from_numpy(self.rows[k]).to(o.device)] for k, o in enumerate(outs)
+        ]
         y = torch.cat(sel) if sel else torch.zeros(0)
         eye = torch.eye(y.numel(), dtype=y.dtype, device=y.device)
         cols = [torch.from_numpy(c).to(x.device) for c, x in zip(self.cols, xs)]
@@ -991,7 +1059,9 @@ class _Layout:
         offset = 0
         for k in range(K):
             R = self.rows[k].size
-            out.append([grads[i][offset : offset + R].to(torch.float64).cpu().numpy() for i in range(n_in)])
+            out.append(
+                [grads[i][offset : offset + R].to(torch.float64).cpu().numpy() for i in range(n_in)]
+            )
             offset += R
         return out, no_graph
 
@@ -1025,7 +1095,9 @@ def _batched_vjp(
         try:
             gs = torch.autograd.grad(y, xs, vecs[r], retain_graph=True, allow_unused=True)
         except Exception as e:
-            raise _FnRaised(f"the backward of {fn_name} raised {type(e).__name__}: {_first_line(e)}") from e
+            raise _FnRaised(
+                f"the backward of {fn_name} raised {type(e).__name__}: {_first_line(e)}"
+            ) from e
         return [take(g, i, 1)[0] for i, g in enumerate(gs)]
 
     first = single(0)
@@ -1041,11 +1113,17 @@ def _batched_vjp(
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     gs = torch.autograd.grad(
-                        y, xs, vecs[start:stop], retain_graph=True, allow_unused=True, is_grads_batched=True
+                        y,
+                        xs,
+                        vecs[start:stop],
+                        retain_graph=True,
+                        allow_unused=True,
+                        is_grads_batched=True,
                     )
                 rows_out = [take(g, i, stop - start) for i, g in enumerate(gs)]
                 if start == 0 and not all(
-                    torch.allclose(r[0], f, rtol=1e-9, atol=1e-12, equal_nan=True) for r, f in zip(rows_out, first)
+                    torch.allclose(r[0], f, rtol=1e-9, atol=1e-12, equal_nan=True)
+                    for r, f in zip(rows_out, first)
                 ):
                     rows_out, batched = None, False
             except Exception:
@@ -1094,7 +1172,13 @@ class _Column:
 
 
 def _explain(
-    pairs: list[PairCheck], lay: _Layout, problem: _Problem, xs0: list[torch.Tensor], *, eps: float, no_graph: bool
+    pairs: list[PairCheck],
+    lay: _Layout,
+    problem: _Problem,
+    xs0: list[torch.Tensor],
+    *,
+    eps: float,
+    no_graph: bool,
 ) -> None:
     failing = [p for p in pairs if not p.close]
     if not failing:
@@ -1117,8 +1201,12 @@ def _explain(
             col = _Column([], [], [], [])
             for k in range(K):
                 m0 = lay.measure(k, c, lay.f0[k])
-                col.n_small.append((lay.measure(k, c, fs_p[k]) - lay.measure(k, c, fs_m[k])) / (2 * h_small))
-                col.n_large.append((lay.measure(k, c, fl_p[k]) - lay.measure(k, c, fl_m[k])) / (2 * h_large))
+                col.n_small.append(
+                    (lay.measure(k, c, fs_p[k]) - lay.measure(k, c, fs_m[k])) / (2 * h_small)
+                )
+                col.n_large.append(
+                    (lay.measure(k, c, fl_p[k]) - lay.measure(k, c, fl_m[k])) / (2 * h_large)
+                )
                 col.right.append((lay.measure(k, c, fp[k]) - m0) / eps)
                 col.left.append((m0 - lay.measure(k, c, fm[k])) / eps)
             measured[(i, c)] = col
@@ -1126,7 +1214,9 @@ def _explain(
         i, k = index_of_input[p.input], index_of_output[p.output]
         kinds: dict[int, tuple[str, dict[str, Any]]] = {}
         for c in _worst_columns(p):
-            kinds[c] = _classify(p, c, measured[(i, c)], k, eps=eps, h_small=h_small, h_large=h_large)
+            kinds[c] = _classify(
+                p, c, measured[(i, c)], k, eps=eps, h_small=h_small, h_large=h_large
+            )
         found = [kind for kind, _ in kinds.values()]
         if "wrong" in found:
             p.verdict = "backward is wrong"
@@ -1138,7 +1228,9 @@ def _explain(
         c = next(c for c in _worst_columns(p) if _KIND_VERDICT[kinds[c][0]] == p.verdict)
         kind, info = kinds[c]
         p.worst = (int(info["row"]), c)
-        p.message = _message(p, kind, info, xs0[i], eps=eps, h_small=h_small, h_large=h_large, no_graph=no_graph)
+        p.message = _message(
+            p, kind, info, xs0[i], eps=eps, h_small=h_small, h_large=h_large, no_graph=no_graph
+        )
 
 
 _KIND_VERDICT = {
@@ -1186,7 +1278,11 @@ def _classify(
         return "not finite", info
     e_s, e_0, e_l = (float(np.max(np.abs(a - v))) for v in (ns, n0, nl))
     info.update(e_s=e_s, e_0=e_0, e_l=e_l)
-    if e_s > 3 * e_0 and e_0 > 3 * e_l and bool(np.all(np.abs(a - nl) <= p.atol + p.rtol * np.abs(nl) + 0.1 * e_0)):
+    if (
+        e_s > 3 * e_0
+        and e_0 > 3 * e_l
+        and bool(np.all(np.abs(a - nl) <= p.atol + p.rtol * np.abs(nl) + 0.1 * e_0))
+    ):
         return "precision", info
     if bool(np.all(np.abs(a - ns) <= p.atol + p.rtol * np.abs(ns))):
         return "near kink", info
@@ -1266,7 +1362,11 @@ def _wrong_hint(p: PairCheck, no_graph: bool) -> str:
     if big.sum() >= 1:
         q = a[big] / n[big]
         m = float(np.median(q))
-        if m != 0 and np.all(np.abs(q - m) <= 1e-3 * abs(m) + 1e-9) and np.all(np.abs(a[~big]) <= tol[~big]):
+        if (
+            m != 0
+            and np.all(np.abs(q - m) <= 1e-3 * abs(m) + 1e-9)
+            and np.all(np.abs(a[~big]) <= tol[~big])
+        ):
             return f"the backward is {m:.4g} times the true gradient everywhere (a missing or extra constant factor)"
     return ""
 
@@ -1331,7 +1431,9 @@ def _idx(index: tuple[int, ...] | None) -> str:
 def _unit(rng: np.random.Generator, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     v = rng.standard_normal(int(np.prod(shape)) if shape else 1)
     v /= np.linalg.norm(v) or 1.0
-    return torch.from_numpy(v.reshape(shape)).to(like.device, torch.float64 if not like.is_floating_point() else like.dtype)
+    return torch.from_numpy(v.reshape(shape)).to(
+        like.device, torch.float64 if not like.is_floating_point() else like.dtype
+    )
 
 
 def _checked_text(p: PairCheck) -> str:

@@ -127,7 +127,11 @@ def iter_module_checks(
             else:
                 (args, kwargs), n_calls = call
                 floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
-                own = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.requires_grad]
+                own = [
+                    p
+                    for p in module.parameters(recurse=False)
+                    if p.is_floating_point() and p.requires_grad
+                ]
                 if not floats and not own:
                     row["reason"] = "no floating-point input or parameter to differentiate"
                 else:
@@ -201,7 +205,9 @@ def _capture_module_inputs(
                 call, count = captured[name]
                 captured[name] = (call, count + 1)
                 return
-            clone = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            clone = tree_map(
+                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
             captured[name] = (clone, 1)
 
         return hook
@@ -214,7 +220,9 @@ def _capture_module_inputs(
             with torch.enable_grad():
                 call_model(model, sliced)
         except Exception as e:
-            where = f" Executed modules up to: {last[0] or '(none)'}." if last[0] or captured else ""
+            where = (
+                f" Executed modules up to: {last[0] or '(none)'}." if last[0] or captured else ""
+            )
             raise ValueError(
                 f"the model raised {type(e).__name__} on the first {keep} batch rows: {_first_line(e)}.{where}"
             ) from e

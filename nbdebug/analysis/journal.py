@@ -102,7 +102,9 @@ class Journal:
         The file is not a journal, or was written for different data.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fingerprint: str, n_items: int, n_classes: int):
+    def __init__(
+        self, path: str | os.PathLike[str], *, fingerprint: str, n_items: int, n_classes: int
+    ):
         self.path = Path(path)
         self.fingerprint = fingerprint
         self.records: list[dict[str, Any]] = []

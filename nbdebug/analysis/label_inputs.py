@@ -17,7 +17,6 @@ import pandas as pd
 IN_SAMPLE_CONFIDENCE = 0.98
 
 
-
 def _describe(x: Any) -> str:
     shape = getattr(x, "shape", None)
     if shape is not None:
@@ -67,7 +66,9 @@ def check_labels(labels: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=True)
 
 
-def check_pred_probs(pred_probs: Any, n: int | None = None, *, name: str = "pred_probs") -> np.ndarray:
+def check_pred_probs(
+    pred_probs: Any, n: int | None = None, *, name: str = "pred_probs"
+) -> np.ndarray:
     """Probabilities as a float64 array ``(n, K)`` whose rows sum to 1.
 
     Rows that do not sum to 1 are normalised with a warning; NaN, inf or negative entries
@@ -134,9 +135,7 @@ def _check_range(labels: np.ndarray, k: int) -> None:
 def _check_nonnegative(labels: np.ndarray) -> None:
     if labels.min() < 0:
         i = int(np.argmin(labels))
-        raise ValueError(
-            f"labels must be class indices 0..K-1; sample {i} has label {labels[i]}."
-        )
+        raise ValueError(f"labels must be class indices 0..K-1; sample {i} has label {labels[i]}.")
 
 
 def _warn_in_sample(sc: np.ndarray, pred: np.ndarray, labels: np.ndarray) -> None:

@@ -294,9 +294,7 @@ def find_label_issues(
                 )
             _check_nonnegative(y)
             probs_list = [
-                check_pred_probs(
-                    out_of_fold_probs(X, y, m, cv=cv, random_state=random_state), n
-                )
+                check_pred_probs(out_of_fold_probs(X, y, m, cv=cv, random_state=random_state), n)
                 for m in models
             ]
             model_names = [_model_name(_wrap_model(m, random_state)) for m in models]
@@ -304,7 +302,11 @@ def find_label_issues(
         P = stack.mean(axis=0)
     else:
         if supplied:
-            if isinstance(pred_probs, (list, tuple)) and len(pred_probs) > 0 and np.ndim(pred_probs[0]) == 2:
+            if (
+                isinstance(pred_probs, (list, tuple))
+                and len(pred_probs) > 0
+                and np.ndim(pred_probs[0]) == 2
+            ):
                 raise ValueError(
                     f"a list of {len(pred_probs)} probability arrays is for method='ensemble'; "
                     f"method={method!r} takes one (n, K) array."
@@ -314,14 +316,19 @@ def find_label_issues(
             _check_nonnegative(y)
             P = check_pred_probs(
                 out_of_fold_probs(
-                    X, y, _default_model(random_state) if model is None else model,
-                    cv=cv, random_state=random_state,
+                    X,
+                    y,
+                    _default_model(random_state) if model is None else model,
+                    cv=cv,
+                    random_state=random_state,
                 ),
                 n,
             )
-            model_names = [_model_name(_wrap_model(model, random_state))] if model is not None else [
-                "LogisticRegression"
-            ]
+            model_names = (
+                [_model_name(_wrap_model(model, random_state))]
+                if model is not None
+                else ["LogisticRegression"]
+            )
         else:
             raise ValueError(
                 "find_label_issues needs pred_probs= (out-of-fold probabilities, shape (n, K)) "
@@ -395,7 +402,9 @@ def find_label_issues(
     quality = sc if rank_by == "self_confidence" else margin
     # flagged first, each part by quality ascending (quality lies in [0, 1])
     order = np.argsort(np.where(flagged, quality - 2.0, quality), kind="stable")
-    meth = pd.Categorical.from_codes(flagged[order].astype(np.int8), categories=pd.Index(["", method]))
+    meth = pd.Categorical.from_codes(
+        flagged[order].astype(np.int8), categories=pd.Index(["", method])
+    )
     top3 = top_cls[:, 2] if k > 2 else np.full(n, -1)
     top3_p = top_p[:, 2] if k > 2 else np.full(n, np.nan)
     columns = {

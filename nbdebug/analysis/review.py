@@ -40,7 +40,9 @@ def check_issues(issues: Any, labels: np.ndarray) -> pd.DataFrame:
             "nbdebug.find_label_issues."
         )
     idx = issues.index.to_numpy()
-    if not np.issubdtype(idx.dtype, np.integer) or (len(idx) and (idx.min() < 0 or idx.max() >= len(labels))):
+    if not np.issubdtype(idx.dtype, np.integer) or (
+        len(idx) and (idx.min() < 0 or idx.max() >= len(labels))
+    ):
         raise ValueError(
             f"issues' index must hold sample positions 0..{len(labels) - 1} (as returned by "
             "find_label_issues); it does not."
@@ -135,8 +137,13 @@ class LabelReview:
         """Show only suspects with this given label and/or this suggested label."""
         for name, v in (("given", given), ("suggested", suggested)):
             if v is not None and not (isinstance(v, (int, np.integer)) and 0 <= v < self.n_classes):
-                raise ValueError(f"{name} must be a class in 0..{self.n_classes - 1} or None; got {v!r}.")
-        self._filter = (None if given is None else int(given), None if suggested is None else int(suggested))
+                raise ValueError(
+                    f"{name} must be a class in 0..{self.n_classes - 1} or None; got {v!r}."
+                )
+        self._filter = (
+            None if given is None else int(given),
+            None if suggested is None else int(suggested),
+        )
 
     @property
     def filter(self) -> tuple[int | None, int | None]:
@@ -194,10 +201,14 @@ class LabelReview:
         if item is None:
             cur = self.current
             if cur is None:
-                raise ValueError("the queue is done: no item left to decide (pass item= explicitly).")
+                raise ValueError(
+                    "the queue is done: no item left to decide (pass item= explicitly)."
+                )
             return cur
         if not isinstance(item, (int, np.integer)) or not 0 <= int(item) < len(self.labels):
-            raise ValueError(f"item must be a sample position in 0..{len(self.labels) - 1}; got {item!r}.")
+            raise ValueError(
+                f"item must be a sample position in 0..{len(self.labels) - 1}; got {item!r}."
+            )
         if int(item) not in self.issues.index:
             raise ValueError(f"sample {item} is not in issues.")
         return int(item)
@@ -222,7 +233,9 @@ class LabelReview:
             if new_label < 0:
                 raise ValueError(f"sample {i} has no suggested label: pass new_label=.")
         if not isinstance(new_label, (int, np.integer)) or not 0 <= int(new_label) < self.n_classes:
-            raise ValueError(f"new_label must be a class in 0..{self.n_classes - 1}; got {new_label!r}.")
+            raise ValueError(
+                f"new_label must be a class in 0..{self.n_classes - 1}; got {new_label!r}."
+            )
         return self._apply([self._record(i, "relabel", int(new_label))])[0]
 
     def exclude(self, item: int | None = None) -> dict[str, Any]:
@@ -245,7 +258,9 @@ class LabelReview:
 
     def _bulk_candidates(self, threshold: float) -> np.ndarray:
         if not isinstance(threshold, (int, float)) or not 0.0 <= float(threshold) <= 1.0:
-            raise ValueError(f"the score threshold must be a probability in [0, 1]; got {threshold!r}.")
+            raise ValueError(
+                f"the score threshold must be a probability in [0, 1]; got {threshold!r}."
+            )
         p = self.pending()
         if not len(p):
             return p
@@ -284,7 +299,9 @@ class LabelReview:
         cols = ["item", "old_label", "new_label", "action", "score", "method", "time"]
         recs = sorted(self._state.values(), key=lambda r: int(r["seq"]))
         df = pd.DataFrame([{c: r.get(c) for c in cols} for r in recs], columns=cols)
-        return df.astype({"item": "int64", "old_label": "int64", "new_label": "int64", "score": "float64"})
+        return df.astype(
+            {"item": "int64", "old_label": "int64", "new_label": "int64", "score": "float64"}
+        )
 
     def cleaned_labels(self) -> np.ndarray:
         """A copy of the labels with every relabel applied, shape ``(n,)`` int64."""
@@ -334,9 +351,7 @@ class LabelReview:
                 ) from e
             df.to_parquet(p, index=False)
         else:
-            raise ValueError(
-                f"export path must end in .csv or .parquet; got {p.name!r}."
-            )
+            raise ValueError(f"export path must end in .csv or .parquet; got {p.name!r}.")
         return p
 
     def progress(self) -> dict[str, int]:

@@ -37,7 +37,9 @@ def check_inputs(inputs: Any) -> Any:
     """Validate the batch structure and that it is not empty."""
     if isinstance(inputs, torch.Tensor):
         if inputs.numel() == 0:
-            raise ValueError(f"the batch is empty: expected a non-empty tensor, got shape {tuple(inputs.shape)}.")
+            raise ValueError(
+                f"the batch is empty: expected a non-empty tensor, got shape {tuple(inputs.shape)}."
+            )
         return inputs
     if isinstance(inputs, (tuple, list, Mapping)):
         if len(inputs) == 0:
@@ -160,7 +162,9 @@ def compute_loss(
             f"attribute, or a scalar output; the model returned {describe(output)}{hint}."
         )
     if not isinstance(loss, torch.Tensor):
-        raise LossError(f"the loss must be a scalar tensor; {source} returned {type(loss).__qualname__}.")
+        raise LossError(
+            f"the loss must be a scalar tensor; {source} returned {type(loss).__qualname__}."
+        )
     if loss.numel() != 1:
         raise LossError(
             f"the loss must be a scalar tensor; {source} returned a tensor of shape {tuple(loss.shape)} "

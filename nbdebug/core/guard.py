@@ -113,7 +113,9 @@ class NonFiniteError(RuntimeError):
         return (_rebuild_error, (str(self), self.path, self.step, self.reason))
 
 
-def _rebuild_error(message: str, path: Path | None, step: int, reason: dict[str, Any]) -> NonFiniteError:
+def _rebuild_error(
+    message: str, path: Path | None, step: int, reason: dict[str, Any]
+) -> NonFiniteError:
     return NonFiniteError(message, path=path, step=step, reason=reason)
 
 
@@ -231,22 +233,40 @@ class NaNGuard:
     ):
         self.model = check_model(model)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}.")
-        if scaler is not None and not (hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__qualname__}.")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}."
+            )
+        if scaler is not None and not (
+            hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")
+        ):
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__qualname__}."
+            )
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
-            raise TypeError(f"scheduler must have a state_dict() (an LR scheduler); got {type(scheduler).__qualname__}.")
+            raise TypeError(
+                f"scheduler must have a state_dict() (an LR scheduler); got {type(scheduler).__qualname__}."
+            )
         if on_nonfinite not in ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {ACTIONS}; got {on_nonfinite!r}.")
-        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 0):
+        if patience is not None and (
+            isinstance(patience, bool) or not isinstance(patience, int) or patience < 0
+        ):
             raise ValueError(f"patience must be a non-negative int or None; got {patience!r}.")
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"history must be a positive int; got {history!r}.")
         if not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(f"directory must be a str or os.PathLike; got {type(directory).__qualname__}.")
+            raise TypeError(
+                f"directory must be a str or os.PathLike; got {type(directory).__qualname__}."
+            )
         if max_snapshots is not None and (not isinstance(max_snapshots, int) or max_snapshots < 1):
-            raise ValueError(f"max_snapshots must be a positive int or None; got {max_snapshots!r}.")
-        if isinstance(param_norm_every, bool) or not isinstance(param_norm_every, int) or param_norm_every < 1:
+            raise ValueError(
+                f"max_snapshots must be a positive int or None; got {max_snapshots!r}."
+            )
+        if (
+            isinstance(param_norm_every, bool)
+            or not isinstance(param_norm_every, int)
+            or param_norm_every < 1
+        ):
             raise ValueError(f"param_norm_every must be a positive int; got {param_norm_every!r}.")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__qualname__}.")
@@ -298,7 +318,9 @@ class NaNGuard:
             return torch.cuda.get_rng_state_all()
         return None
 
-    def _norm_total(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _norm_total(
+        self, tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """L2 norm of all ``tensors`` together, on ``self._device``, without a host sync."""
         if not tensors:
             return torch.zeros((), dtype=dtype, device=self._device)
@@ -309,7 +331,9 @@ class NaNGuard:
         for t in tensors:
             by_dev.setdefault(t.device, []).append(t)
         parts = [
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=dtype))).to(self._device)
+            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=dtype))).to(
+                self._device
+            )
             for ts in by_dev.values()
         ]
         return torch.linalg.vector_norm(torch.stack(parts))
@@ -375,14 +399,18 @@ class NaNGuard:
         self._next_step = step + 1
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
-                raise ValueError(f"loss must be a scalar; got a tensor of shape {tuple(loss.shape)}.")
+                raise ValueError(
+                    f"loss must be a scalar; got a tensor of shape {tuple(loss.shape)}."
+                )
             loss_t = loss.detach().reshape(()).to(self._device, torch.float32)
         elif loss is None:
             loss_t = torch.zeros((), dtype=torch.float32, device=self._device)
         elif isinstance(loss, (int, float)):
             loss_t = torch.tensor(float(loss), dtype=torch.float32, device=self._device)
         else:
-            raise TypeError(f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}.")
+            raise TypeError(
+                f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}."
+            )
 
         grads = [g for g in (p.grad for p in self._params) if g is not None]
         if any(g.is_sparse for g in grads):  # nn.Embedding(sparse=True)
@@ -436,7 +464,9 @@ class NaNGuard:
         if loss_bad or not math.isfinite(gnorm) or (pnorm is not None and not math.isfinite(pnorm)):
             kind, detail = self._diagnose(loss_bad, gnorm, pnorm, scale)
             if pnorm is None:  # a bad step: the weights are measured too
-                pnorm = row["param_norm"] = math.sqrt(sum(v * v for v in detail["param_norms"].values()))
+                pnorm = row["param_norm"] = math.sqrt(
+                    sum(v * v for v in detail["param_norms"].values())
+                )
         if kind == "grad" and scale is not None:
             # the scaler sees the inf/NaN gradients and skips this update itself
             kind = None
@@ -449,7 +479,9 @@ class NaNGuard:
             self.scaler_streak = 0
         if kind is None and scale is not None and scale < self.min_scale:
             kind = "scale"
-            detail["message_extra"] = f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
+            detail["message_extra"] = (
+                f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
+            )
 
         if self.checks:  # health checks every N steps, recorded in row["checks"]
             _health_checks()[1](self, row, failing=kind is not None)
@@ -486,8 +518,12 @@ class NaNGuard:
         bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
         grad_norms = {}
         if with_grad:
-            norms = torch.stack(torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float64)).tolist()
-            div = scale if isinstance(scale, float) and scale > 0 and self.scaler is not None else 1.0
+            norms = torch.stack(
+                torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float64)
+            ).tolist()
+            div = (
+                scale if isinstance(scale, float) and scale > 0 and self.scaler is not None else 1.0
+            )
             grad_norms = {n: v / div for (n, _), v in zip(with_grad, norms)}
         detail: dict[str, Any] = {
             "nonfinite_weights": weights,
@@ -496,7 +532,11 @@ class NaNGuard:
             "param_norms": dict(
                 zip(
                     [names.get(id(p), "?") for p in self._params],
-                    torch.stack(torch._foreach_norm([p.detach() for p in self._params], 2, dtype=torch.float64)).tolist()
+                    torch.stack(
+                        torch._foreach_norm(
+                            [p.detach() for p in self._params], 2, dtype=torch.float64
+                        )
+                    ).tolist()
                     if self._params
                     else [],
                 )
@@ -510,7 +550,9 @@ class NaNGuard:
             return "grad", detail
         return None, detail  # a norm overflowed but every element is finite
 
-    def _message(self, kind: str, step: int, loss: float | None, gnorm: float, detail: dict[str, Any]) -> str:
+    def _message(
+        self, kind: str, step: int, loss: float | None, gnorm: float, detail: dict[str, Any]
+    ) -> str:
         def listing(d: dict[str, dict[str, int]]) -> str:
             items = [f"{n} ({v['nan']} NaN, {v['inf']} Inf)" for n, v in list(d.items())[:5]]
             more = f" and {len(d) - 5} more" if len(d) > 5 else ""
@@ -612,7 +654,9 @@ class NaNGuard:
 
     # ------------------------------------------------------------------ other forms
     @contextmanager
-    def step(self, inputs: Any = None, target: Any = None, *, step: int | None = None) -> Iterator[GuardedStep]:
+    def step(
+        self, inputs: Any = None, target: Any = None, *, step: int | None = None
+    ) -> Iterator[GuardedStep]:
         """A guarded training step (context manager).
 
         In the block do the forward and backward and set ``s.loss``. On leaving it the
@@ -631,7 +675,9 @@ class NaNGuard:
         if isinstance(loss, (tuple, list)) and loss:
             loss = loss[0]
         if loss is None:
-            raise ValueError("set s.loss inside the guarded step (with guard.step(...) as s: s.loss = ...).")
+            raise ValueError(
+                "set s.loss inside the guarded step (with guard.step(...) as s: s.loss = ...)."
+            )
         opt = self.optimizer
         try:
             s.ok = self.check(loss, inputs=s.inputs, target=s.target, step=s.step)
@@ -646,7 +692,11 @@ class NaNGuard:
                 opt.zero_grad(set_to_none=True)
 
     def wrap(
-        self, fn: Callable[..., Any] | None = None, *, inputs: int | str = 0, target: int | str | None = 1
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        inputs: int | str = 0,
+        target: int | str | None = 1,
     ) -> Any:
         """Decorator for a step function that does forward + backward and returns the loss
         (or a tuple starting with it): each call becomes a guarded step (see :meth:`step`).

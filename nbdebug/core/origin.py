@@ -104,7 +104,9 @@ def _backward(rec: Recorder, i: int, kind: str) -> Located:
     prod = rec.raw[i].call
     parent = rec.calls[prod].parent if prod >= 0 else -1
     if parent >= 0:
-        return Located(event=i, call=parent, candidates=[parent], module=rec.calls[parent].module, kind=kind)
+        return Located(
+            event=i, call=parent, candidates=[parent], module=rec.calls[parent].module, kind=kind
+        )
     return Located(event=i, kind=kind)
 
 
@@ -147,10 +149,19 @@ def user_source() -> str | None:
     while f is not None:
         fn = f.f_code.co_filename
         if fn.startswith(_OWN_DIR):
-            if f.f_code.co_name in ("replay_forward", "replay_backward", "replay_loss", "compute_loss"):
+            if f.f_code.co_name in (
+                "replay_forward",
+                "replay_backward",
+                "replay_loss",
+                "compute_loss",
+            ):
                 break  # left the replayed code
         elif fn.startswith(_TORCH_DIR):
-            if torch_frame is None and not fn.endswith(("overrides.py", "_tensor.py")) and "/utils/" not in fn:
+            if (
+                torch_frame is None
+                and not fn.endswith(("overrides.py", "_tensor.py"))
+                and "/utils/" not in fn
+            ):
                 torch_frame = f
         elif not fn.startswith(_SKIP_DIRS) and not fn.startswith("<frozen"):
             return f"{_cell_name(fn) or os.path.basename(fn)}:{f.f_lineno}"
@@ -213,7 +224,9 @@ class _Spy(TorchFunctionMode):
                 self.first_inf = (op_name(func), user_source())
             bad_out = [t for t in outs if _has(t, self.kind)]
             if bad_out and not any(_has(t, self.kind) for t in ins):
-                self.found = OpFinding(op_name(func), user_source(), _rows(bad_out[0], self.batch_size))
+                self.found = OpFinding(
+                    op_name(func), user_source(), _rows(bad_out[0], self.batch_size)
+                )
         return out
 
 
@@ -241,7 +254,11 @@ def _inf_note(spy: _Spy) -> str:
     if spy.kind != "nan" or spy.first_inf is None or f is None or spy.first_inf[0] == f.op:
         return ""
     op, src = spy.first_inf
-    return f"{f.op} turned an Inf into NaN; the Inf was made by {op}" + (f" at {src}" if src else "") + "."
+    return (
+        f"{f.op} turned an Inf into NaN; the Inf was made by {op}"
+        + (f" at {src}" if src else "")
+        + "."
+    )
 
 
 def replay_forward(
@@ -260,7 +277,9 @@ def replay_forward(
     return f
 
 
-def replay_loss(loss_fn: Any, output: Any, target: Any, kind: str, batch_size: int | None) -> OpFinding:
+def replay_loss(
+    loss_fn: Any, output: Any, target: Any, kind: str, batch_size: int | None
+) -> OpFinding:
     from .batch import compute_loss
 
     spy = _Spy(kind, batch_size)
@@ -309,8 +328,10 @@ def replay_backward(
 
     def make_hook(node: Any):
         def hook(grad_inputs: Any, grad_outs: Any) -> None:
-            if finding.op is None and not any(_has(g, kind) for g in grad_outs) and any(
-                _has(g, kind) for g in grad_inputs
+            if (
+                finding.op is None
+                and not any(_has(g, kind) for g in grad_outs)
+                and any(_has(g, kind) for g in grad_inputs)
             ):
                 finding.op, finding.source = nodes[node]
                 bad = next(g for g in grad_inputs if _has(g, kind))

@@ -161,9 +161,19 @@ class Recorder:
             vector, samples = self.measure(t)
         self.raw.append(
             RawEvent(
-                phase, kind, module, name, tuple(t.shape), _dtype(t), call, depth,
+                phase,
+                kind,
+                module,
+                name,
+                tuple(t.shape),
+                _dtype(t),
+                call,
+                depth,
                 self.types.get(module, "") if call >= 0 or param else "",
-                vector, samples or [], param, slot,
+                vector,
+                samples or [],
+                param,
+                slot,
             )
         )
         return len(self.raw) - 1
@@ -223,7 +233,11 @@ class Recorder:
         for _, t in named_tensors((args, kwargs), "input"):
             s = self._slot_for(t)
             if s < 0:
-                fin = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
+                fin = (
+                    bool(torch.isfinite(t).all())
+                    if t.is_floating_point() or t.is_complex()
+                    else True
+                )
                 nan = (not fin) and bool(torch.isnan(t).any())
                 s = self.new_slot(t, rec.parent, fin, nan)
             slot = self.slots[s]
@@ -257,8 +271,15 @@ class Recorder:
                     vector, samples = self.measure(t)
                     self._measured[key] = (weakref.ref(t), vector, samples)
                 i = self._record(
-                    "forward", "output", name, oname, t, call, rec.depth,
-                    vector=vector, samples=samples,
+                    "forward",
+                    "output",
+                    name,
+                    oname,
+                    t,
+                    call,
+                    rec.depth,
+                    vector=vector,
+                    samples=samples,
                 )
                 rec.output_events.append(i)
                 if self.exact:
@@ -291,7 +312,9 @@ class Recorder:
             rec.capture = None
 
     # ------------------------------------------------------------------ backward hooks
-    def _hook_grad(self, t: torch.Tensor, call: int, kind: str, name: str, inputs: bool = False) -> None:
+    def _hook_grad(
+        self, t: torch.Tensor, call: int, kind: str, name: str, inputs: bool = False
+    ) -> None:
         """One tensor hook per tensor version; each module that produced (``grad_output``)
         or consumed (``grad_input``) the tensor owns an event when its gradient arrives."""
         key = (id(t), t._version)
@@ -315,8 +338,16 @@ class Recorder:
             for call, kind, name in ordered:
                 rec = self.calls[call]
                 i = self._record(
-                    "backward", kind, rec.module, name, grad, call, rec.depth,
-                    vector=vector, samples=samples, slot=slot,
+                    "backward",
+                    kind,
+                    rec.module,
+                    name,
+                    grad,
+                    call,
+                    rec.depth,
+                    vector=vector,
+                    samples=samples,
+                    slot=slot,
                 )
                 if slot >= 0 and self.slots[slot].grad_event < 0:
                     self.slots[slot].grad_event = i
@@ -347,7 +378,9 @@ class Recorder:
                 dev = r.vector[0].device if r.vector else None
                 by_device.setdefault(dev, []).append(i)
         for idx in by_device.values():
-            rows = assemble_quick([self.raw[i].vector for i in idx], [_numel(self.raw[i].shape) for i in idx])
+            rows = assemble_quick(
+                [self.raw[i].vector for i in idx], [_numel(self.raw[i].shape) for i in idx]
+            )
             for row, i in zip(rows, idx):
                 out[i] = row
         return [out[first[id(r.vector)]] for r in self.raw]

@@ -54,7 +54,9 @@ class Trace:
 
     def events_of(self, module: str, phase: str | None = None) -> list[Event]:
         """Events of one module (optionally of one phase)."""
-        return [e for e in self.events if e.module == module and (phase is None or e.phase == phase)]
+        return [
+            e for e in self.events if e.module == module and (phase is None or e.phase == phase)
+        ]
 
     def to_frame(self) -> Any:
         """One row per event: index, phase, module, kind, name, shape, dtype, the stats,
@@ -67,15 +69,51 @@ class Trace:
             s = e.stats
             rows.append(
                 (
-                    e.index, e.phase, e.module, e.module_type, e.kind, e.name, e.shape, e.dtype,
-                    s.norm, s.mean, s.std, s.min, s.max, s.absmax, s.zero_frac, s.n_nan, s.n_inf,
-                    e.samples, e.op, e.source, e.index == origin,
+                    e.index,
+                    e.phase,
+                    e.module,
+                    e.module_type,
+                    e.kind,
+                    e.name,
+                    e.shape,
+                    e.dtype,
+                    s.norm,
+                    s.mean,
+                    s.std,
+                    s.min,
+                    s.max,
+                    s.absmax,
+                    s.zero_frac,
+                    s.n_nan,
+                    s.n_inf,
+                    e.samples,
+                    e.op,
+                    e.source,
+                    e.index == origin,
                 )
             )
         columns = [
-            "index", "phase", "module", "module_type", "kind", "name", "shape", "dtype",
-            "norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf",
-            "samples", "op", "source", "is_origin",
+            "index",
+            "phase",
+            "module",
+            "module_type",
+            "kind",
+            "name",
+            "shape",
+            "dtype",
+            "norm",
+            "mean",
+            "std",
+            "min",
+            "max",
+            "absmax",
+            "zero_frac",
+            "n_nan",
+            "n_inf",
+            "samples",
+            "op",
+            "source",
+            "is_origin",
         ]
         return pd.DataFrame.from_records(rows, columns=columns).set_index("index")
 
@@ -86,14 +124,34 @@ class Trace:
 
         rows = [
             (
-                p.name, p.module, p.shape, p.dtype, p.requires_grad, p.norm, p.grad_norm,
-                p.ratio, p.n_nan, p.n_inf, p.grad_n_nan, p.grad_n_inf,
+                p.name,
+                p.module,
+                p.shape,
+                p.dtype,
+                p.requires_grad,
+                p.norm,
+                p.grad_norm,
+                p.ratio,
+                p.n_nan,
+                p.n_inf,
+                p.grad_n_nan,
+                p.grad_n_inf,
             )
             for p in self.params
         ]
         columns = [
-            "name", "module", "shape", "dtype", "requires_grad", "norm", "grad_norm",
-            "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf",
+            "name",
+            "module",
+            "shape",
+            "dtype",
+            "requires_grad",
+            "norm",
+            "grad_norm",
+            "ratio",
+            "n_nan",
+            "n_inf",
+            "grad_n_nan",
+            "grad_n_inf",
         ]
         return pd.DataFrame.from_records(rows, columns=columns).set_index("name")
 
@@ -107,7 +165,9 @@ class Trace:
                 return f"non-finite values first seen at {self.first_nonfinite.label} (origin not found)"
             return "healthy"
         kind = "NaN" if o.stats.n_nan else "Inf"
-        where = o.module or ("the batch" if o.phase == "input" else "the loss" if o.phase == "loss" else "<model>")
+        where = o.module or (
+            "the batch" if o.phase == "input" else "the loss" if o.phase == "loss" else "<model>"
+        )
         bits = [o.phase]
         if o.op:
             bits.append(o.op)
@@ -115,11 +175,19 @@ class Trace:
             bits.append(o.source)
         if o.param:
             bits.append(f"param {o.param}")
-        rows = f", rows {', '.join(map(str, o.samples[:8]))}{' ...' if len(o.samples) > 8 else ''}" if o.samples else ""
+        rows = (
+            f", rows {', '.join(map(str, o.samples[:8]))}{' ...' if len(o.samples) > 8 else ''}"
+            if o.samples
+            else ""
+        )
         return f"{kind} produced in {where} ({', '.join(bits)}){rows}"
 
     def __repr__(self) -> str:
-        loss = "None" if self.loss is None else (f"{self.loss:.6g}" if math.isfinite(self.loss) else str(self.loss))
+        loss = (
+            "None"
+            if self.loss is None
+            else (f"{self.loss:.6g}" if math.isfinite(self.loss) else str(self.loss))
+        )
         lines = [
             f"Trace({self.model_name}: {len(self.events)} events, batch {self.batch or '?'}, loss={loss})",
             f"  {self.summary()}",

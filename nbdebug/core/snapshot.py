@@ -152,15 +152,22 @@ def save_snapshot(
         "time": time.time(),
         "reason": _plain(reason, "reason", dropped, clone=False),
         "model_state": _plain(dict(model.state_dict()), "model_state", dropped, clone=False),
-        "model_class": object_name(type(model)) or f"{type(model).__module__}:{type(model).__qualname__}",
+        "model_class": object_name(type(model))
+        or f"{type(model).__module__}:{type(model).__qualname__}",
         "model_training": bool(model.training),
         "inputs": _plain(inputs, "inputs", dropped, clone=True),
         "target": _plain(target, "target", dropped, clone=True),
-        "optimizer": _plain(optimizer.state_dict(), "optimizer", dropped, clone=False) if optimizer is not None else None,
+        "optimizer": _plain(optimizer.state_dict(), "optimizer", dropped, clone=False)
+        if optimizer is not None
+        else None,
         "optimizer_class": _class_name(optimizer),
         "optimizer_params": opt_params,
-        "scaler": _plain(scaler.state_dict(), "scaler", dropped, clone=False) if scaler is not None else None,
-        "scheduler": _plain(scheduler.state_dict(), "scheduler", dropped, clone=False) if scheduler is not None else None,
+        "scaler": _plain(scaler.state_dict(), "scaler", dropped, clone=False)
+        if scaler is not None
+        else None,
+        "scheduler": _plain(scheduler.state_dict(), "scheduler", dropped, clone=False)
+        if scheduler is not None
+        else None,
         "scheduler_class": _class_name(scheduler),
         "rng": rng_to_payload(rng if rng is not None else RngState.capture()),
         "history": [_plain(dict(h), "history", dropped, clone=False) for h in (history or [])],
@@ -206,7 +213,9 @@ def read_payload(
     except FileNotFoundError as e:
         raise SnapshotError(f"{p}: no such file.") from e
     except IsADirectoryError as e:
-        raise SnapshotError(f"{p} is a directory, not a snapshot file (list_snapshots() lists one).") from e
+        raise SnapshotError(
+            f"{p} is a directory, not a snapshot file (list_snapshots() lists one)."
+        ) from e
     except OSError as e:
         raise SnapshotError(f"{p}: cannot read it ({_first_line(e)}).") from e
     if not head:
@@ -231,7 +240,9 @@ def read_payload(
                 "corrupt or was not written by nbdebug, and is refused (loading it could run code)."
             ) from e
         if "central directory" in msg or "failed reading zip archive" in msg:
-            raise SnapshotError(f"{p} is truncated or corrupt: its zip archive cannot be read.") from e
+            raise SnapshotError(
+                f"{p} is truncated or corrupt: its zip archive cannot be read."
+            ) from e
         raise SnapshotError(f"{p} is corrupt: torch.load failed ({_first_line(e)}).") from e
     return validate_payload(obj, p)
 
@@ -259,21 +270,33 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
         )
     missing = [k for k in (*_REQUIRED, *_BATCH_KEYS) if k not in obj]
     if missing:
-        raise SnapshotError(f"{path} is an incomplete snapshot: it lacks {', '.join(map(repr, missing))}.")
+        raise SnapshotError(
+            f"{path} is an incomplete snapshot: it lacks {', '.join(map(repr, missing))}."
+        )
     for key, types in _REQUIRED.items():
         v = obj[key]
         if isinstance(v, bool) and bool not in types:
             v = object()  # bool is an int, but not a step
         if not isinstance(v, types):
             want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-            raise SnapshotError(f"{path} is corrupt: {key!r} should be {want}, got {type(obj[key]).__name__}.")
+            raise SnapshotError(
+                f"{path} is corrupt: {key!r} should be {want}, got {type(obj[key]).__name__}."
+            )
     try:
         _dt.datetime.fromtimestamp(float(obj["time"]))
     except (ValueError, OverflowError, OSError) as e:
-        raise SnapshotError(f"{path} is corrupt: its time stamp {obj['time']!r} is not a date ({e}).") from e
-    bad = [k for k, v in obj["model_state"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        raise SnapshotError(
+            f"{path} is corrupt: its time stamp {obj['time']!r} is not a date ({e})."
+        ) from e
+    bad = [
+        k
+        for k, v in obj["model_state"].items()
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor)
+    ]
     if bad:
-        raise SnapshotError(f"{path} is corrupt: model_state entries {bad[:5]} are not named tensors.")
+        raise SnapshotError(
+            f"{path} is corrupt: model_state entries {bad[:5]} are not named tensors."
+        )
     reason = obj["reason"]
     if not isinstance(reason.get("kind"), str) or not isinstance(reason.get("message"), str):
         raise SnapshotError(f"{path} is corrupt: its reason lacks a 'kind' and a 'message' string.")
@@ -289,18 +312,24 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
             finally:
                 caller.restore()
         except Exception as e:
-            raise SnapshotError(f"{path} is corrupt: its RNG state cannot be read ({_first_line(e)}).") from e
+            raise SnapshotError(
+                f"{path} is corrupt: its RNG state cannot be read ({_first_line(e)})."
+            ) from e
     recipe = obj["recipe"]
     if recipe is not None and (
         not isinstance(recipe.get("factory"), str) or not isinstance(recipe.get("kwargs"), dict)
     ):
-        raise SnapshotError(f"{path} is corrupt: its recipe is not {{'factory': str, 'kwargs': dict}}.")
+        raise SnapshotError(
+            f"{path} is corrupt: its recipe is not {{'factory': str, 'kwargs': dict}}."
+        )
     if obj["optimizer"] is not None and not isinstance(obj["optimizer"].get("param_groups"), list):
         raise SnapshotError(f"{path} is corrupt: its optimizer state has no param_groups list.")
     return obj
 
 
-def check_state_fits(model: torch.nn.Module, state: Mapping[str, torch.Tensor], what: str = "the snapshot") -> None:
+def check_state_fits(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], what: str = "the snapshot"
+) -> None:
     """Raise :class:`SnapshotError` listing missing keys, unexpected keys and shape
     mismatches when ``state`` does not fit ``model``."""
     own = model.state_dict()
@@ -314,12 +343,18 @@ def check_state_fits(model: torch.nn.Module, state: Mapping[str, torch.Tensor], 
     if not (missing or unexpected or shapes):
         return
     parts = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):
+    for label, items in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", shapes),
+    ):
         if items:
             more = f" ... and {len(items) - 10} more" if len(items) > 10 else ""
             parts.append(f"{label}: {', '.join(items[:10])}{more}")
     raise SnapshotError(
-        f"the model state in {what} does not fit the given {type(model).__name__}: " + "; ".join(parts) + "."
+        f"the model state in {what} does not fit the given {type(model).__name__}: "
+        + "; ".join(parts)
+        + "."
     )
 
 
@@ -337,7 +372,9 @@ def _build_model(
         except Exception as e:
             raise SnapshotError(f"the recipe {spec!r} of {where} failed: {_first_line(e)}") from e
         if not isinstance(built, torch.nn.Module):
-            raise SnapshotError(f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, not an nn.Module.")
+            raise SnapshotError(
+                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, not an nn.Module."
+            )
         return built
     if isinstance(model, torch.nn.Module):
         try:
@@ -350,7 +387,9 @@ def _build_model(
     if callable(model):
         built = model()
         if not isinstance(built, torch.nn.Module):
-            raise TypeError(f"the model factory returned {type(built).__qualname__}; expected a torch.nn.Module.")
+            raise TypeError(
+                f"the model factory returned {type(built).__qualname__}; expected a torch.nn.Module."
+            )
         return built
     raise TypeError(
         f"model must be a torch.nn.Module, a zero-argument factory returning one, or None; got {type(model).__qualname__}."
@@ -538,7 +577,9 @@ class Snapshot:
         if self.rng is None:
             return
         st = rng_from_payload(self.rng)
-        if st.cuda is not None and not (torch.cuda.is_available() and len(st.cuda) == torch.cuda.device_count()):
+        if st.cuda is not None and not (
+            torch.cuda.is_available() and len(st.cuda) == torch.cuda.device_count()
+        ):
             st.cuda = None
         st.restore()
 
@@ -547,7 +588,11 @@ class Snapshot:
         (moments, step counts) and hyper-parameters loaded. ``torch.optim`` classes are
         imported directly; others need ``trust_recipe=True``."""
         model = self._need_model()
-        if self.optimizer_state is None or self.optimizer_class is None or self.optimizer_params is None:
+        if (
+            self.optimizer_state is None
+            or self.optimizer_class is None
+            or self.optimizer_params is None
+        ):
             raise SnapshotError("this snapshot holds no optimizer state.")
         if not _trusted(self.optimizer_class) and not self.trust_recipe:
             raise SnapshotError(
@@ -565,7 +610,9 @@ class Snapshot:
             opt.load_state_dict(self.optimizer_state)
             return opt
         except Exception as e:
-            raise SnapshotError(f"cannot rebuild the optimizer {self.optimizer_class!r}: {_first_line(e)}") from e
+            raise SnapshotError(
+                f"cannot rebuild the optimizer {self.optimizer_class!r}: {_first_line(e)}"
+            ) from e
 
     def trace(self, loss_fn: Any = None) -> Any:
         """Replay the failing step: reload the stored weights and train flag, set the RNGs
@@ -603,7 +650,11 @@ class Snapshot:
             caller.restore()
 
     def __repr__(self) -> str:
-        model = type(self.model).__qualname__ if self.model is not None else f"{self.model_class} (not built)"
+        model = (
+            type(self.model).__qualname__
+            if self.model is not None
+            else f"{self.model_class} (not built)"
+        )
         name = self.path.name if self.path is not None else "<memory>"
         return (
             f"Snapshot({name}: step {self.step}, {self.kind}: {self.message[:120]}; model {model}, "
@@ -627,7 +678,9 @@ def list_snapshots(directory: str | os.PathLike[str]) -> Any:
     import pandas as pd
 
     if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a str or os.PathLike; got {type(directory).__qualname__}.")
+        raise TypeError(
+            f"directory must be a str or os.PathLike; got {type(directory).__qualname__}."
+        )
     d = Path(directory)
     if not d.is_dir():
         raise ValueError(f"{d} is not a directory.")
@@ -641,7 +694,9 @@ def list_snapshots(directory: str | os.PathLike[str]) -> Any:
         t = pd.Timestamp(_dt.datetime.fromtimestamp(float(payload["time"])))
         reason = payload["reason"]
         rows.append((str(p), payload["step"], reason["kind"], reason["message"], t, None))
-    df = pd.DataFrame.from_records(rows, columns=["path", "step", "kind", "reason", "time", "error"])
+    df = pd.DataFrame.from_records(
+        rows, columns=["path", "step", "kind", "reason", "time", "error"]
+    )
     df["step"] = df["step"].astype("Int64")
     df["time"] = pd.to_datetime(df["time"])
     return df.sort_values(["step", "path"], na_position="last").reset_index(drop=True)

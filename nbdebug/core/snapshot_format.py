@@ -87,12 +87,16 @@ def import_object(spec: str) -> Any:
     try:
         obj: Any = importlib.import_module(modname)
     except Exception as e:  # ImportError, or the module raising while it is imported
-        raise ValueError(f"cannot import module {modname!r} of {spec!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"cannot import module {modname!r} of {spec!r}: {type(e).__name__}: {e}"
+        ) from e
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
-            raise ValueError(f"module {modname!r} has no attribute {qualname!r} (from {spec!r}).") from e
+            raise ValueError(
+                f"module {modname!r} has no attribute {qualname!r} (from {spec!r})."
+            ) from e
     return obj
 
 
@@ -156,7 +160,9 @@ def loss_spec(loss_fn: Any) -> dict[str, Any] | None:
         attrs = {
             k: v
             for k, v in vars(loss_fn).items()
-            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str, type(None)))
+            if not k.startswith("_")
+            and k != "training"
+            and isinstance(v, (bool, int, float, str, type(None)))
         }
         return {
             "name": object_name(type(loss_fn)),
@@ -237,7 +243,13 @@ def rng_from_payload(d: Mapping[str, Any]) -> RngState:
     return RngState(
         torch_cpu=d["torch"].to(torch.uint8).cpu(),
         cuda=[t.to(torch.uint8).cpu() for t in d["cuda"]] if d.get("cuda") is not None else None,
-        numpy=(str(npd["name"]), keys, int(npd["pos"]), int(npd["has_gauss"]), float(npd["cached_gaussian"])),
+        numpy=(
+            str(npd["name"]),
+            keys,
+            int(npd["pos"]),
+            int(npd["has_gauss"]),
+            float(npd["cached_gaussian"]),
+        ),
         python=(int(version), tuple(int(v) for v in state), gauss_next),
     )
 

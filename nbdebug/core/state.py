@@ -115,7 +115,9 @@ class PreservedState:
     def changed_parameters(self) -> list[str]:
         """Names of parameters written to since :meth:`capture` (should be none)."""
         ids = {id(p): n for n, p in self.model.named_parameters()}
-        return [ids[id(p)] for p in self.params if p._version != self.versions[id(p)] and id(p) in ids]
+        return [
+            ids[id(p)] for p in self.params if p._version != self.versions[id(p)] and id(p) in ids
+        ]
 
 
 def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -313,7 +313,9 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
             n_fin,
         ]
     )
-    hist = _segment_hist(flat.to(torch.float64), torch.zeros(flat.numel(), dtype=torch.int64, device=dev), 1)
+    hist = _segment_hist(
+        flat.to(torch.float64), torch.zeros(flat.numel(), dtype=torch.int64, device=dev), 1
+    )
     return torch.cat([head, hist[0]])
 
 
@@ -413,11 +415,25 @@ def finalize_many(vectors: list[np.ndarray]) -> list[tuple[TensorStats, Histogra
         absmax = np.where(n_fin > 0, np.maximum(np.abs(mn), np.abs(mx)), np.nan)
         zero_frac = np.where(numel > 0, (numel - m[:, _NNZ]) / np.maximum(numel, 1), 0.0)
     counts = m[:, _HIST0:_HZERO].astype(np.int64)
-    hz, hn, ht = m[:, _HZERO].astype(np.int64), m[:, _HNONFIN].astype(np.int64), m[:, _HTOTAL].astype(np.int64)
+    hz, hn, ht = (
+        m[:, _HZERO].astype(np.int64),
+        m[:, _HNONFIN].astype(np.int64),
+        m[:, _HTOTAL].astype(np.int64),
+    )
     cols = zip(
-        numel.astype(np.int64).tolist(), norm.tolist(), mean.tolist(), std.tolist(), mn.tolist(),
-        mx.tolist(), absmax.tolist(), zero_frac.tolist(), n_nan.astype(np.int64).tolist(),
-        n_inf.astype(np.int64).tolist(), hz.tolist(), hn.tolist(), ht.tolist(),
+        numel.astype(np.int64).tolist(),
+        norm.tolist(),
+        mean.tolist(),
+        std.tolist(),
+        mn.tolist(),
+        mx.tolist(),
+        absmax.tolist(),
+        zero_frac.tolist(),
+        n_nan.astype(np.int64).tolist(),
+        n_inf.astype(np.int64).tolist(),
+        hz.tolist(),
+        hn.tolist(),
+        ht.tolist(),
     )
     out = []
     for i, (ne, nr, me, sd, lo, hi, am, zf, na, ni, z, nf, tt) in enumerate(cols):

@@ -188,7 +188,13 @@ def _backward(loss: torch.Tensor, st: PreservedState, inputs: Any) -> str:
 
 
 def _trace_error(
-    model: torch.nn.Module, inputs: Any, target: Any, rec: Recorder, stage: str, e: Exception, output: Any
+    model: torch.nn.Module,
+    inputs: Any,
+    target: Any,
+    rec: Recorder,
+    stage: str,
+    e: Exception,
+    output: Any,
 ) -> TraceError:
     done = [c.module or "<model>" for c in rec.calls if c.done]
     upto = f" Executed modules up to: {done[-1]}." if done else " No module finished."
@@ -202,8 +208,10 @@ def _trace_error(
         module = rec.calls[rec.stack[-1]].module if rec.stack else None
         if module == "" and len(rec.calls) == 1 and isinstance(e, TypeError):
             how = (
-                "model(**inputs)" if isinstance(inputs, dict)
-                else "model(*inputs)" if isinstance(inputs, (tuple, list))
+                "model(**inputs)"
+                if isinstance(inputs, dict)
+                else "model(*inputs)"
+                if isinstance(inputs, (tuple, list))
                 else "model(x)"
             )
             msg = (
@@ -279,13 +287,20 @@ def _resolve(
                 if c not in caps:
                     continue
                 st.reset_buffers()
-                f = replay_backward(modules[rec.calls[c].module], caps[c][0], caps[c][1], loc.kind, bs)
+                f = replay_backward(
+                    modules[rec.calls[c].module], caps[c][0], caps[c][1], loc.kind, bs
+                )
                 if f.reproduced:
                     finding = f
                     if c != loc.call:
                         event_index = next(
-                            (j for j, r in enumerate(rec.raw)
-                             if r.call == c and r.kind == "grad_input" and r.vector is rec.raw[loc.event].vector),
+                            (
+                                j
+                                for j, r in enumerate(rec.raw)
+                                if r.call == c
+                                and r.kind == "grad_input"
+                                and r.vector is rec.raw[loc.event].vector
+                            ),
                             event_index,
                         )
                         loc = dataclasses.replace(loc, call=c)
@@ -297,7 +312,9 @@ def _resolve(
         origin = dataclasses.replace(
             origin, module=loc.module, module_type=rec.types.get(loc.module, ""), kind=origin.kind
         )
-        events_note = f"made by the code of {loc.module or '<model>'} itself, outside its submodules"
+        events_note = (
+            f"made by the code of {loc.module or '<model>'} itself, outside its submodules"
+        )
         finding.note = "; ".join(x for x in (events_note, finding.note) if x)
     origin.op = finding.op
     origin.source = finding.source
@@ -339,7 +356,9 @@ def _capture(
             grads = got[c][1]
             for name, t in named_tensors(output, "output"):
                 if t.requires_grad:
-                    t.register_hook(lambda g, name=name: grads.__setitem__(name, g.detach().clone()))
+                    t.register_hook(
+                        lambda g, name=name: grads.__setitem__(name, g.detach().clone())
+                    )
 
     with HookSet() as hooks, torch.enable_grad():
         for m in hookable_modules(model):
@@ -357,9 +376,20 @@ def _events(rec: Recorder, vectors: list[np.ndarray]) -> list[Event]:
     for i, (r, (stats, hist)) in enumerate(zip(rec.raw, finalize_many(vectors))):
         events.append(
             Event(
-                index=i, phase=r.phase, module=r.module, kind=r.kind, name=r.name,
-                shape=r.shape, dtype=r.dtype, stats=stats, hist=hist, samples=list(r.samples),
-                call=r.call, depth=r.depth, module_type=r.module_type, param=r.param,
+                index=i,
+                phase=r.phase,
+                module=r.module,
+                kind=r.kind,
+                name=r.name,
+                shape=r.shape,
+                dtype=r.dtype,
+                stats=stats,
+                hist=hist,
+                samples=list(r.samples),
+                call=r.call,
+                depth=r.depth,
+                module_type=r.module_type,
+                param=r.param,
             )
         )
     return events
@@ -436,11 +466,15 @@ def _result(
             n_nan, n_inf = health.counts.get(id(p), (0, 0))
             params.append(
                 ParamInfo(
-                    name=qual, module=mname, shape=tuple(p.shape),
-                    dtype=str(p.dtype).replace("torch.", ""), requires_grad=p.requires_grad,
+                    name=qual,
+                    module=mname,
+                    shape=tuple(p.shape),
+                    dtype=str(p.dtype).replace("torch.", ""),
+                    requires_grad=p.requires_grad,
                     norm=health.norms.get(id(p), float("nan")),
                     grad_norm=None if g is None else g.stats.norm,
-                    n_nan=n_nan, n_inf=n_inf,
+                    n_nan=n_nan,
+                    n_inf=n_inf,
                     grad_n_nan=0 if g is None else g.stats.n_nan,
                     grad_n_inf=0 if g is None else g.stats.n_inf,
                 )

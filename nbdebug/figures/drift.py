@@ -72,7 +72,14 @@ def feature_table(report: DriftReport, *, max_rows: int | None = None) -> go.Fig
     sks_fill = [heat_color(float(v), 1.0) for v in f["shap_ks"]]
     white = ["rgba(255,255,255,1)"] * len(f)
     header = [
-        "feature", "quadrant", "KS input", "p adj", "W / σ", "KS SHAP", "p adj", "W / σ SHAP",
+        "feature",
+        "quadrant",
+        "KS input",
+        "p adj",
+        "W / σ",
+        "KS SHAP",
+        "p adj",
+        "W / σ SHAP",
         "mean |SHAP|",
     ]
     values = [
@@ -91,7 +98,9 @@ def feature_table(report: DriftReport, *, max_rows: int | None = None) -> go.Fig
         go.Table(
             columnwidth=[3, 2.2, 1.2, 1.2, 1.1, 1.2, 1.2, 1.2, 1.3],
             header=dict(values=header, fill_color="#e8e8e8", align="left", font=dict(size=12)),
-            cells=dict(values=values, fill_color=fills, align="left", font=dict(size=11), height=22),
+            cells=dict(
+                values=values, fill_color=fills, align="left", font=dict(size=11), height=22
+            ),
         )
     )
     fig.update_layout(
@@ -139,13 +148,23 @@ def feature_overlay(report: DriftReport, feature: str) -> go.Figure:
     for x, name, color, col, group, legend in series:
         fig.add_trace(
             go.Histogram(
-                x=x, name=name, legendgroup=name, showlegend=legend, marker_color=color,
-                opacity=0.55, histnorm="probability density", bingroup=group, nbinsx=40,
+                x=x,
+                name=name,
+                legendgroup=name,
+                showlegend=legend,
+                marker_color=color,
+                opacity=0.55,
+                histnorm="probability density",
+                bingroup=group,
+                nbinsx=40,
             ),
-            row=1, col=col,
+            row=1,
+            col=col,
         )
     fig.update_layout(
-        barmode="overlay", height=320, margin=dict(l=40, r=10, t=50, b=40),
+        barmode="overlay",
+        height=320,
+        margin=dict(l=40, r=10, t=50, b=40),
         legend=dict(orientation="h", y=-0.2),
     )
     fig.update_xaxes(title_text="value", row=1, col=1)
@@ -163,13 +182,19 @@ def shap_map(report: DriftReport, *, max_points: int | None = None) -> go.Figure
     fig = go.Figure()
     for c in range(int(report.cluster_test.k)):
         name = str(report.clusters.loc[c, "name"]) if c in report.clusters.index else ""
-        for cur, batch, symbol in ((False, "reference", REFERENCE_SYMBOL), (True, "current", CURRENT_SYMBOL)):
+        for cur, batch, symbol in (
+            (False, "reference", REFERENCE_SYMBOL),
+            (True, "current", CURRENT_SYMBOL),
+        ):
             mask = (report.labels == c) & (is_cur == cur)
             rows = mask.nonzero()[0][::step]
             fig.add_trace(
                 go.Scattergl(
-                    x=report.pca[rows, 0], y=report.pca[rows, 1], mode="markers",
-                    name=f"C{c} {batch}", legendgroup=f"C{c}",
+                    x=report.pca[rows, 0],
+                    y=report.pca[rows, 1],
+                    mode="markers",
+                    name=f"C{c} {batch}",
+                    legendgroup=f"C{c}",
                     marker=dict(color=cluster_color(c), symbol=symbol, size=6, opacity=0.6),
                     customdata=rows,
                     hovertemplate=f"C{c} {batch}, row %{{customdata}}<br>{name}<extra></extra>",
@@ -180,7 +205,8 @@ def shap_map(report: DriftReport, *, max_points: int | None = None) -> go.Figure
         title="SHAP space (PCA): colour = cluster, ○ reference, × current",
         xaxis_title=f"PC1 ({v[0]:.0%} of SHAP variance)",
         yaxis_title=f"PC2 ({v[1]:.0%})",
-        height=420, margin=dict(l=40, r=10, t=50, b=40),
+        height=420,
+        margin=dict(l=40, r=10, t=50, b=40),
     )
     return fig
 
@@ -192,12 +218,18 @@ def cluster_shares(report: DriftReport) -> go.Figure:
     fig = go.Figure(
         [
             go.Bar(
-                x=labels, y=t["share_reference"].to_numpy(), name="reference",
-                marker_color=REFERENCE_COLOR, text=[f"{v:.0%}" for v in t["share_reference"]],
+                x=labels,
+                y=t["share_reference"].to_numpy(),
+                name="reference",
+                marker_color=REFERENCE_COLOR,
+                text=[f"{v:.0%}" for v in t["share_reference"]],
             ),
             go.Bar(
-                x=labels, y=t["share_current"].to_numpy(), name="current",
-                marker_color=CURRENT_COLOR, text=[f"{v:.0%}" for v in t["share_current"]],
+                x=labels,
+                y=t["share_current"].to_numpy(),
+                name="current",
+                marker_color=CURRENT_COLOR,
+                text=[f"{v:.0%}" for v in t["share_current"]],
             ),
         ]
     )
@@ -206,6 +238,7 @@ def cluster_shares(report: DriftReport) -> go.Figure:
         barmode="group",
         title=f"Cluster shares: chi-square p={ct.p_value:.3g} (corrected {ct.p_adjusted:.3g})",
         yaxis=dict(tickformat=".0%", title="share of batch"),
-        height=420, margin=dict(l=40, r=10, t=50, b=80),
+        height=420,
+        margin=dict(l=40, r=10, t=50, b=80),
     )
     return fig

@@ -78,13 +78,18 @@ def gradcheck_figure(
     """
     pair = pick_pair(obj, index) if obj is not None else None
     if pair is None or pair.analytic.size == 0:
-        return empty_figure("no gradcheck result to show" if pair is None else f"{pair.label}: nothing to check")
+        return empty_figure(
+            "no gradcheck result to show" if pair is None else f"{pair.label}: nothing to check"
+        )
     r0, r1, c0, c1 = window(pair, max_cells)
     a = pair.analytic[r0:r1, c0:c1]
     n = pair.numerical[r0:r1, c0:c1]
     d = np.abs(a - n)
     blocks = [_finite(a), _finite(n), _finite(d)]
-    m = max((float(np.nanmax(np.abs(b))) for b in blocks if np.isfinite(b).any()), default=1.0) or 1.0
+    m = (
+        max((float(np.nanmax(np.abs(b))) for b in blocks if np.isfinite(b).any()), default=1.0)
+        or 1.0
+    )
     xs = list(range(c0, c1))
     ys = list(range(r0, r1))
     text = _hover(pair, r0, r1, c0, c1)
@@ -112,17 +117,26 @@ def gradcheck_figure(
                 mode="markers",
                 name=WORST_TRACE,
                 showlegend=False,
-                marker={"symbol": "square-open", "size": 16, "color": "black", "line": {"width": 3}},
+                marker={
+                    "symbol": "square-open",
+                    "size": 16,
+                    "color": "black",
+                    "line": {"width": 3},
+                },
                 hovertemplate=f"worst element<br>{text[r - r0][c - c0]}<extra></extra>",
             ),
             row=1,
             col=j,
         )
-    in_label = "random projection" if pair.mode == "projections" else f"{pair.input} element (checked)"
+    in_label = (
+        "random projection" if pair.mode == "projections" else f"{pair.input} element (checked)"
+    )
     out_label = "" if pair.mode == "projections" else f"{pair.output} element (checked)"
     for j in range(1, 4):
         fig.update_xaxes(title_text=in_label, row=1, col=j)
-        fig.update_yaxes(autorange="reversed", row=1, col=j, title_text=out_label if j == 1 else None)
+        fig.update_yaxes(
+            autorange="reversed", row=1, col=j, title_text=out_label if j == 1 else None
+        )
     shown = ""
     R, C = pair.analytic.shape
     if (r1 - r0, c1 - c0) != (R, C):

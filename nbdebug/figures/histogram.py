@@ -42,8 +42,14 @@ def histogram_figure(ev: Event) -> go.Figure:
     x, y = histogram_bins(ev)
     width = x[1] - x[0] if len(x) > 1 else 1.0
     fig = go.Figure(
-        go.Bar(x=x, y=y, width=width * 0.9, marker={"color": "#1f77b4"}, name="log10|x|",
-               hovertemplate="log10|x| ~ %{x:.2f}: %{y}<extra></extra>")
+        go.Bar(
+            x=x,
+            y=y,
+            width=width * 0.9,
+            marker={"color": "#1f77b4"},
+            name="log10|x|",
+            hovertemplate="log10|x| ~ %{x:.2f}: %{y}<extra></extra>",
+        )
     )
     fig.update_layout(
         title={"text": histogram_title(ev), "x": 0.01, "font": {"size": 12}},

@@ -74,11 +74,11 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
             f"history must be a pandas DataFrame (Snapshot.history_frame()); got {type(history).__qualname__}."
         )
     if "step" not in history.columns:
-        raise ValueError(
-            f"history must have a 'step' column; got columns {list(history.columns)}."
-        )
+        raise ValueError(f"history must have a 'step' column; got columns {list(history.columns)}.")
     if failing_step is not None and not isinstance(failing_step, (int, np.integer)):
-        raise TypeError(f"failing_step must be an int or None; got {type(failing_step).__qualname__}.")
+        raise TypeError(
+            f"failing_step must be an int or None; got {type(failing_step).__qualname__}."
+        )
 
     steps = _column(history, "step")
     panels = [
@@ -118,7 +118,9 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         fin_vals = shown[finite]
         positive = fin_vals.size > 0 and bool((fin_vals > 0).all())
         # log axis when the values span decades (a diverging loss, exploding norms)
-        log = positive and float(fin_vals.max()) / float(fin_vals.min()) > (1e3 if col == "loss" else 20)
+        log = positive and float(fin_vals.max()) / float(fin_vals.min()) > (
+            1e3 if col == "loss" else 20
+        )
         if log:
             fig.update_yaxes(type="log", row=row, col=1)
         # Non-finite values sit at the top of the panel: plotly cannot draw inf or NaN.
@@ -163,7 +165,10 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
 
     if failing_step is not None:
         fig.add_vline(
-            x=int(failing_step), line={"color": _BAD, "dash": "dash", "width": 1.5}, row="all", col=1
+            x=int(failing_step),
+            line={"color": _BAD, "dash": "dash", "width": 1.5},
+            row="all",
+            col=1,
         )
         fig.add_annotation(
             x=int(failing_step),

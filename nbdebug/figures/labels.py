@@ -91,8 +91,13 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
     np.fill_diagonal(diag, cj.diagonal())
     fig.add_trace(
         go.Heatmap(
-            z=_json_safe(diag), x=list(range(k)), y=list(range(k)), colorscale=[[0, "#e8e8e8"], [1, "#e8e8e8"]],
-            showscale=False, hoverinfo="skip", name="diagonal",
+            z=_json_safe(diag),
+            x=list(range(k)),
+            y=list(range(k)),
+            colorscale=[[0, "#e8e8e8"], [1, "#e8e8e8"]],
+            showscale=False,
+            hoverinfo="skip",
+            name="diagonal",
         )
     )
     fig.add_trace(
@@ -110,8 +115,17 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
     size = max(320, min(700, 40 * k + 140))
     fig.update_layout(
         title=f"Confident joint: {est.summary()}" if len(est.summary()) < 90 else "Confident joint",
-        xaxis={"title": "estimated true (suggested) label", "tickvals": list(range(k)), "ticktext": names},
-        yaxis={"title": "given label", "tickvals": list(range(k)), "ticktext": names, "autorange": "reversed"},
+        xaxis={
+            "title": "estimated true (suggested) label",
+            "tickvals": list(range(k)),
+            "ticktext": names,
+        },
+        yaxis={
+            "title": "given label",
+            "tickvals": list(range(k)),
+            "ticktext": names,
+            "autorange": "reversed",
+        },
         width=size + 120,
         height=size,
         margin={"l": 60, "r": 20, "t": 50, "b": 60},
@@ -168,7 +182,12 @@ def sample_image_figure(image: Any, *, title: str = "", size: int = 260) -> go.F
     """
     arr = np.asarray(image, dtype=float)
     if arr.ndim == 2:
-        trace: Any = go.Heatmap(z=arr, colorscale="Greys", showscale=False, hovertemplate="(%{x}, %{y}): %{z}<extra></extra>")
+        trace: Any = go.Heatmap(
+            z=arr,
+            colorscale="Greys",
+            showscale=False,
+            hovertemplate="(%{x}, %{y}): %{z}<extra></extra>",
+        )
     elif arr.ndim == 3 and arr.shape[-1] in (3, 4):
         lo, hi = float(np.nanmin(arr)), float(np.nanmax(arr))
         scaled = (arr - lo) / (hi - lo) * 255 if hi > lo else np.zeros_like(arr)

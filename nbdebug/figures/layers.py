@@ -51,16 +51,39 @@ def ratio_figure(trace: Trace) -> go.Figure:
         names.append(p.name)
         ys.append(y)
         colors.append(color)
-        texts.append(f"{p.name} {tuple(p.shape)}<br>norm {p.norm:.4g}, grad norm {p.grad_norm:.4g}<br>{note}")
+        texts.append(
+            f"{p.name} {tuple(p.shape)}<br>norm {p.norm:.4g}, grad norm {p.grad_norm:.4g}<br>{note}"
+        )
     fig = go.Figure(
-        go.Bar(x=names, y=ys, marker={"color": colors}, text=texts, textposition="none",
-               hovertemplate="%{text}<extra></extra>", name="grad/weight")
+        go.Bar(
+            x=names,
+            y=ys,
+            marker={"color": colors},
+            text=texts,
+            textposition="none",
+            hovertemplate="%{text}<extra></extra>",
+            name="grad/weight",
+        )
     )
     llo, lhi = math.log10(lo), math.log10(hi)
-    fig.add_hrect(y0=lo, y1=VANISHING, fillcolor="#9467bd", opacity=0.12, line_width=0,
-                  annotation_text=f"vanishing (< {VANISHING:g})", annotation_position="bottom left")
-    fig.add_hrect(y0=EXPLODING, y1=hi, fillcolor="#d62728", opacity=0.12, line_width=0,
-                  annotation_text=f"exploding (> {EXPLODING:g})", annotation_position="top left")
+    fig.add_hrect(
+        y0=lo,
+        y1=VANISHING,
+        fillcolor="#9467bd",
+        opacity=0.12,
+        line_width=0,
+        annotation_text=f"vanishing (< {VANISHING:g})",
+        annotation_position="bottom left",
+    )
+    fig.add_hrect(
+        y0=EXPLODING,
+        y1=hi,
+        fillcolor="#d62728",
+        opacity=0.12,
+        line_width=0,
+        annotation_text=f"exploding (> {EXPLODING:g})",
+        annotation_position="top left",
+    )
     fig.update_layout(
         title={"text": "Gradient / weight norm per parameter", "x": 0.01},
         yaxis={"type": "log", "title": "grad norm / weight norm", "range": [llo, lhi]},

@@ -81,16 +81,23 @@ def event_categories(trace: Trace) -> list[str]:
         else:
             name = e.module or "<model>"
             seen = calls.get(e.module, [])
-            out.append(f"{name} #{seen.index(e.call) + 1}" if len(seen) > 1 and e.call in seen else name)
+            out.append(
+                f"{name} #{seen.index(e.call) + 1}" if len(seen) > 1 and e.call in seen else name
+            )
     return out
 
 
 def norm_points(trace: Trace) -> NormPoints:
     """The position of every event of ``trace`` on :func:`norm_figure`'s axes."""
-    positive = [e.stats.norm for e in trace.events if e.stats.norm > 0 and math.isfinite(e.stats.norm)]
+    positive = [
+        e.stats.norm for e in trace.events if e.stats.norm > 0 and math.isfinite(e.stats.norm)
+    ]
     floor = min(positive) / 10 if positive else 1e-12
     xs = event_categories(trace)
-    ys = [e.stats.norm if e.stats.norm > 0 and math.isfinite(e.stats.norm) else floor for e in trace.events]
+    ys = [
+        e.stats.norm if e.stats.norm > 0 and math.isfinite(e.stats.norm) else floor
+        for e in trace.events
+    ]
     cats: list[str] = []
     seen: set[str] = set()
     has_input = has_loss = False
@@ -151,9 +158,20 @@ def norm_figure(
         else:
             groups[FORWARD_TRACE].append(e.index)
     style = {
-        FORWARD_TRACE: {"mode": "lines+markers", "line": {"color": "#1f77b4"}, "marker": {"size": 6}},
-        BACKWARD_TRACE: {"mode": "lines+markers", "line": {"color": "#ff7f0e"}, "marker": {"size": 6}},
-        PARAM_TRACE: {"mode": "markers", "marker": {"color": "#2ca02c", "size": 5, "symbol": "diamond"}},
+        FORWARD_TRACE: {
+            "mode": "lines+markers",
+            "line": {"color": "#1f77b4"},
+            "marker": {"size": 6},
+        },
+        BACKWARD_TRACE: {
+            "mode": "lines+markers",
+            "line": {"color": "#ff7f0e"},
+            "marker": {"size": 6},
+        },
+        PARAM_TRACE: {
+            "mode": "markers",
+            "marker": {"color": "#2ca02c", "size": 5, "symbol": "diamond"},
+        },
     }
     fig = go.Figure()
     hovers = [_hover(e) for e in trace.events]
@@ -187,7 +205,9 @@ def norm_figure(
     if current is not None:
         i = current.index if isinstance(current, Event) else int(current)
         if not 0 <= i < len(trace.events):
-            raise ValueError(f"current must be an event of this trace (0..{len(trace.events) - 1}); got {i}.")
+            raise ValueError(
+                f"current must be an event of this trace (0..{len(trace.events) - 1}); got {i}."
+            )
         cx, cy = [pts.x[i]], [pts.y[i]]
     fig.add_trace(
         go.Scatter(

@@ -48,7 +48,11 @@ def largest(values: dict[str, float], k: int = 10) -> list[tuple[str, float]]:
 def grad_norms(snap: Snapshot) -> dict[str, float]:
     """Per-parameter gradient norms the guard measured at the failing step (unscaled)."""
     d = snap.reason.get("grad_norms")
-    return {str(k): float(v) for k, v in d.items() if isinstance(v, (int, float))} if isinstance(d, dict) else {}
+    return (
+        {str(k): float(v) for k, v in d.items() if isinstance(v, (int, float))}
+        if isinstance(d, dict)
+        else {}
+    )
 
 
 def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
@@ -60,7 +64,12 @@ def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
     if o is not None:
         rows += [
             ("phase", o.phase),
-            ("module", "-" if o.phase in ("input", "loss") else (o.module or "<model>") + (f" ({o.module_type})" if o.module_type else "")),
+            (
+                "module",
+                "-"
+                if o.phase in ("input", "loss")
+                else (o.module or "<model>") + (f" ({o.module_type})" if o.module_type else ""),
+            ),
             ("tensor", f"{o.kind} {o.name} {tuple(o.shape)} {o.dtype}"),
             ("op", o.op or "-"),
             ("source", o.source or "-"),
@@ -94,14 +103,23 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     env = snap.environment
     when = _dt.datetime.fromtimestamp(snap.time).strftime("%Y-%m-%d %H:%M:%S")
     n_params = sum(v.numel() for v in snap.model_state.values() if v.is_floating_point())
-    model = f"{snap.model_class} ({len(snap.model_state)} tensors, {n_params:,} floating-point values)"
+    model = (
+        f"{snap.model_class} ({len(snap.model_state)} tensors, {n_params:,} floating-point values)"
+    )
     rows = [
         ("file", f"{snap.path} (format {snap.version}, written {when})"),
         ("step", fmt(snap.step)),
         ("reason", f"{snap.kind}: {snap.message}"),
         ("model", model),
-        ("batch", f"inputs {describe(snap.inputs)}; target {describe(snap.target) if snap.target is not None else '-'}"),
-        ("loss", f"{fmt(snap.reason.get('loss'))}" + (f", action {snap.reason['action']}" if "action" in snap.reason else "")),
+        (
+            "batch",
+            f"inputs {describe(snap.inputs)}; target {describe(snap.target) if snap.target is not None else '-'}",
+        ),
+        (
+            "loss",
+            f"{fmt(snap.reason.get('loss'))}"
+            + (f", action {snap.reason['action']}" if "action" in snap.reason else ""),
+        ),
         (
             "environment",
             f"torch {env.get('torch', '?')}, python {env.get('python', '?')}, devices "
@@ -112,7 +130,9 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     if snap.recipe is not None:
         rows.append(("recipe", f"{snap.recipe['factory']}(**{snap.recipe['kwargs']})"))
     if snap.loss_fn_spec:
-        rows.append(("loss_fn", str(snap.loss_fn_spec.get("name") or snap.loss_fn_spec.get("repr"))))
+        rows.append(
+            ("loss_fn", str(snap.loss_fn_spec.get("name") or snap.loss_fn_spec.get("repr")))
+        )
     if snap.optimizer_class:
         rows.append(("optimizer", snap.optimizer_class))
     if snap.dropped:
@@ -135,7 +155,10 @@ def history_table(snap: Snapshot, rows: int = 10) -> Any:
         if c in ("loss", "grad_norm"):
             out[c] = [fmt(float(v)) for v in df[c]]
         else:
-            out[c] = ["-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v) for v in df[c]]
+            out[c] = [
+                "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v)
+                for v in df[c]
+            ]
     return out
 
 
@@ -148,12 +171,12 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
     if not items:
         return ""
     body = "".join(
-        f"<tr><td>{html.escape(n)}</td><td class=\"{'bad' if not math.isfinite(v) else ''}\">{fmt(v)}</td></tr>"
+        f'<tr><td>{html.escape(n)}</td><td class="{"bad" if not math.isfinite(v) else ""}">{fmt(v)}</td></tr>'
         for n, v in items
     )
     return (
         f"<div><h3>{html.escape(title)}</h3>"
-        f"<table class=\"norms\"><tr><th>tensor</th><th>L2 norm</th></tr>{body}</table></div>"
+        f'<table class="norms"><tr><th>tensor</th><th>L2 norm</th></tr>{body}</table></div>'
     )
 
 
@@ -209,12 +232,14 @@ def report_html(
         raise TypeError(f"trace must be an nbdebug Trace or None; got {type(trace).__qualname__}.")
 
     def figure(fig: go.Figure, div_id: str) -> str:
-        return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id, config={"displaylogo": False})
+        return fig.to_html(
+            full_html=False, include_plotlyjs=False, div_id=div_id, config={"displaylogo": False}
+        )
 
     title = f"nbdebug snapshot: step {fmt(snap.step)}"
     parts = [
         f"<h1>{html.escape(title)}</h1>",
-        f"<p class=\"bad\">{html.escape(snap.kind)}: {html.escape(snap.message)}</p>",
+        f'<p class="bad">{html.escape(snap.kind)}: {html.escape(snap.message)}</p>',
         _table(snapshot_facts(snap)),
         "<h2>Where the first NaN/Inf was produced (replay)</h2>",
     ]
@@ -225,7 +250,9 @@ def report_html(
 
     parts.append("<h2>History</h2>")
     if snap.history:
-        parts.append(figure(history_figure(snap.history_frame(), failing_step=snap.step), "nbdebug-history"))
+        parts.append(
+            figure(history_figure(snap.history_frame(), failing_step=snap.step), "nbdebug-history")
+        )
         parts.append(history_table(snap, rows).to_html(index=False, border=0))
     else:
         parts.append('<p class="note">No history was recorded in this snapshot.</p>')
@@ -237,12 +264,14 @@ def report_html(
     else:
         parts.append('<p class="note">The per-layer norm plot needs the replay (see above).</p>')
     parts.append('<div class="cols">')
-    parts.append(_norm_table("Largest gradient norms at the failing step", largest(grad_norms(snap), top)))
+    parts.append(
+        _norm_table("Largest gradient norms at the failing step", largest(grad_norms(snap), top))
+    )
     parts.append(_norm_table("Largest parameter norms", largest(snap.param_norms(), top)))
     parts.append("</div>")
     body = "\n".join(parts)
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{_CSS}</style>"
         f'<script type="text/javascript">{get_plotlyjs()}</script>'
         f"</head><body>\n{body}\n</body></html>\n"

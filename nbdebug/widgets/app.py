@@ -54,8 +54,15 @@ def close_widgets(root: Any) -> int:
 
 
 def _empty_trace(model_name: str, error: str) -> Trace:
-    return Trace(events=[], origin=None, first_nonfinite=None, loss=None, params=[],
-                 model_name=model_name, error=error)
+    return Trace(
+        events=[],
+        origin=None,
+        first_nonfinite=None,
+        loss=None,
+        params=[],
+        model_name=model_name,
+        error=error,
+    )
 
 
 def _run(source: TraceSource, model_name: str) -> tuple[Trace, str | None]:
@@ -67,11 +74,17 @@ def _run(source: TraceSource, model_name: str) -> tuple[Trace, str | None]:
         return tr, str(err)
 
 
-def header_html(trace: Trace, *, error: str | None = None, snapshot: str | None = None, extra: str = "") -> str:
+def header_html(
+    trace: Trace, *, error: str | None = None, snapshot: str | None = None, extra: str = ""
+) -> str:
     """The debugger's header: model class, parameter count, batch, loss, status badge
     (and ``extra`` HTML after the badge, e.g. the health-check counts)."""
     e = html.escape
-    loss = "–" if trace.loss is None else (f"{trace.loss:.6g}" if math.isfinite(trace.loss) else str(trace.loss))
+    loss = (
+        "–"
+        if trace.loss is None
+        else (f"{trace.loss:.6g}" if math.isfinite(trace.loss) else str(trace.loss))
+    )
     status = trace.summary()
     ok = trace.healthy and error is None
     badge = f"<span class='nbdebug-badge {'nbdebug-badge-ok' if ok else 'nbdebug-badge-bad'}'>{e(status)}</span>"
@@ -84,7 +97,9 @@ def header_html(trace: Trace, *, error: str | None = None, snapshot: str | None 
     ]
     lines = [" · ".join(parts), f"<div style='margin-top:4px'>{badge} {extra}</div>"]
     if error and error not in status:
-        lines.append(f"<div class='nbdebug-error' style='color:#d62728;margin-top:4px'><b>TraceError:</b> {e(error)}</div>")
+        lines.append(
+            f"<div class='nbdebug-error' style='color:#d62728;margin-top:4px'><b>TraceError:</b> {e(error)}</div>"
+        )
     if snapshot:
         lines.append(f"<div><small>{e(snapshot)}</small></div>")
     return "<div class='nbdebug-header'>" + "".join(lines) + "</div>"
@@ -121,15 +136,19 @@ class Debugger:
         backend: str | None = None,
     ):
         if not isinstance(trace, Trace):
-            raise TypeError(f"Debugger expects an nbdebug Trace; got {type(trace).__qualname__} (use nbdebug.debug()).")
+            raise TypeError(
+                f"Debugger expects an nbdebug Trace; got {type(trace).__qualname__} (use nbdebug.debug())."
+            )
         self.trace = trace
         self.error = error
         self._source = source
         self._backend = backend
         self._snapshot_line = None
         if failing_step is not None or reason:
-            self._snapshot_line = "snapshot" + (f" of step {failing_step}" if failing_step is not None else "") + (
-                f": {reason}" if reason else ""
+            self._snapshot_line = (
+                "snapshot"
+                + (f" of step {failing_step}" if failing_step is not None else "")
+                + (f": {reason}" if reason else "")
             )
         self._extra: list[tuple[str, widgets.Widget]] = []
         self._header_extra = ""
@@ -137,18 +156,30 @@ class Debugger:
         self._callbacks: list[Callable[[Debugger], Any]] = []
         self.header = widgets.HTML()
         self.rerun_button = widgets.Button(
-            description="re-run", icon="refresh", disabled=source is None,
-            tooltip="trace again with the model and batch as they are now" if source else "no model to re-run",
+            description="re-run",
+            icon="refresh",
+            disabled=source is None,
+            tooltip="trace again with the model and batch as they are now"
+            if source
+            else "no model to re-run",
         )
         self.rerun_button.on_click(lambda _b: self.rerun())
         self.history: HistoryPanel | None = None
         if history is not None and len(history):
-            self.history = HistoryPanel(history, failing_step=failing_step, reason=reason, backend=backend)
+            self.history = HistoryPanel(
+                history, failing_step=failing_step, reason=reason, backend=backend
+            )
         self.tabs = widgets.Tab()
         self._build_panels()
         self.widget = widgets.VBox(
-            [widgets.HTML(STYLE), widgets.HBox([self.header, self.rerun_button],
-                                               layout=widgets.Layout(justify_content="space-between")), self.tabs]
+            [
+                widgets.HTML(STYLE),
+                widgets.HBox(
+                    [self.header, self.rerun_button],
+                    layout=widgets.Layout(justify_content="space-between"),
+                ),
+                self.tabs,
+            ]
         )
         self.widget.add_class("nbdebug-debugger")
 
@@ -176,7 +207,10 @@ class Debugger:
         self.tabs.selected_index = titles.index(title)
 
     def _layout_tabs(self) -> None:
-        pairs: list[tuple[str, widgets.Widget]] = [("Step", self.step.widget), ("Layers", self.layers.widget)]
+        pairs: list[tuple[str, widgets.Widget]] = [
+            ("Step", self.step.widget),
+            ("Layers", self.layers.widget),
+        ]
         if self.history is not None:
             pairs.append(("History", self.history.widget))
         pairs += self._extra
@@ -203,7 +237,9 @@ class Debugger:
             raise TypeError(f"tab title must be a non-empty string; got {title!r}.")
         w = getattr(widget, "widget", widget)
         if not isinstance(w, widgets.Widget):
-            raise TypeError(f"add_tab expects an ipywidget or an object with .widget; got {type(widget).__qualname__}.")
+            raise TypeError(
+                f"add_tab expects an ipywidget or an object with .widget; got {type(widget).__qualname__}."
+            )
         self._extra.append((title, w))
         self._panels[title] = widget
         self._layout_tabs()
@@ -222,7 +258,9 @@ class Debugger:
         """Trace again from the source (model and batch as they are now) and rebuild the
         Step and Layers tabs. Returns the new trace."""
         if self._source is None:
-            raise ValueError("this debugger was built from a recorded trace: there is nothing to re-run.")
+            raise ValueError(
+                "this debugger was built from a recorded trace: there is nothing to re-run."
+            )
         self.rerun_button.disabled = True
         try:
             trace, error = _run(self._source, self.trace.model_name)
@@ -304,7 +342,9 @@ def debug(
         raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     if isinstance(obj, Trace):
         if inputs is not None or target is not None or loss_fn is not None or reference is not None:
-            raise TypeError("debug(trace) takes no inputs/target/loss_fn: the trace is already recorded.")
+            raise TypeError(
+                "debug(trace) takes no inputs/target/loss_fn: the trace is already recorded."
+            )
         dbg = Debugger(obj, backend=backend)
         add_feature_tabs(dbg, backend=backend)
         return dbg
@@ -321,8 +361,16 @@ def debug(
         # bad arguments (not a module, empty batch, no loss) raise here, before any widget
         tr, err = _run(source, type(net).__name__)
         dbg = Debugger(tr, error=err, source=source, backend=backend)
-        add_feature_tabs(dbg, model=net, inputs=inputs, reference=reference, labels=labels,
-                         pred_probs=pred_probs, journal=journal, backend=backend)
+        add_feature_tabs(
+            dbg,
+            model=net,
+            inputs=inputs,
+            reference=reference,
+            labels=labels,
+            pred_probs=pred_probs,
+            journal=journal,
+            backend=backend,
+        )
         return dbg
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
@@ -332,7 +380,9 @@ def debug(
 
     if isinstance(obj, Snapshot):
         if inputs is not None or target is not None:
-            raise TypeError("debug(snapshot) takes no inputs or target: the snapshot holds its batch.")
+            raise TypeError(
+                "debug(snapshot) takes no inputs or target: the snapshot holds its batch."
+            )
         snap = obj
 
         def replay() -> Trace:
@@ -340,10 +390,25 @@ def debug(
 
         tr, err = _run(replay, snap.model_class or "snapshot")
         reason = f"{snap.kind}: {snap.message}" if snap.kind else snap.message
-        dbg = Debugger(tr, error=err, source=replay, history=snap.history_frame(), failing_step=snap.step,
-                       reason=reason, backend=backend)
-        add_feature_tabs(dbg, model=snap.model, inputs=snap.inputs, reference=reference, labels=labels,
-                         pred_probs=pred_probs, journal=journal, backend=backend)
+        dbg = Debugger(
+            tr,
+            error=err,
+            source=replay,
+            history=snap.history_frame(),
+            failing_step=snap.step,
+            reason=reason,
+            backend=backend,
+        )
+        add_feature_tabs(
+            dbg,
+            model=snap.model,
+            inputs=snap.inputs,
+            reference=reference,
+            labels=labels,
+            pred_probs=pred_probs,
+            journal=journal,
+            backend=backend,
+        )
         return dbg
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "

@@ -66,9 +66,13 @@ class ChecksPanel:
     selected : Finding or None
     """
 
-    def __init__(self, findings: Sequence[Finding], *, on_select: Callable[[Finding], Any] | None = None) -> None:
+    def __init__(
+        self, findings: Sequence[Finding], *, on_select: Callable[[Finding], Any] | None = None
+    ) -> None:
         if on_select is not None and not callable(on_select):
-            raise TypeError(f"on_select must be callable or None; got {type(on_select).__qualname__}.")
+            raise TypeError(
+                f"on_select must be callable or None; got {type(on_select).__qualname__}."
+            )
         self.on_select = on_select
         self.findings: list[Finding] = []
         self.selected: Finding | None = None
@@ -84,8 +88,10 @@ class ChecksPanel:
     # ------------------------------------------------------------------ content
     def update(self, findings: Sequence[Finding]) -> None:
         """Show another list of findings (clears the selection)."""
-        if isinstance(findings, Finding) or not isinstance(findings, Sequence) or not all(
-            isinstance(f, Finding) for f in findings
+        if (
+            isinstance(findings, Finding)
+            or not isinstance(findings, Sequence)
+            or not all(isinstance(f, Finding) for f in findings)
         ):
             raise TypeError(
                 "findings must be a list of Finding (from nbdebug.check); got "
@@ -99,7 +105,11 @@ class ChecksPanel:
             group = [(i, f) for i, f in enumerate(self.findings) if f.severity == sev]
             if not group:
                 continue
-            sections.append(widgets.HTML(f"<div style='margin-top:6px'>{badge(f'{len(group)} {sev}', sev)}</div>"))
+            sections.append(
+                widgets.HTML(
+                    f"<div style='margin-top:6px'>{badge(f'{len(group)} {sev}', sev)}</div>"
+                )
+            )
             for i, f in group:
                 b = widgets.Button(
                     description=_label(f),
@@ -117,7 +127,9 @@ class ChecksPanel:
             self.header.value = self._header_html()
             self.groups.children = tuple(sections)
             self.detail.value = (
-                "<i>click a finding for its evidence and advice</i>" if self.findings else "<i>no findings</i>"
+                "<i>click a finding for its evidence and advice</i>"
+                if self.findings
+                else "<i>no findings</i>"
             )
         for b in old:
             b.close()
@@ -125,8 +137,10 @@ class ChecksPanel:
     def _header_html(self) -> str:
         n_info = sum(1 for f in self.findings if f.severity == "info")
         info = f" · {n_info} info" if n_info else ""
-        sev = "error" if any(f.severity == "error" for f in self.findings) else (
-            "warning" if any(f.severity == "warning" for f in self.findings) else "ok"
+        sev = (
+            "error"
+            if any(f.severity == "error" for f in self.findings)
+            else ("warning" if any(f.severity == "warning" for f in self.findings) else "ok")
         )
         color = "#2ca02c" if sev == "ok" else COLORS[sev]
         return (
@@ -172,14 +186,19 @@ def _label(f: Finding) -> str:
 def detail_html(f: Finding) -> str:
     """The selected finding: badge, code, where, advice, fix snippet and evidence table."""
     e = html.escape
-    rows = "".join(f"<tr><td>{e(str(k))}</td><td><code>{e(_value(v))}</code></td></tr>" for k, v in f.evidence.items())
+    rows = "".join(
+        f"<tr><td>{e(str(k))}</td><td><code>{e(_value(v))}</code></td></tr>"
+        for k, v in f.evidence.items()
+    )
     jump = []
     if f.event is not None:
         jump.append(f"event #{f.event}")
     if f.param:
         jump.append(f"parameter {e(f.param)}")
     if f.rows:
-        jump.append(f"rows {e(', '.join(map(str, f.rows[:20])))}{' ...' if len(f.rows) > 20 else ''}")
+        jump.append(
+            f"rows {e(', '.join(map(str, f.rows[:20])))}{' ...' if len(f.rows) > 20 else ''}"
+        )
     if f.step is not None:
         jump.append(f"step {f.step}")
     parts = [

@@ -48,7 +48,9 @@ class Cursor:
         cursor moves to the first visible event after it (or the last one before it)."""
         if phase is not None:
             if phase not in PHASE_FILTERS:
-                raise ValueError(f"phase filter must be one of {tuple(PHASE_FILTERS)}; got {phase!r}.")
+                raise ValueError(
+                    f"phase filter must be one of {tuple(PHASE_FILTERS)}; got {phase!r}."
+                )
             self.phase = phase
         if module is not None:
             if not isinstance(module, str):
@@ -89,7 +91,9 @@ class Cursor:
     def goto(self, index: int) -> bool:
         """Move to ``trace.events[index]``, clearing the filters if they hide it."""
         if not 0 <= index < len(self.trace.events):
-            raise ValueError(f"event index must be in 0..{len(self.trace.events) - 1}; got {index}.")
+            raise ValueError(
+                f"event index must be in 0..{len(self.trace.events) - 1}; got {index}."
+            )
         if index not in self._visible_set:
             self.clear_filter()
         moved = index != self.index

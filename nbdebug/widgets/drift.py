@@ -42,7 +42,9 @@ class DriftPanel:
         from ..analysis.drift import DriftReport
 
         if not isinstance(report, DriftReport):
-            raise TypeError(f"DriftPanel needs a DriftReport (from nbdebug.drift); got {type(report).__qualname__}.")
+            raise TypeError(
+                f"DriftPanel needs a DriftReport (from nbdebug.drift); got {type(report).__qualname__}."
+            )
         self.report = report
         order = [str(f) for f in report.features.index]
         quadrants = list(report.features["quadrant"])
@@ -65,7 +67,10 @@ class DriftPanel:
                 self.table.widget,
                 widgets.VBox([self.feature, self.overlay.widget]),
                 widgets.HBox(
-                    [widgets.Box([self.map.widget], layout=half), widgets.Box([self.shares.widget], layout=half)]
+                    [
+                        widgets.Box([self.map.widget], layout=half),
+                        widgets.Box([self.shares.widget], layout=half),
+                    ]
                 ),
             ]
         )
@@ -83,7 +88,9 @@ class DriftPanel:
     def select(self, feature: str) -> None:
         """Show ``feature`` in the overlay (same as choosing it in the dropdown)."""
         if feature not in self.report.feature_names:
-            raise ValueError(f"unknown feature {feature!r}; expected one of {self.report.feature_names[:5]}...")
+            raise ValueError(
+                f"unknown feature {feature!r}; expected one of {self.report.feature_names[:5]}..."
+            )
         self.feature.value = feature
 
     def _on_feature(self, change: dict[str, Any]) -> None:

@@ -69,14 +69,20 @@ class GradcheckPanel:
         sweep_options: dict[str, Any] | None = None,
     ) -> None:
         if result is not None and not isinstance(result, GradcheckResult):
-            raise TypeError(f"result must be a GradcheckResult (from nbdebug.gradcheck); got {type(result).__qualname__}.")
+            raise TypeError(
+                f"result must be a GradcheckResult (from nbdebug.gradcheck); got {type(result).__qualname__}."
+            )
         if model is not None:
             check_model(model)
             if inputs is None:
-                raise ValueError("the module sweep needs the batch too: pass inputs=... along with model=....")
+                raise ValueError(
+                    "the module sweep needs the batch too: pass inputs=... along with model=...."
+                )
             check_inputs(inputs)
         elif inputs is not None:
-            raise ValueError("inputs were given without a model: pass model=... as well for the module sweep.")
+            raise ValueError(
+                "inputs were given without a model: pass model=... as well for the module sweep."
+            )
         self.model = model
         self.inputs = inputs
         self.rows = rows
@@ -101,11 +107,15 @@ class GradcheckPanel:
             else "build the panel with model=... and inputs=... to check every module",
             layout=widgets.Layout(width="auto"),
         )
-        self.progress = widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(width="240px"))
+        self.progress = widgets.IntProgress(
+            value=0, min=0, max=1, layout=widgets.Layout(width="240px")
+        )
         self.status = widgets.HTML()
         self.table_header = widgets.HTML(_row_text("", "module", "verdict", "max error", "seconds"))
         self.table_header.add_class("nbdebug-gc-head")
-        self.table = widgets.Select(options=[], rows=8, layout=widgets.Layout(width="100%", max_width="900px"))
+        self.table = widgets.Select(
+            options=[], rows=8, layout=widgets.Layout(width="100%", max_width="900px")
+        )
         self.table.add_class("nbdebug-gc-table")
 
         self.pair_select.observe(self._on_pair, names="value")
@@ -121,7 +131,14 @@ class GradcheckPanel:
         )
         sweep_box.layout.display = None if model is not None else "none"
         self.widget = widgets.VBox(
-            [widgets.HTML(STYLE), self.title, self.pair_select, self.verdict, self.view.widget, sweep_box]
+            [
+                widgets.HTML(STYLE),
+                self.title,
+                self.pair_select,
+                self.verdict,
+                self.view.widget,
+                sweep_box,
+            ]
         )
         if result is not None:
             self.show_result(result)
@@ -136,12 +153,18 @@ class GradcheckPanel:
         """Show ``result``: its pairs in the selector, the worst pair's heatmaps."""
         self.result = result
         worst = result.worst
-        options = [(f"{_MARK[p.close] if p.ok else '✗'} {p.label}: {p.verdict}", i) for i, p in enumerate(result.pairs)]
+        options = [
+            (f"{_MARK[p.close] if p.ok else '✗'} {p.label}: {p.verdict}", i)
+            for i, p in enumerate(result.pairs)
+        ]
         start = result.pairs.index(worst) if worst is not None else None
         with self.widget.hold_sync(), self.pair_select.hold_sync():
-            self.title.value = f"<b>{html.escape(title or 'gradcheck of ' + result.fn_name)}</b> " + html.escape(
-                f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, rtol={result.rtol:g}, "
-                f"{result.seconds:.2f}s)"
+            self.title.value = (
+                f"<b>{html.escape(title or 'gradcheck of ' + result.fn_name)}</b> "
+                + html.escape(
+                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, rtol={result.rtol:g}, "
+                    f"{result.seconds:.2f}s)"
+                )
             )
             self.pair_select.unobserve(self._on_pair, names="value")
             self.pair_select.options = options
@@ -170,7 +193,9 @@ class GradcheckPanel:
             self.verdict.value = ""
             return
         if pair is None:
-            self.verdict.value = _badge(self.result.verdict) + " " + html.escape(self.result.message)
+            self.verdict.value = (
+                _badge(self.result.verdict) + " " + html.escape(self.result.message)
+            )
             return
         lines = [f"{_badge(pair.verdict)} {html.escape(pair.message)}"]
         lines += [f"<li>{html.escape(n)}</li>" for n in self.result.notes]
@@ -209,7 +234,9 @@ class GradcheckPanel:
             self.status.value = html.escape(f"{done}/{total} {name}")
 
         try:
-            df = gradcheck_modules(self.model, self.inputs, rows=self.rows, progress=progress, **self.sweep_options)
+            df = gradcheck_modules(
+                self.model, self.inputs, rows=self.rows, progress=progress, **self.sweep_options
+            )
         except (TypeError, ValueError) as e:
             self.status.value = f"<span style='color:#d62728'>{html.escape(str(e))}</span>"
             return None
@@ -226,7 +253,9 @@ class GradcheckPanel:
                         _MARK[rec["passed"]],
                         rec["module"] or "(model)",
                         rec["verdict"],
-                        "" if err is None or (isinstance(err, float) and math.isnan(err)) else f"{err:.2e}",
+                        ""
+                        if err is None or (isinstance(err, float) and math.isnan(err))
+                        else f"{err:.2e}",
                         f"{rec['seconds']:.2f}",
                     ),
                     rec["module"],

@@ -24,8 +24,14 @@ class HistoryPanel:
         Why the snapshot was written.
     """
 
-    def __init__(self, history: Any, *, failing_step: int | None = None, reason: str | None = None,
-                 backend: str | None = None):
+    def __init__(
+        self,
+        history: Any,
+        *,
+        failing_step: int | None = None,
+        reason: str | None = None,
+        backend: str | None = None,
+    ):
         self.history = history
         self.failing_step = failing_step
         self.plot = PlotView(history_figure(history, failing_step=failing_step), backend=backend)
@@ -34,12 +40,16 @@ class HistoryPanel:
             head.append(f"<b>failing step {int(failing_step)}</b>")
         if reason:
             head.append(html.escape(str(reason)))
-        self.summary = widgets.HTML(" · ".join(head) + f" <small>({len(history)} steps recorded)</small>")
+        self.summary = widgets.HTML(
+            " · ".join(head) + f" <small>({len(history)} steps recorded)</small>"
+        )
         self.table = widgets.HTML(
             history.tail(8).to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0),
             layout=widgets.Layout(overflow="auto"),
         )
-        self.widget = widgets.VBox([self.summary, self.plot.widget, widgets.HTML("<b>last steps</b>"), self.table])
+        self.widget = widgets.VBox(
+            [self.summary, self.plot.widget, widgets.HTML("<b>last steps</b>"), self.table]
+        )
 
     def __repr__(self) -> str:
         return f"HistoryPanel({len(self.history)} steps, failing_step={self.failing_step})"

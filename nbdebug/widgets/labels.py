@@ -61,7 +61,11 @@ def _sample_kind(data: Any, image_shape: Sequence[int] | None, render: Any) -> s
         return "table"
     if hasattr(data, "detach") or isinstance(data, np.ndarray):
         arr = data
-        if arr.dtype == object or str(arr.dtype).startswith("<U") or str(arr.dtype).startswith("<S"):
+        if (
+            arr.dtype == object
+            or str(arr.dtype).startswith("<U")
+            or str(arr.dtype).startswith("<S")
+        ):
             return "text"
         if image_shape is not None or arr.ndim >= 3:
             return "image"
@@ -128,8 +132,12 @@ class LabelCleaner:
                 f"{type(data).__qualname__}."
             )
         if render is not None and not callable(render):
-            raise TypeError(f"render must be a callable render(sample, index); got {type(render).__qualname__}.")
-        self.review = LabelReview(labels, issues, data=data, journal=journal, is_test=is_test, force=force)
+            raise TypeError(
+                f"render must be a callable render(sample, index); got {type(render).__qualname__}."
+            )
+        self.review = LabelReview(
+            labels, issues, data=data, journal=journal, is_test=is_test, force=force
+        )
         if len(data) != len(self.review.labels):
             raise ValueError(
                 f"data has {len(data)} samples but there are {len(self.review.labels)} labels: "
@@ -152,17 +160,28 @@ class LabelCleaner:
         self.image: PlotView | None = None
         if self.kind == "image":
             self.image = PlotView(figs.sample_image_figure(np.zeros((8, 8))), backend=backend)
-        sample_box = self.image.widget if self.image is not None else (
-            self.sample_out if self.kind == "custom" else self.sample_html
+        sample_box = (
+            self.image.widget
+            if self.image is not None
+            else (self.sample_out if self.kind == "custom" else self.sample_html)
         )
 
         btn = widgets.Layout(width="auto")
-        self.keep_button = widgets.Button(description="Keep (k)", button_style="success", layout=btn)
-        self.relabel_button = widgets.Button(description="Relabel to suggestion (r)", button_style="warning", layout=btn)
-        self.relabel_to = widgets.Dropdown(options=[(n, i) for i, n in enumerate(self.names)], value=0,
-                                           layout=widgets.Layout(width="140px"))
+        self.keep_button = widgets.Button(
+            description="Keep (k)", button_style="success", layout=btn
+        )
+        self.relabel_button = widgets.Button(
+            description="Relabel to suggestion (r)", button_style="warning", layout=btn
+        )
+        self.relabel_to = widgets.Dropdown(
+            options=[(n, i) for i, n in enumerate(self.names)],
+            value=0,
+            layout=widgets.Layout(width="140px"),
+        )
         self.relabel_to_button = widgets.Button(description="Relabel to", layout=btn)
-        self.exclude_button = widgets.Button(description="Exclude (x)", button_style="danger", layout=btn)
+        self.exclude_button = widgets.Button(
+            description="Exclude (x)", button_style="danger", layout=btn
+        )
         self.skip_button = widgets.Button(description="Skip (s)", layout=btn)
         self.undo_button = widgets.Button(description="Undo (u)", icon="undo", layout=btn)
         self.keep_button.on_click(lambda _: self._act("keep"))
@@ -175,30 +194,52 @@ class LabelCleaner:
         if self.keys is not None:
             self.keys.on_msg(self._on_key)
 
-        self.threshold = widgets.BoundedFloatText(value=0.95, min=0.0, max=1.0, step=0.01,
-                                                  description="p(suggested) ≥", layout=widgets.Layout(width="200px"),
-                                                  style={"description_width": "initial"})
+        self.threshold = widgets.BoundedFloatText(
+            value=0.95,
+            min=0.0,
+            max=1.0,
+            step=0.01,
+            description="p(suggested) ≥",
+            layout=widgets.Layout(width="200px"),
+            style={"description_width": "initial"},
+        )
         self.bulk_button = widgets.Button(button_style="warning", layout=btn)
         self.threshold.observe(lambda _: self._refresh_bulk(), names="value")
         self.bulk_button.on_click(lambda _: self._act("bulk"))
 
         any_opt = [("any", -1)]
-        self.filter_given = widgets.Dropdown(options=any_opt + [(n, i) for i, n in enumerate(self.names)], value=-1,
-                                             description="given", layout=widgets.Layout(width="190px"))
-        self.filter_suggested = widgets.Dropdown(options=any_opt + [(n, i) for i, n in enumerate(self.names)],
-                                                 value=-1, description="suggested",
-                                                 layout=widgets.Layout(width="210px"))
+        self.filter_given = widgets.Dropdown(
+            options=any_opt + [(n, i) for i, n in enumerate(self.names)],
+            value=-1,
+            description="given",
+            layout=widgets.Layout(width="190px"),
+        )
+        self.filter_suggested = widgets.Dropdown(
+            options=any_opt + [(n, i) for i, n in enumerate(self.names)],
+            value=-1,
+            description="suggested",
+            layout=widgets.Layout(width="210px"),
+        )
         self.clear_filter = widgets.Button(description="All pairs", layout=btn)
         self.filter_given.observe(self._on_filter, names="value")
         self.filter_suggested.observe(self._on_filter, names="value")
         self.clear_filter.on_click(lambda _: self.set_filter(None, None))
 
-        self.heatmap = PlotView(figs.confident_joint_figure(issues, class_names=class_names), backend=backend)
+        self.heatmap = PlotView(
+            figs.confident_joint_figure(issues, class_names=class_names), backend=backend
+        )
         if self.heatmap.backend == "figurewidget":
             self.heatmap.figure.data[0].on_click(self._on_cell_click)
 
-        actions = [self.keep_button, self.relabel_button, self.relabel_to, self.relabel_to_button,
-                   self.exclude_button, self.skip_button, self.undo_button]
+        actions = [
+            self.keep_button,
+            self.relabel_button,
+            self.relabel_to,
+            self.relabel_to_button,
+            self.exclude_button,
+            self.skip_button,
+            self.undo_button,
+        ]
         self.widget = widgets.VBox(
             [
                 self.status,
@@ -206,16 +247,29 @@ class LabelCleaner:
                 widgets.HBox(actions, layout=widgets.Layout(flex_flow="row wrap")),
                 *([self.keys] if self.keys is not None else []),
                 widgets.HBox([widgets.HTML("<b>Bulk</b>&nbsp;"), self.threshold, self.bulk_button]),
-                widgets.HBox([widgets.HTML("<b>Filter</b>&nbsp;"), self.filter_given, self.filter_suggested,
-                              self.clear_filter]),
+                widgets.HBox(
+                    [
+                        widgets.HTML("<b>Filter</b>&nbsp;"),
+                        self.filter_given,
+                        self.filter_suggested,
+                        self.clear_filter,
+                    ]
+                ),
                 self.message,
-                widgets.HTML("<small>Click a cell of the heatmap (or use the filter above) to review one "
-                             "given/suggested pair.</small>"),
+                widgets.HTML(
+                    "<small>Click a cell of the heatmap (or use the filter above) to review one "
+                    "given/suggested pair.</small>"
+                ),
                 self.heatmap.widget,
             ]
         )
         if not self.review.can_relabel:
-            for b in (self.relabel_button, self.relabel_to_button, self.exclude_button, self.bulk_button):
+            for b in (
+                self.relabel_button,
+                self.relabel_to_button,
+                self.exclude_button,
+                self.bulk_button,
+            ):
                 b.disabled = True
                 b.tooltip = "is_test=True: pass force=True to relabel or exclude test samples"
         self._show()
@@ -280,8 +334,13 @@ class LabelCleaner:
         try:
             if action == "undo":
                 undone = r.undo()
-                msg = (f"undid {undone[0]['action']} of sample {undone[0]['item']}" if len(undone) == 1
-                       else f"undid a bulk relabel of {len(undone)} samples" if undone else "nothing to undo")
+                msg = (
+                    f"undid {undone[0]['action']} of sample {undone[0]['item']}"
+                    if len(undone) == 1
+                    else f"undid a bulk relabel of {len(undone)} samples"
+                    if undone
+                    else "nothing to undo"
+                )
             elif action == "bulk":
                 t = float(self.threshold.value)
                 msg = f"relabeled {r.accept_above(t)} samples to their suggestion (p ≥ {t:g})"
@@ -355,7 +414,9 @@ class LabelCleaner:
         for r in (1, 2, 3):
             c, p = row.get(f"top{r}"), row.get(f"top{r}_prob")
             if c is not None and int(c) >= 0 and p is not None and not np.isnan(p):
-                tops.append(f"<tr><td>{html.escape(self.names[int(c)])}</td><td>{float(p):.3f}</td></tr>")
+                tops.append(
+                    f"<tr><td>{html.escape(self.names[int(c)])}</td><td>{float(p):.3f}</td></tr>"
+                )
         prev = self.review.decision(item)
         prev_txt = f"<br>decided: {html.escape(prev['action'])}" if prev else ""
         return (
@@ -380,8 +441,12 @@ class LabelCleaner:
         pr = r.progress()
         est = r.issues.attrs.get("label_noise")
         g, s = r.filter
-        filt = "all pairs" if g is None and s is None else (
-            f"given {self.names[g] if g is not None else 'any'} → suggested {self.names[s] if s is not None else 'any'}"
+        filt = (
+            "all pairs"
+            if g is None and s is None
+            else (
+                f"given {self.names[g] if g is not None else 'any'} → suggested {self.names[s] if s is not None else 'any'}"
+            )
         )
         with self.widget.hold_sync():
             self.status.value = (
@@ -389,8 +454,11 @@ class LabelCleaner:
                 f"({pr['relabel']} relabeled, {pr['exclude']} excluded, {pr['keep']} kept, {pr['skip']} skipped) · "
                 f"{pr['pending']} pending in {html.escape(filt)}"
                 + (f"<br><small>{html.escape(est.summary())}</small>" if est is not None else "")
-                + ("<br><small style='color:#d62728'>test split: relabel/exclude disabled</small>"
-                   if not r.can_relabel else "")
+                + (
+                    "<br><small style='color:#d62728'>test split: relabel/exclude disabled</small>"
+                    if not r.can_relabel
+                    else ""
+                )
             )
             self.info.value = self._info_html(self._item)
             if self._item is not None:
@@ -425,7 +493,11 @@ def _table_html(sample: Any, most: int = 24) -> str:
         f"<tr><td style='padding:0 8px'>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>"
         for k, v in items[:most]
     )
-    more = f"<tr><td colspan=2><i>… {len(items) - most} more</i></td></tr>" if len(items) > most else ""
+    more = (
+        f"<tr><td colspan=2><i>… {len(items) - most} more</i></td></tr>"
+        if len(items) > most
+        else ""
+    )
     return f'<table style="font-size:12px;border:1px solid #ddd">{rows}{more}</table>'
 
 

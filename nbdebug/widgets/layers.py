@@ -13,8 +13,29 @@ from ..figures.layers import EXPLODING, VANISHING, ratio_figure
 from .plot import PlotView
 
 #: Columns the table can be sorted by (``Trace.params_frame()`` columns, plus the name).
-SORT_COLUMNS = ("name", "module", "norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf")
-_SHOWN = ("module", "shape", "dtype", "norm", "grad_norm", "ratio", "n_nan", "n_inf", "grad_n_nan", "grad_n_inf")
+SORT_COLUMNS = (
+    "name",
+    "module",
+    "norm",
+    "grad_norm",
+    "ratio",
+    "n_nan",
+    "n_inf",
+    "grad_n_nan",
+    "grad_n_inf",
+)
+_SHOWN = (
+    "module",
+    "shape",
+    "dtype",
+    "norm",
+    "grad_norm",
+    "ratio",
+    "n_nan",
+    "n_inf",
+    "grad_n_nan",
+    "grad_n_inf",
+)
 
 
 def _cell(v: Any) -> str:
@@ -34,12 +55,18 @@ def params_table_html(frame: Any, selected: str | None = None) -> str:
     for name, row in frame.iterrows():
         bad = row["n_nan"] or row["n_inf"] or row["grad_n_nan"] or row["grad_n_inf"]
         r = row["ratio"]
-        off = r is not None and not (isinstance(r, float) and math.isnan(r)) and (r < VANISHING or r > EXPLODING)
+        off = (
+            r is not None
+            and not (isinstance(r, float) and math.isnan(r))
+            and (r < VANISHING or r > EXPLODING)
+        )
         cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
         if name == selected:
             cls += " nbdebug-selected"
         cells = "".join(f"<td>{_cell(row[c])}</td>" for c in _SHOWN)
-        body.append(f"<tr class='{cls}'><td style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>")
+        body.append(
+            f"<tr class='{cls}'><td style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>"
+        )
     return (
         "<style>.nbdebug-params td,.nbdebug-params th{padding:1px 8px;text-align:right;font-size:12px}"
         ".nbdebug-params .nbdebug-bad{color:#d62728;font-weight:bold}.nbdebug-params .nbdebug-warn{color:#9467bd}"
@@ -66,7 +93,9 @@ class LayersPanel:
         self.trace = trace
         self._frame = trace.params_frame()
         self.selected: str | None = None
-        self.sort_by = widgets.Dropdown(options=list(SORT_COLUMNS), value="name", description="sort by")
+        self.sort_by = widgets.Dropdown(
+            options=list(SORT_COLUMNS), value="name", description="sort by"
+        )
         self.descending = widgets.Checkbox(value=False, description="descending", indent=False)
         self.table = widgets.HTML(layout=widgets.Layout(max_height="320px", overflow="auto"))
         self.plot = PlotView(ratio_figure(trace), backend=backend)
@@ -77,7 +106,9 @@ class LayersPanel:
             f"<small>grad/weight ratio: below {VANISHING:g} the gradient vanishes, above {EXPLODING:g} it explodes; "
             "red rows hold NaN/Inf.</small>"
         )
-        self.widget = widgets.VBox([widgets.HBox([self.sort_by, self.descending]), legend, self.table, self.plot.widget])
+        self.widget = widgets.VBox(
+            [widgets.HBox([self.sort_by, self.descending]), legend, self.table, self.plot.widget]
+        )
 
     def sorted_frame(self) -> Any:
         """The parameter table in the order shown."""

@@ -51,7 +51,10 @@ def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
     else:
         what = f"{category} {ev.name}"
     indent = _NBSP * 2 * max(ev.depth, 0)
-    return f"{ev.index:>5}".replace(" ", _NBSP) + f" {mark} {_PHASE_MARK.get(ev.phase, ev.phase)} {indent}{what}"
+    return (
+        f"{ev.index:>5}".replace(" ", _NBSP)
+        + f" {mark} {_PHASE_MARK.get(ev.phase, ev.phase)} {indent}{what}"
+    )
 
 
 def _num(v: float) -> str:
@@ -85,7 +88,10 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
         rows.append(("op", ev.op))
     if ev.source:
         rows.append(("source", ev.source))
-    info = "".join(f"<tr><th style='text-align:left'>{e(k)}</th><td style='text-align:left'>{e(v)}</td></tr>" for k, v in rows)
+    info = "".join(
+        f"<tr><th style='text-align:left'>{e(k)}</th><td style='text-align:left'>{e(v)}</td></tr>"
+        for k, v in rows
+    )
     names = ["norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf"]
     vals = s.as_dict()
     bad = {"n_nan", "n_inf"} if not s.finite else set()
@@ -94,7 +100,9 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
         for k in names
     )
     if not s.finite:
-        rows_txt = ", ".join(map(str, ev.samples)) if ev.samples else "not per row (no batch dimension)"
+        rows_txt = (
+            ", ".join(map(str, ev.samples)) if ev.samples else "not per row (no batch dimension)"
+        )
         nonfinite = f"<div class='nbdebug-bad'>non-finite rows: {e(rows_txt)}</div>"
     else:
         nonfinite = "<div>non-finite rows: none</div>"
@@ -128,12 +136,18 @@ class StepPanel:
         self.cursor = Cursor(trace)
         origin = trace.origin.index if trace.origin is not None else None
         self._points = norm_points(trace)
-        self._labels = [event_label(ev, self._points.x[ev.index], origin=origin) for ev in trace.events]
+        self._labels = [
+            event_label(ev, self._points.x[ev.index], origin=origin) for ev in trace.events
+        ]
         self._syncing = False
 
         def button(key: str, description: str, tooltip: str, icon: str = "") -> widgets.Button:
-            b = widgets.Button(description=description, tooltip=tooltip, icon=icon,
-                               layout=widgets.Layout(width="auto"))
+            b = widgets.Button(
+                description=description,
+                tooltip=tooltip,
+                icon=icon,
+                layout=widgets.Layout(width="auto"),
+            )
             b.on_click(lambda _b: self._move(key))
             return b
 
@@ -142,24 +156,48 @@ class StepPanel:
             "prev": button("prev", "prev", "previous event", "step-backward"),
             "next": button("next", "next", "next event", "step-forward"),
             "last": button("last", "last", "last event", "fast-forward"),
-            "origin": button("origin", "jump to origin", "where the first NaN/Inf was produced", "crosshairs"),
-            "nonfinite": button("nonfinite", "next non-finite", "next event holding NaN/Inf", "exclamation-triangle"),
+            "origin": button(
+                "origin", "jump to origin", "where the first NaN/Inf was produced", "crosshairs"
+            ),
+            "nonfinite": button(
+                "nonfinite", "next non-finite", "next event holding NaN/Inf", "exclamation-triangle"
+            ),
         }
         self.buttons["origin"].button_style = "danger" if origin is not None else ""
         self.buttons["origin"].disabled = trace.origin is None and trace.first_nonfinite is None
-        self.slider = widgets.IntSlider(min=0, max=0, value=0, description="step", continuous_update=True,
-                                        readout=False, layout=widgets.Layout(width="60%"))
+        self.slider = widgets.IntSlider(
+            min=0,
+            max=0,
+            value=0,
+            description="step",
+            continuous_update=True,
+            readout=False,
+            layout=widgets.Layout(width="60%"),
+        )
         self.position = widgets.HTML()
-        self.phase = widgets.ToggleButtons(options=list(PHASE_FILTERS), value="all", description="phase",
-                                           style={"button_width": "84px", "description_width": "initial"})
-        self.module_filter = widgets.Text(value="", placeholder="module name contains", description="module",
-                                          continuous_update=False, style={"description_width": "initial"})
-        self.events = widgets.Select(options=[], rows=16, layout=widgets.Layout(width="44%", min_width="320px"))
+        self.phase = widgets.ToggleButtons(
+            options=list(PHASE_FILTERS),
+            value="all",
+            description="phase",
+            style={"button_width": "84px", "description_width": "initial"},
+        )
+        self.module_filter = widgets.Text(
+            value="",
+            placeholder="module name contains",
+            description="module",
+            continuous_update=False,
+            style={"description_width": "initial"},
+        )
+        self.events = widgets.Select(
+            options=[], rows=16, layout=widgets.Layout(width="44%", min_width="320px")
+        )
         self.events.add_class("nbdebug-events")
         self.detail = widgets.HTML(layout=widgets.Layout(width="100%"))
         self.detail.add_class("nbdebug-detail")
         ev0 = self.cursor.event
-        self.histogram = PlotView(histogram_figure(ev0) if ev0 is not None else go.Figure(), backend=backend)
+        self.histogram = PlotView(
+            histogram_figure(ev0) if ev0 is not None else go.Figure(), backend=backend
+        )
         self.norms = PlotView(norm_figure(trace, current=ev0, points=self._points), backend=backend)
 
         self.slider.observe(self._on_slider, names="value")
@@ -169,9 +207,15 @@ class StepPanel:
 
         self._fill_list()
         self._show()
-        toolbar = widgets.HBox(list(self.buttons.values()), layout=widgets.Layout(flex_flow="row wrap"))
-        filters = widgets.HBox([self.phase, self.module_filter], layout=widgets.Layout(flex_flow="row wrap"))
-        right = widgets.VBox([self.detail, self.histogram.widget], layout=widgets.Layout(width="56%"))
+        toolbar = widgets.HBox(
+            list(self.buttons.values()), layout=widgets.Layout(flex_flow="row wrap")
+        )
+        filters = widgets.HBox(
+            [self.phase, self.module_filter], layout=widgets.Layout(flex_flow="row wrap")
+        )
+        right = widgets.VBox(
+            [self.detail, self.histogram.widget], layout=widgets.Layout(width="56%")
+        )
         self.widget = widgets.VBox(
             [
                 widgets.HTML(STYLE),
@@ -253,12 +297,19 @@ class StepPanel:
         pos = c.position
         self._syncing = True
         try:
-            with self.events.hold_sync(), self.slider.hold_sync(), self.detail.hold_sync(), self.position.hold_sync():
+            with (
+                self.events.hold_sync(),
+                self.slider.hold_sync(),
+                self.detail.hold_sync(),
+                self.position.hold_sync(),
+            ):
                 if pos is not None:
                     self.slider.value = pos
                     self.events.value = c.index
                 self.position.value = (
-                    f"event {ev.index + 1} / {len(self.trace.events)} · {len(c)} shown" if ev is not None else "no events"
+                    f"event {ev.index + 1} / {len(self.trace.events)} · {len(c)} shown"
+                    if ev is not None
+                    else "no events"
                 )
                 self.detail.value = detail_html(ev, self.trace)
                 idx = c.index if c.index is not None else -1

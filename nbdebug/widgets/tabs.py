@@ -42,19 +42,28 @@ def add_feature_tabs(
         dbg.add_tab("Gradcheck", GradcheckPanel(model=model, inputs=inputs, backend=backend))
     if reference is not None:
         if model is None or inputs is None:
-            raise TypeError("reference= needs the model and its current batch (debug(model, inputs, reference=...)).")
+            raise TypeError(
+                "reference= needs the model and its current batch (debug(model, inputs, reference=...))."
+            )
         from ..analysis.drift import drift
         from .drift import DriftPanel
 
-        dbg.add_tab("Drift", DriftPanel(drift(model, reference, _as_table(inputs)), backend=backend))
+        dbg.add_tab(
+            "Drift", DriftPanel(drift(model, reference, _as_table(inputs)), backend=backend)
+        )
     if labels is not None or pred_probs is not None:
         if labels is None or pred_probs is None or inputs is None:
-            raise TypeError("the Labels tab needs both labels= and pred_probs= (and the samples as the batch).")
+            raise TypeError(
+                "the Labels tab needs both labels= and pred_probs= (and the samples as the batch)."
+            )
         from ..analysis.labels import find_label_issues
         from .labels import LabelCleaner
 
         issues = find_label_issues(labels, pred_probs=pred_probs)
-        dbg.add_tab("Labels", LabelCleaner(_as_table(inputs), labels, issues, journal=journal, backend=backend))
+        dbg.add_tab(
+            "Labels",
+            LabelCleaner(_as_table(inputs), labels, issues, journal=journal, backend=backend),
+        )
 
 
 def _add_checks(dbg: Debugger) -> None:
@@ -70,8 +79,10 @@ def _add_checks(dbg: Debugger) -> None:
             dbg.select_tab("Layers")
 
     def refresh(findings: Any) -> None:
-        worst = "error" if any(f.severity == "error" for f in findings) else (
-            "warning" if any(f.severity == "warning" for f in findings) else "info"
+        worst = (
+            "error"
+            if any(f.severity == "error" for f in findings)
+            else ("warning" if any(f.severity == "warning" for f in findings) else "info")
         )
         dbg.set_header_extra(badge(counts_summary(findings), worst))
 
