@@ -3,7 +3,8 @@
 Statistical tests (issue 7, item 3) on sklearn's breast_cancer and wine, with a random
 forest and a logistic regression each fitted once on all rows (so two random halves are
 exchangeable):
-(a) no drift: alarm rate over 30 seeds <= alpha + 0.05;
+(a) no drift: alarm rate over 60 seeds <= alpha + 0.05 (with 30, a level-0.05 test exceeds
+    0.10 by chance 6% of the time: wine/rf did at seeds 0-29, 4 alarms);
 (b) two features shifted by 1 std: those two flagged and no other input, in most seeds;
 (c) a subpopulation shift (one class over-sampled) moves a cluster's share, even where few
     raw features flag;
@@ -81,7 +82,7 @@ def test_a_no_drift_alarm_rate_at_most_alpha_plus_005(name, kind, capsys):
     # rows: explain all rows once and reuse (exactness checked below). LinearExplainer's
     # values depend on the background drawn from the reference: run drift() itself.
     shap_all = explain_batches(model, x, x[:2], progress=False).reference if kind == "rf" else None
-    seeds = 30
+    seeds = 60
     alarms = 0
     for seed in range(seeds):
         a, b = halves(len(x), seed)

@@ -5,8 +5,19 @@ does the model see it?
 >>> rep.alarm, rep.features.head(), rep.clusters
 >>> rep.show()       # the panel: table, overlays, SHAP map, cluster shares
 
+Each feature gets its **exposure**: how far its drift moved its push on the model's
+predictions, in the output's own units, against the noise of the same quantity between
+two halves of the reference, and its share of the prediction shift
+(:mod:`nbdebug.analysis.drift_exposure`). The quadrant of a feature comes from input drift
+and exposure: "input+explanation" (the model acts on the drift), "input only" (the input
+moved, predictions did not move with it), "explanation only", "none".
+
+Input tests run on every row; SHAP values on every row of small batches and on a
+stratified subsample of large ones, sized by the sampling error it allows
+(:mod:`nbdebug.analysis.drift_sample`).
+
 The report's tests form four families: a KS test per input column, a KS test per SHAP
-column, the chi-square test of cluster shares and the classifier two-sample test. They are
+column, the permutation test of cluster shares and the classifier two-sample test. They are
 corrected in two levels (Benjamini and Bogomolov, 2014; Benjamini-Hochberg by default,
 Bonferroni on request): across the families on their global (Simes / Bonferroni)
 p-values, then within the families that drifted. ``alarm`` (some family drifted) fires at
@@ -30,7 +41,10 @@ import pandas as pd
 
 from . import drift_stats as st
 from .drift_data import prepare_batches
-from .explain import EXPLAINERS, adapt_model, explain_batches
+from .drift_exposure import EXPOSURE_MIN, exposure_table, quadrant
+from .drift_groups import groups_frame, name_groups
+from .drift_sample import DEFAULT_SAMPLING_ERROR, dkw_error, rows_for_error, stratified_rows
+from .explain import EXPLAINERS, adapt_model, explain_batches, predict_batches
 
 __all__ = ["ClassifierTest", "ClusterTest", "DriftReport", "drift", "drift_from_shap"]
 
@@ -77,32 +91,52 @@ class DriftReport:
     Attributes
     ----------
     features : pandas.DataFrame
-        One row per feature, sorted by drift (flagged first, then by the larger KS
-        statistic): ``quadrant``, ``ks``, ``ks_p``, ``ks_p_adj``, ``wasserstein``
-        (Wasserstein-1 / reference std), ``shap_ks``, ``shap_ks_p``, ``shap_ks_p_adj``,
-        ``shap_wasserstein``, ``drifted_input``, ``drifted_explanation``, ``mean_shift``
-        (in reference stds), ``shap_importance`` (mean |SHAP| on the reference).
+        One row per feature, sorted by drift (flagged first, then by exposure share, then
+        by the larger KS statistic): ``quadrant``, ``exposure_share``, ``exposure``,
+        ``exposure_noise``, ``shap_mean_shift`` (all in output units, see
+        :mod:`~nbdebug.analysis.drift_exposure`), ``ks``, ``ks_p``, ``ks_p_adj``,
+        ``wasserstein`` (Wasserstein-1 / reference std), ``shap_ks``, ``shap_ks_p``,
+        ``shap_ks_p_adj``, ``shap_wasserstein``, ``drifted_input``,
+        ``drifted_explanation`` (the model acts on it: its SHAP distribution changed
+        significantly *and* materially), ``mean_shift`` (in reference stds),
+        ``shap_importance`` (mean |SHAP| on the reference).
     clusters : pandas.DataFrame
-        One row per cluster of the pooled rows in SHAP space: ``name``, ``n_reference``,
-        ``n_current``, ``share_reference``, ``share_current``, ``change``, ``residual``.
+        One row per cluster of the explained rows in SHAP space: ``name`` (what defines
+        it: a predicted class or a rule on the inputs, see
+        :mod:`~nbdebug.analysis.drift_groups`), ``purity``, ``coverage``,
+        ``group_share_reference``, ``group_share_current`` (share of all rows of each batch
+        matching the name), ``shap_profile`` (the SHAP features that set it apart),
+        ``n_reference``, ``n_current``, ``share_reference``, ``share_current``, ``change``,
+        ``residual``.
     alarm : bool
         Some family of tests drifted (see ``tests``).
     tests : pandas.DataFrame
         One row per family (``inputs``, ``explanations``, ``cluster shares``,
         ``classifier``): ``n_tests``, ``p_value`` (global), ``p_adjusted`` (across
         families), ``drift``.
+    headline : str
+        One sentence: what changed and whether the model cares.
     summary : str
-        One paragraph in words.
+        One paragraph in words (starts with the headline).
+    prediction_shift : float
+        Current minus reference mean of the explained output (sum of ``shap_mean_shift``).
+    output_scale : float
+        Standard deviation of the explained output over the reference rows: exposure below
+        ``EXPOSURE_MIN`` times this is not material.
     classifier, cluster_test : ClassifierTest, ClusterTest
         The two multivariate tests.
     reference, current : numpy.ndarray
         The inputs as float64 ``(n_reference, d)``, ``(n_current, d)`` (copies).
+    reference_rows, current_rows : numpy.ndarray
+        int64: the rows of each batch that were explained (all rows of small batches).
     reference_shap, current_shap : numpy.ndarray
-        Their SHAP values, same shapes.
+        Their SHAP values, ``(len(reference_rows), d)`` and ``(len(current_rows), d)``.
+    sampling_error : float
+        DKW bound on the error of each explained batch's SHAP CDFs (0: all rows explained).
     labels : numpy.ndarray
-        int64 ``(n_reference + n_current,)``: cluster of each row, reference rows first.
+        int64 ``(m_reference + m_current,)``: cluster of each explained row, reference first.
     pca : numpy.ndarray
-        float64 ``(n_reference + n_current, 2)``: the PCA map of the SHAP rows.
+        float64 ``(m_reference + m_current, 2)``: the PCA map of the SHAP rows.
     """
 
     features: pd.DataFrame
@@ -124,6 +158,12 @@ class DriftReport:
     labels: np.ndarray
     pca: np.ndarray
     pca_variance: np.ndarray
+    headline: str = ""
+    prediction_shift: float = math.nan
+    output_scale: float = math.nan
+    reference_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    current_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sampling_error: float = 0.0
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -137,8 +177,11 @@ class DriftReport:
 
     @property
     def is_current(self) -> np.ndarray:
-        """bool ``(n_reference + n_current,)``: which pooled rows come from the current batch."""
-        return np.r_[np.zeros(self.n_reference, bool), np.ones(self.n_current, bool)]
+        """bool ``(m_reference + m_current,)``: which explained rows (the rows of ``labels``
+        and ``pca``) come from the current batch."""
+        return np.r_[
+            np.zeros(len(self.reference_shap), bool), np.ones(len(self.current_shap), bool)
+        ]
 
     @property
     def drifted_inputs(self) -> list[str]:
@@ -175,7 +218,42 @@ def _names(items: list[str], limit: int = 5) -> str:
     return ", ".join(shown) + more
 
 
+def _headline(feats: pd.DataFrame, *, alarm: bool, shift: float, unit: str) -> str:
+    """One sentence: what changed, and whether the model's predictions move with it."""
+    d = len(feats)
+    inp = [str(f) for f in feats.index[feats["drifted_input"]]]
+    acted = [str(f) for f in feats.index[feats["quadrant"] == "input+explanation"]]
+    ignored = [str(f) for f in feats.index[feats["quadrant"] == "input only"]]
+    via = [str(f) for f in feats.index[feats["quadrant"] == "explanation only"]]
+    share = float(feats.loc[acted + via, "exposure_share"].sum()) if acted or via else 0.0
+    moved = f"the mean prediction moved by {shift:+.3g} ({unit})"
+    if not inp and not via:
+        if alarm:
+            return (
+                f"No single input drifted, but the batches differ jointly (see the cluster and "
+                f"classifier tests); {moved}."
+            )
+        return f"Nothing drifted: no input changed distribution and the model's explanations did not move ({moved})."
+    head = f"{len(inp)} of {d} inputs drifted" + (f" ({_names(inp, 3)})" if inp else "")
+    if acted:
+        parts = [f"the model acts on {_names(acted, 3)}"]
+        if via:
+            parts.append(f"and, through them, on {_names(via, 2)}")
+        parts.append(f"({share:.0%} of the prediction shift)")
+        tail = " ".join(parts)
+        if ignored:
+            tail += f" but not on {_names(ignored, 3)}"
+        return f"{head}: {tail}; {moved}."
+    if via:
+        return (
+            f"{head}; the model's use of {_names(via, 3)} changed ({share:.0%} of the prediction "
+            f"shift) although those inputs did not drift; {moved}."
+        )
+    return f"{head}, but the model's predictions do not move with them ({moved})."
+
+
 def _summary(
+    headline: str,
     feats: pd.DataFrame,
     clusters: pd.DataFrame,
     ctest: ClusterTest,
@@ -188,26 +266,15 @@ def _summary(
     output: str,
     n_ref: int,
     n_cur: int,
+    m_ref: int,
+    m_cur: int,
+    sampling_error: float,
     notes: list[str],
 ) -> str:
-    d = len(feats)
-    inp = [str(f) for f in feats.index[feats["drifted_input"]]]
-    exp = [str(f) for f in feats.index[feats["drifted_explanation"]]]
-    only_exp = [str(f) for f in feats.index[feats["quadrant"] == "explanation only"]]
     only_inp = [str(f) for f in feats.index[feats["quadrant"] == "input only"]]
-    s = []
-    if alarm:
-        s.append(f"Drift alarm at alpha={alpha:g}.")
-    else:
-        s.append(f"No drift detected at alpha={alpha:g}.")
-    if inp:
-        s.append(f"{len(inp)} of {d} inputs changed distribution ({_names(inp)}).")
-    else:
-        s.append(f"None of the {d} inputs changed distribution.")
-    if exp:
-        s.append(f"The model's explanations changed for {len(exp)} ({_names(exp)}).")
-    else:
-        s.append("The model's explanations (SHAP values) did not change for any feature.")
+    only_exp = [str(f) for f in feats.index[feats["quadrant"] == "explanation only"]]
+    s = [headline]
+    s.append(f"Drift alarm at alpha={alpha:g}." if alarm else f"No drift alarm at alpha={alpha:g}.")
     if only_inp:
         s.append(f"Input drift the model does not act on: {_names(only_inp)}.")
     if only_exp:
@@ -216,16 +283,17 @@ def _summary(
             f"other features that moved): {_names(only_exp)}."
         )
     if ctest.k >= 2:
-        i_top = int(np.argmax(clusters["change"].abs().to_numpy()))
+        i_top = int(np.argmax(clusters["change"].to_numpy()))
         top = clusters.iloc[i_top]
         moved = ctest.p_adjusted <= alpha
         s.append(
             f"In SHAP space the rows form {ctest.k} clusters ({ctest.method}); their shares "
             + ("changed" if moved else "did not change significantly")
-            + f" (chi-square p={ctest.p_value:.3g}, corrected {ctest.p_adjusted:.3g})"
+            + f" (permutation p={ctest.p_value:.3g}, corrected {ctest.p_adjusted:.3g})"
             + (
-                f": cluster {clusters.index[i_top]} ({top['name']}) went from {top['share_reference']:.0%} of the "
-                f"reference to {top['share_current']:.0%} of the current batch."
+                f": {top['name']} (purity {top['purity']:.0%}) grew from "
+                f"{top['group_share_reference']:.0%} of the reference to "
+                f"{top['group_share_current']:.0%} of the current batch."
                 if moved
                 else "."
             )
@@ -235,14 +303,23 @@ def _summary(
     if math.isfinite(clf.auc):
         sep = "separates" if clf.p_adjusted <= alpha else "does not separate"
         s.append(
-            f"A classifier {sep} the two batches' SHAP values (cross-fitted AUC {clf.auc:.2f}, "
-            f"permutation p={clf.p_value:.3g})."
+            f"A classifier {sep} the two batches' SHAP values (held-out AUC {clf.auc:.2f}, "
+            f"p={clf.p_value:.3g})."
         )
+    else:
+        s.append("The classifier test did not run: fewer than 4 explained rows in a batch.")
+    sampled = (
+        f"SHAP on a stratified subsample of {m_ref} + {m_cur} rows (CDF error <= "
+        f"{sampling_error:.2f} at 95%, DKW)"
+        if sampling_error > 0
+        else "SHAP on every row"
+    )
     s.append(
         f"Tests: four families (a KS test per input column, a KS test per SHAP column, the "
-        f"chi-square test of cluster shares, the classifier test), {correction} across families "
-        f"and then within the drifted ones (Benjamini-Bogomolov). SHAP: {explainer} on {output}; "
-        f"{n_ref} reference vs {n_cur} current rows."
+        f"permutation test of cluster shares, the classifier test), {correction} across families "
+        f"and then within the drifted ones (Benjamini-Bogomolov); exposure is material from "
+        f"{EXPOSURE_MIN:.0%} of the output's spread. SHAP: {explainer} on {output}; "
+        f"{n_ref} reference vs {n_cur} current rows; {sampled}."
     )
     if notes:
         s.append("Notes: " + "; ".join(notes) + ".")
@@ -283,6 +360,15 @@ def _check_options(
         )
 
 
+def _rows(rows: Any, n: int, name: str) -> np.ndarray:
+    if rows is None:
+        return np.arange(n, dtype=np.int64)
+    r = np.asarray(rows, dtype=np.int64)
+    if r.ndim != 1 or (len(r) and (r.min() < 0 or r.max() >= n)):
+        raise ValueError(f"{name} must be row indices in [0, {n}); got shape {r.shape}.")
+    return r
+
+
 def drift_from_shap(
     reference: np.ndarray,
     current: np.ndarray,
@@ -290,6 +376,10 @@ def drift_from_shap(
     current_shap: np.ndarray,
     *,
     feature_names: list[str] | None = None,
+    reference_rows: Any = None,
+    current_rows: Any = None,
+    classes_reference: np.ndarray | None = None,
+    classes_current: np.ndarray | None = None,
     n_clusters: Any = "auto",
     cluster_method: str = "kmeans",
     alpha: float = 0.05,
@@ -309,7 +399,12 @@ def drift_from_shap(
     reference, current : numpy.ndarray
         float ``(n_reference, d)`` and ``(n_current, d)`` inputs, finite.
     reference_shap, current_shap : numpy.ndarray
-        Their SHAP values, same shapes.
+        SHAP values of the explained rows, ``(m_reference, d)`` and ``(m_current, d)``.
+    reference_rows, current_rows : array of int, optional
+        Which rows were explained (default: all, in order; then ``m = n``).
+    classes_reference, classes_current : numpy.ndarray, optional
+        The model's predicted class of every row, ``(n_reference,)`` and ``(n_current,)``:
+        clusters that are a class are named by it.
 
     Other parameters are those of :func:`drift`; ``explainer``, ``output``, ``notes`` and
     ``timings`` only describe where the SHAP values came from.
@@ -323,20 +418,16 @@ def drift_from_shap(
     xc = np.array(current, dtype=np.float64)
     sr = np.array(reference_shap, dtype=np.float64)
     sc = np.array(current_shap, dtype=np.float64)
-    for name, a, like in (
-        ("reference_shap", sr, xr),
-        ("current_shap", sc, xc),
-        ("current", xc, xr),
-    ):
-        if (
-            a.ndim != 2
-            or a.shape[1] != like.shape[1]
-            or (name != "current" and a.shape[0] != like.shape[0])
-        ):
-            raise ValueError(
-                f"{name} must have shape {(like.shape[0] if name != 'current' else 'n_current', like.shape[1])}; "
-                f"got {a.shape}."
-            )
+    if xr.ndim != 2 or xc.ndim != 2 or xc.shape[1] != xr.shape[1]:
+        raise ValueError(
+            f"reference and current must be 2-D with the same number of columns; got "
+            f"{xr.shape} and {xc.shape}."
+        )
+    ir = _rows(reference_rows, len(xr), "reference_rows")
+    ic = _rows(current_rows, len(xc), "current_rows")
+    for name, a, m in (("reference_shap", sr, len(ir)), ("current_shap", sc, len(ic))):
+        if a.ndim != 2 or a.shape != (m, xr.shape[1]):
+            raise ValueError(f"{name} must have shape {(m, xr.shape[1])}; got {a.shape}.")
     for name, a in (
         ("reference", xr),
         ("current", xc),
@@ -367,7 +458,11 @@ def drift_from_shap(
             xc,
             sr,
             sc,
+            ir,
+            ic,
             names,
+            classes_reference,
+            classes_current,
             n_clusters=n_clusters,
             cluster_method=cluster_method,
             alpha=float(alpha),
@@ -382,12 +477,37 @@ def drift_from_shap(
         )
 
 
+FEATURE_COLUMNS = [
+    "quadrant",
+    "exposure_share",
+    "exposure",
+    "exposure_noise",
+    "shap_mean_shift",
+    "ks",
+    "ks_p",
+    "ks_p_adj",
+    "wasserstein",
+    "shap_ks",
+    "shap_ks_p",
+    "shap_ks_p_adj",
+    "shap_wasserstein",
+    "drifted_input",
+    "drifted_explanation",
+    "mean_shift",
+    "shap_importance",
+]
+
+
 def _statistics(
     xr: np.ndarray,
     xc: np.ndarray,
     sr: np.ndarray,
     sc: np.ndarray,
+    ir: np.ndarray,
+    ic: np.ndarray,
     names: list[str],
+    classes_reference: np.ndarray | None,
+    classes_current: np.ndarray | None,
     *,
     n_clusters: Any,
     cluster_method: str,
@@ -403,11 +523,16 @@ def _statistics(
 ) -> DriftReport:
     t = time.perf_counter()
     feats = st.feature_tests(xr, xc, sr, sc, names)
+    expo, scale = exposure_table(sr, sc, names, random_state=random_state)
+    feats = feats.join(expo)
     timings["feature tests"] = time.perf_counter() - t
 
     s = np.concatenate([sr, sc], axis=0)
-    x = np.concatenate([xr, xc], axis=0)
-    is_cur = np.r_[np.zeros(len(xr), bool), np.ones(len(xc), bool)]
+    x = np.concatenate([xr[ir], xc[ic]], axis=0)
+    is_cur = np.r_[np.zeros(len(sr), bool), np.ones(len(sc), bool)]
+    if n_permutations == "auto":
+        # the smallest attainable p-value, 1 / (B + 1), stays well below alpha / 4
+        n_permutations = max(999, math.ceil(40 / alpha))
     t = time.perf_counter()
     clustering = st.cluster_shap(
         s,
@@ -415,18 +540,34 @@ def _statistics(
         method=cluster_method,
         random_state=random_state,
         progress=progress,
-        max_k=st.auto_max_k(len(xr), len(xc)),
+        max_k=st.auto_max_k(len(sr), len(sc)),
     )
-    table, chi2, p_clu, dof = st.cluster_table(clustering, is_cur, s, x, names)
+    clustering, chi2, p_clu = st.most_shifted_clustering(
+        clustering, is_cur, int(n_permutations), random_state
+    )
+    table, chi2, p_clu, dof = st.cluster_table(
+        clustering, is_cur, s, x, names, test=(chi2, p_clu)
+    )
+    have_classes = classes_reference is not None and classes_current is not None
+    groups = name_groups(
+        clustering.labels,
+        x,
+        names,
+        xr,
+        xc,
+        classes=np.r_[classes_reference[ir], classes_current[ic]]
+        if have_classes and classes_reference is not None and classes_current is not None
+        else None,
+        classes_reference=classes_reference,
+        classes_current=classes_current,
+        random_state=random_state,
+    )
+    table = table.rename(columns={"name": "shap_profile"})
+    table = groups_frame(groups).join(table)
     timings["clusters"] = time.perf_counter() - t
 
-    if n_permutations == "auto":
-        # the smallest attainable p-value, 1 / (B + 1), stays well below alpha / 4
-        n_permutations = max(999, math.ceil(40 / alpha))
     t = time.perf_counter()
-    clf = st.classifier_test(
-        s, is_cur, n_permutations=int(n_permutations), random_state=random_state
-    )
+    clf = st.classifier_test(s, is_cur, random_state=random_state)
     timings["classifier test"] = time.perf_counter() - t
 
     adjusted, families = st.hierarchical(
@@ -442,31 +583,19 @@ def _statistics(
     feats["ks_p_adj"] = adjusted["inputs"]
     feats["shap_ks_p_adj"] = adjusted["explanations"]
     feats["drifted_input"] = feats["ks_p_adj"] <= alpha
-    feats["drifted_explanation"] = feats["shap_ks_p_adj"] <= alpha
+    feats["drifted_explanation"] = (feats["shap_ks_p_adj"] <= alpha) & feats["material"]
     feats["quadrant"] = [
-        st.quadrant(bool(a), bool(b))
+        quadrant(bool(a), bool(b))
         for a, b in zip(feats["drifted_input"], feats["drifted_explanation"])
     ]
     feats["_flag"] = feats["drifted_input"] | feats["drifted_explanation"]
     feats["_score"] = np.maximum(feats["ks"], feats["shap_ks"])
-    feats = feats.sort_values(["_flag", "_score"], ascending=[False, False], kind="stable")
-    feats = feats[
-        [
-            "quadrant",
-            "ks",
-            "ks_p",
-            "ks_p_adj",
-            "wasserstein",
-            "shap_ks",
-            "shap_ks_p",
-            "shap_ks_p_adj",
-            "shap_wasserstein",
-            "drifted_input",
-            "drifted_explanation",
-            "mean_shift",
-            "shap_importance",
-        ]
-    ]
+    feats = feats.sort_values(
+        ["_flag", "drifted_explanation", "exposure_share", "_score"],
+        ascending=[False, False, False, False],
+        kind="stable",
+    )
+    feats = feats[FEATURE_COLUMNS]
     ctest = ClusterTest(
         chi2,
         p_clu,
@@ -490,8 +619,16 @@ def _statistics(
     coords, ratio = st.pca_map(s, random_state)
     timings["pca"] = time.perf_counter() - t
 
+    shift = float(sc.sum(axis=1).mean() - sr.sum(axis=1).mean())
+    unit = output.rsplit("(", 1)[-1].rstrip(")") if "(" in output else output
+    headline = _headline(feats, alarm=alarm, shift=shift, unit=unit)
+    sampling_error = max(
+        dkw_error(len(ir)) if len(ir) < len(xr) else 0.0,
+        dkw_error(len(ic)) if len(ic) < len(xc) else 0.0,
+    )
     corr_name = st.CORRECTIONS[correction]
     summary = _summary(
+        headline,
         feats,
         table,
         ctest,
@@ -503,6 +640,9 @@ def _statistics(
         output=output,
         n_ref=len(xr),
         n_cur=len(xc),
+        m_ref=len(ir),
+        m_cur=len(ic),
+        sampling_error=sampling_error,
         notes=notes,
     )
     return DriftReport(
@@ -525,9 +665,28 @@ def _statistics(
         labels=clustering.labels,
         pca=coords,
         pca_variance=ratio,
+        headline=headline,
+        prediction_shift=shift,
+        output_scale=scale,
+        reference_rows=ir,
+        current_rows=ic,
+        sampling_error=sampling_error,
         notes=notes,
         timings=timings,
     )
+
+
+def _strata_score(preds: np.ndarray) -> np.ndarray:
+    """One number per row to stratify on: the output (one output), class 1's score (two),
+    else the predicted class, then its score."""
+    if preds.shape[1] == 1:
+        return preds[:, 0]
+    if preds.shape[1] == 2:
+        return preds[:, 1]
+    top = preds.argmax(axis=1)
+    mx = preds.max(axis=1)
+    span = np.ptp(mx) or 1.0
+    return top + (mx - mx.min()) / span * 0.999
 
 
 def drift(
@@ -545,18 +704,20 @@ def drift(
     output: Any = "auto",
     cluster_method: str = "kmeans",
     n_permutations: Any = "auto",
+    sampling_error: float = DEFAULT_SAMPLING_ERROR,
     one_hot: bool = False,
     nan_policy: str = "raise",
     progress: bool = True,
 ) -> DriftReport:
-    """Did the inputs drift, did the model's explanations drift, where, and for whom?
+    """Did the inputs drift, does the model act on it, where, and for whom?
 
     Parameters
     ----------
-    model : scikit-learn estimator, torch.nn.Module or callable
-        A fitted estimator; a module taking a float ``(n, d)`` tensor and returning
-        ``(n,)`` or ``(n, k)``; or a function ``f(X: ndarray (n, d)) -> (n,) or (n, k)``.
-        Not modified (torch modules: parameters, buffers, grads, train/eval, hooks, RNG).
+    model : scikit-learn estimator or Pipeline, torch.nn.Module or callable
+        A fitted estimator (with ``predict_proba``, ``decision_function`` or ``predict``);
+        a module taking a float ``(n, d)`` tensor and returning ``(n,)`` or ``(n, k)``; or
+        a function ``f(X: ndarray (n, d)) -> (n,) or (n, k)``. Not modified (torch modules:
+        parameters, buffers, grads, train/eval, hooks, RNG).
     reference, current : pandas.DataFrame, numpy.ndarray or torch.Tensor
         ``(n_reference, d)`` and ``(n_current, d)``. DataFrames are matched by column
         name. Use a reference the model was not trained on. Not modified.
@@ -567,20 +728,25 @@ def drift(
     background : int
         Reference rows sampled as the explainer's background (tree models need none).
     n_clusters : "auto" or int
-        Clusters of the pooled rows in SHAP space; ``"auto"``: k in 2..8 by silhouette.
+        Clusters of the explained rows in SHAP space; ``"auto"``: k in 2..8 by silhouette.
     alpha : float
         Level of the tests, after correction.
     correction : {"fdr", "bonferroni"}
         Benjamini-Hochberg (default) or Bonferroni, applied across the four test families
         and within the drifted ones (see the module docstring).
     random_state : int
-        Seeds the background sample, the clustering, the folds and the permutations.
+        Seeds the subsample, the background, the clustering, the folds and the permutations.
     output : "auto", "predicted" or int
         Which model output to explain when there are several: ``"auto"`` is class 1 of
         two classes and each row's predicted class otherwise.
     cluster_method : {"kmeans", "agglomerative"}
     n_permutations : "auto" or int
-        Permutations for the classifier test (``"auto"``: enough to pass the correction).
+        Permutations for the cluster-share test (``"auto"``: enough to pass the correction).
+    sampling_error : float
+        Batches of more than 1,000 rows get SHAP values on a stratified subsample of
+        ``ceil(ln(40) / (2 sampling_error^2))`` rows (82 by default); each SHAP column's
+        distribution is then within ``sampling_error`` of the whole batch's at 95%
+        confidence (:mod:`nbdebug.analysis.drift_sample`). Input tests use every row.
     one_hot : bool
         One-hot encode non-numeric columns instead of refusing them.
     nan_policy : {"raise", "impute"}
@@ -595,8 +761,9 @@ def drift(
     Raises
     ------
     TypeError, ValueError
-        Bad batches (mismatched or non-numeric columns, NaN, fewer than 2 rows) or options,
-        each in one sentence. Fewer than 20 rows in a batch only warns.
+        Bad batches (mismatched columns or dtypes, non-numeric columns, NaN, fewer than 2
+        rows), a model without ``predict_proba``/``predict``, or bad options, each in one
+        sentence. Fewer than 20 rows in a batch only warns.
     """
     if explainer not in EXPLAINERS:
         raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
@@ -607,6 +774,14 @@ def drift(
     ):
         raise ValueError(
             f"background must be a positive number of reference rows; got {background!r}."
+        )
+    if (
+        isinstance(sampling_error, bool)
+        or not isinstance(sampling_error, (int, float))
+        or not 0 < sampling_error < 1
+    ):
+        raise ValueError(
+            f"sampling_error must be a number strictly between 0 and 1; got {sampling_error!r}."
         )
     _check_options(alpha, correction, n_clusters, cluster_method, n_permutations, random_state)
     if output not in ("auto", "predicted") and (
@@ -639,10 +814,22 @@ def drift(
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    pr, pc = predict_batches(adapter, xr, xc, random_state)
+    m = rows_for_error(float(sampling_error))
+    ir = stratified_rows(_strata_score(pr), m, random_state)
+    ic = stratified_rows(_strata_score(pc), m, random_state + 1)
+    classes = adapter.classes
+    cls_r = cls_c = None
+    if classes is not None and pr.shape[1] == len(classes) and len(classes) >= 2:
+        lookup = np.asarray(classes, dtype=object)
+        cls_r, cls_c = lookup[pr.argmax(axis=1)], lookup[pc.argmax(axis=1)]
+    timings["predict"] = time.perf_counter() - t
+
+    t = time.perf_counter()
     sv = explain_batches(
         model,
-        xr,
-        xc,
+        xr[ir],
+        xc[ic],
         explainer=explainer,
         background=background,
         output=output,
@@ -657,6 +844,10 @@ def drift(
         sv.reference,
         sv.current,
         feature_names=names,
+        reference_rows=ir,
+        current_rows=ic,
+        classes_reference=cls_r,
+        classes_current=cls_c,
         n_clusters=n_clusters,
         cluster_method=cluster_method,
         alpha=alpha,

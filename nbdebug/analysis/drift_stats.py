@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,6 @@ import pandas as pd
 
 CORRECTIONS = {"fdr": "Benjamini-Hochberg", "bonferroni": "Bonferroni"}
 CLUSTER_METHODS = ("kmeans", "agglomerative")
-QUADRANTS = ("input+explanation", "input only", "explanation only", "none")
 MAX_AUTO_K = 8
 SILHOUETTE_SAMPLE = 2000
 AGGLOMERATIVE_MAX_ROWS = 2000
@@ -161,16 +160,6 @@ def hierarchical(
     return adjusted, table
 
 
-def quadrant(drifted_input: bool, drifted_explanation: bool) -> str:
-    if drifted_input and drifted_explanation:
-        return QUADRANTS[0]
-    if drifted_input:
-        return QUADRANTS[1]
-    if drifted_explanation:
-        return QUADRANTS[2]
-    return QUADRANTS[3]
-
-
 # ---------------------------------------------------------------------------- clustering
 
 
@@ -183,6 +172,7 @@ class Clustering:
     method: str
     silhouette: float  # NaN when k was not chosen by silhouette or only one cluster
     scores: dict[int, float]  # silhouette per k tried (auto only)
+    candidates: dict[int, np.ndarray] = field(default_factory=dict)  # labels per k tried
 
 
 def auto_max_k(n_reference: int, n_current: int) -> int:
@@ -255,6 +245,7 @@ def cluster_shap(
         return Clustering(_relabel_by_size(labels), len(np.unique(labels)), method, math.nan, {})
     ks = list(range(2, min(max_k, n_distinct - 1, len(s) - 1) + 1)) or [2]
     scores: dict[int, float] = {}
+    candidates: dict[int, np.ndarray] = {}
     best: tuple[float, int, np.ndarray] | None = None
     sample = min(len(s), SILHOUETTE_SAMPLE)
     for k in tqdm(ks, desc="clusters (silhouette)", delay=1.0, disable=not progress, leave=False):
@@ -264,11 +255,78 @@ def cluster_shap(
             continue
         score = float(silhouette_score(s, labels, sample_size=sample, random_state=random_state))
         scores[k] = score
+        candidates[k] = _relabel_by_size(labels)
         if best is None or score > best[0]:
             best = (score, k, labels)
     if best is None:
         return Clustering(np.zeros(len(s), dtype=np.int64), 1, method, math.nan, scores)
-    return Clustering(_relabel_by_size(best[2]), len(np.unique(best[2])), method, best[0], scores)
+    return Clustering(
+        _relabel_by_size(best[2]), len(np.unique(best[2])), method, best[0], scores, candidates
+    )
+
+
+def most_shifted_clustering(
+    clustering: Clustering, is_current: np.ndarray, n_permutations: int, random_state: int
+) -> tuple[Clustering, float, float]:
+    """Of the clusterings tried by ``n_clusters="auto"`` (k = 2..max_k), the one whose
+    shares moved most, and an exact p-value for "no share moved at any k".
+
+    Each k's chi-square statistic is turned into its asymptotic p-value (a common scale
+    across k); the test statistic is the smallest of them, and its null distribution comes
+    from permuting the batch labels over the fixed clusterings (a max-type permutation
+    test, so choosing k by the data costs no level). Returns ``(clustering, chi2, p)``;
+    a clustering with one candidate gets the plain permutation test.
+    """
+    from scipy.stats import chi2 as chi2_dist
+
+    cands = clustering.candidates
+    if len(cands) < 2:
+        chi2, p = share_permutation_p(
+            clustering.labels, is_current, clustering.k, n_permutations, random_state
+        )
+        return clustering, chi2, p
+    n, n_cur = len(is_current), int(is_current.sum())
+    ks = sorted(cands)
+    cols = {k: np.bincount(cands[k], minlength=k).astype(np.float64) for k in ks}
+
+    def min_p(cur_mask_counts: dict[int, np.ndarray]) -> np.ndarray:
+        ps = []
+        for k in ks:
+            stat = _chi2_statistic(cur_mask_counts[k], cols[k], n_cur, n)
+            dof = max(int((cols[k] > 0).sum()) - 1, 1)
+            ps.append(chi2_dist.sf(stat, dof))
+        return np.min(np.stack(ps), axis=0)
+
+    observed_counts = {k: np.bincount(cands[k][is_current], minlength=k) for k in ks}
+    p_each = {
+        k: float(
+            chi2_dist.sf(
+                _chi2_statistic(observed_counts[k], cols[k], n_cur, n),
+                max(int((cols[k] > 0).sum()) - 1, 1),
+            )
+        )
+        for k in ks
+    }
+    observed = min(p_each.values())
+    rng = np.random.default_rng(random_state)
+    hits, done = 0, 0
+    chunk = max(1, min(n_permutations, 500_000 // max(n, 1)))
+    while done < n_permutations:
+        c = min(chunk, n_permutations - done)
+        perms = np.stack([rng.permutation(n)[:n_cur] for _ in range(c)])
+        counts = {k: np.stack([np.bincount(cands[k][r], minlength=k) for r in perms]) for k in ks}
+        hits += int((min_p(counts) <= observed * (1 + 1e-9)).sum())
+        done += c
+    best_k = min(ks, key=lambda k: (p_each[k], k))
+    labels = cands[best_k]
+    chi2 = float(_chi2_statistic(observed_counts[best_k], cols[best_k], n_cur, n))
+    chosen = replace(
+        clustering,
+        labels=labels,
+        k=int(len(np.unique(labels))),
+        silhouette=clustering.scores.get(best_k, math.nan),
+    )
+    return chosen, chi2, (1 + hits) / (1 + n_permutations)
 
 
 def cluster_name(
@@ -293,10 +351,61 @@ def cluster_name(
     return ", ".join(parts)
 
 
+def _chi2_statistic(counts_current: np.ndarray, col: np.ndarray, n_cur: int, n: int) -> np.ndarray:
+    """Pearson's chi-square of 2 x k tables given the current row counts ``(..., k)``, the
+    column totals ``col (k,)`` and the row totals: vectorised over leading axes."""
+    n_ref = n - n_cur
+    e1 = col * (n_cur / n)
+    e0 = col * (n_ref / n)
+    ref = col - counts_current
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (counts_current - e1) ** 2 / e1 + (ref - e0) ** 2 / e0
+    return np.where(col > 0, t, 0.0).sum(axis=-1)
+
+
+def share_permutation_p(
+    labels: np.ndarray, is_current: np.ndarray, k: int, n_permutations: int, random_state: int
+) -> tuple[float, float]:
+    """Chi-square statistic of the cluster x batch table and its permutation p-value.
+
+    The batch labels are permuted over the fixed clusters ``n_permutations`` times;
+    ``p = (1 + #{chi2_perm >= chi2}) / (1 + n_permutations)``. Exact at any cluster size
+    (the chi-square approximation is not, with small expected counts), because the
+    clusters were fitted without the batch labels.
+    """
+    n, n_cur = len(labels), int(is_current.sum())
+    col = np.bincount(labels, minlength=k).astype(np.float64)
+    observed = float(_chi2_statistic(np.bincount(labels[is_current], minlength=k), col, n_cur, n))
+    if k < 2 or n_permutations < 1:
+        return observed, 1.0
+    rng = np.random.default_rng(random_state)
+    hits, done = 0, 0
+    chunk = max(1, min(n_permutations, 2_000_000 // max(n, 1)))
+    while done < n_permutations:
+        c = min(chunk, n_permutations - done)
+        perm = rng.permuted(np.broadcast_to(labels, (c, n)), axis=1)[:, :n_cur]
+        counts = np.stack([np.bincount(r, minlength=k) for r in perm])
+        hits += int((_chi2_statistic(counts, col, n_cur, n) >= observed - 1e-9).sum())
+        done += c
+    return observed, (1 + hits) / (1 + n_permutations)
+
+
 def cluster_table(
-    clustering: Clustering, is_current: np.ndarray, s: np.ndarray, x: np.ndarray, names: list[str]
+    clustering: Clustering,
+    is_current: np.ndarray,
+    s: np.ndarray,
+    x: np.ndarray,
+    names: list[str],
+    *,
+    n_permutations: int = 999,
+    random_state: int = 0,
+    test: tuple[float, float] | None = None,
 ) -> tuple[pd.DataFrame, float, float, int]:
-    """Shares of each cluster in the two batches and a chi-square test on them.
+    """Shares of each cluster in the two batches and a test on them.
+
+    The p-value is the permutation p-value of Pearson's chi-square statistic
+    (:func:`share_permutation_p`), exact at any cluster size, unless ``test`` gives
+    ``(chi2, p)`` already (:func:`most_shifted_clustering`).
 
     Returns
     -------
@@ -317,7 +426,8 @@ def cluster_table(
         counts[1, c] = int(((labels == c) & is_current).sum())
     if k >= 2:
         res = chi2_contingency(counts, correction=False)
-        chi2, p, dof = float(res.statistic), float(res.pvalue), int(res.dof)
+        dof = int(res.dof)
+        chi2, p = test or share_permutation_p(labels, is_current, k, n_permutations, random_state)
         expected = res.expected_freq
     else:
         chi2, p, dof = 0.0, 1.0, 0
@@ -359,17 +469,18 @@ def classifier_test(
     s: np.ndarray,
     is_current: np.ndarray,
     *,
-    n_permutations: int = 1000,
+    n_permutations: int = 0,
     random_state: int = 0,
 ) -> ClassifierResult:
-    """Classifier two-sample test on the SHAP matrix.
+    """Classifier two-sample test on the SHAP matrix, with an exact level.
 
-    A standardised logistic regression is cross-fitted (stratified k-fold, k <= 5) to tell
-    current rows from reference rows; its out-of-fold scores give the AUC. The p-value is
-    the one-sided permutation p-value of that AUC: the batch labels are permuted over the
-    fixed out-of-fold scores ``n_permutations`` times, ``p = (1 + #{AUC_perm >= AUC}) /
-    (1 + n_permutations)``. (Cross-fitted AUCs under no drift sit at or below 0.5, so the
-    test errs on the conservative side.)
+    The rows are split in two stratified halves. A standardised logistic regression fitted
+    on one half scores the other half, and the other way round. Under no drift the held-out
+    scores do not depend on the held-out batch labels, so each half's AUC has the
+    Mann-Whitney null distribution (one-sided: current rows scored higher); the two
+    p-values are combined by Bonferroni, ``p = min(1, 2 min(p1, p2))``, valid whatever
+    their dependence. ``auc`` is the mean of the two held-out AUCs. (Permuting labels over
+    cross-fitted scores, as before, is not exact: the scores were fitted with the labels.)
 
     Parameters
     ----------
@@ -377,41 +488,41 @@ def classifier_test(
         float64 ``(n, d)`` pooled SHAP values.
     is_current : numpy.ndarray
         bool ``(n,)``.
+    n_permutations : int
+        Unused (kept for the result's field); the test is exact.
     """
-    from scipy.stats import rankdata
+    from scipy.stats import mannwhitneyu
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import roc_auc_score
-    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+    from sklearn.model_selection import StratifiedKFold
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     y = is_current.astype(np.int64)
     n1 = int(y.sum())
     n0 = len(y) - n1
-    n_splits = min(5, n1, n0)
-    name = "logistic regression (standardised SHAP), cross-fitted"
-    if n_splits < 2:
+    name = "logistic regression (standardised SHAP), two held-out halves, Mann-Whitney"
+    if min(n1, n0) < 4:
         return ClassifierResult(math.nan, math.nan, 0, 0, name)
-    clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
-    cv = StratifiedKFold(n_splits=n_splits, shuffle=True, random_state=random_state)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        scores = cross_val_predict(clf, s, y, cv=cv, method="decision_function")
-    auc = float(roc_auc_score(y, scores))
-    ranks = rankdata(scores)
-    observed = ranks[y == 1].sum()
-    rng = np.random.default_rng(random_state)
-    hits = 0
-    chunk = max(1, min(n_permutations, 2_000_000 // max(len(y), 1)))
-    done = 0
-    while done < n_permutations:
-        c = min(chunk, n_permutations - done)
-        perm = rng.permuted(np.broadcast_to(ranks, (c, len(ranks))), axis=1)
-        hits += int((perm[:, :n1].sum(axis=1) >= observed - 1e-9).sum())
-        done += c
-    p = (1 + hits) / (1 + n_permutations)
-    return ClassifierResult(auc, float(p), int(n_permutations), int(n_splits), name)
+    cv = StratifiedKFold(n_splits=2, shuffle=True, random_state=random_state)
+    aucs, ps = [], []
+    for fit_rows, test_rows in cv.split(s, y):
+        clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            clf.fit(s[fit_rows], y[fit_rows])
+        score = clf.decision_function(s[test_rows])
+        yt = y[test_rows]
+        a, b = score[yt == 1], score[yt == 0]
+        if np.ptp(score) == 0:
+            aucs.append(0.5)
+            ps.append(1.0)
+            continue
+        res = mannwhitneyu(a, b, alternative="greater")
+        aucs.append(float(res.statistic) / (len(a) * len(b)))
+        ps.append(float(res.pvalue))
+    p = min(1.0, 2.0 * min(ps))
+    return ClassifierResult(float(np.mean(aucs)), p, 0, 2, name)
 
 
 def pca_map(s: np.ndarray, random_state: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,11 @@
 * torch modules taking a ``(n, d)`` tensor: ``shap.DeepExplainer`` (DeepLIFT) on a copy of
   the module when its layers are supported, checked on a few rows; else
   ``shap.GradientExplainer`` (expected gradients);
-* anything else (other estimators, pipelines, plain prediction functions):
+* a scikit-learn ``Pipeline`` whose final estimator is a tree or linear model: that
+  estimator's exact explainer on the transformed columns, summed back per input column
+  (:mod:`nbdebug.analysis.explain_pipeline`); a pipeline whose steps mix columns (PCA,
+  polynomial features) goes to the kernel explainer, with a note;
+* anything else (other estimators, plain prediction functions):
   ``shap.KernelExplainer`` over ``background`` reference rows, with shap's default
   number of coalition samples (``2 d + 2048``); it calls the model about
   ``n_rows x samples x background`` times, so pass a small ``background`` (20-50) for slow
@@ -35,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..core.state import RngState, preserved
+from .explain_pipeline import plan_pipeline
 
 EXPLAINERS = ("auto", "tree", "linear", "deep", "gradient", "kernel", "permutation")
 _TREE_MODULES = ("sklearn.ensemble", "sklearn.tree", "xgboost", "lightgbm", "catboost")
@@ -282,17 +287,25 @@ def check_model_runs(adapter: ModelAdapter, x: np.ndarray) -> int:
 # ---------------------------------------------------------------------------- explainers
 
 
+def _exact_kind(model: Any) -> str | None:
+    """``"tree"`` or ``"linear"`` when shap has an exact explainer for this estimator."""
+    mod = type(model).__module__
+    if mod.startswith(_TREE_MODULES):
+        return "tree"
+    if mod.startswith(_LINEAR_MODULES) and hasattr(model, "coef_"):
+        return "linear"
+    return None
+
+
 def _choose(adapter: ModelAdapter, explainer: str) -> str:
     if explainer != "auto":
         return explainer
     if adapter.kind == "torch":
         return "deep"
     if adapter.kind == "sklearn":
-        mod = type(adapter.model).__module__
-        if mod.startswith(_TREE_MODULES):
-            return "tree"
-        if mod.startswith(_LINEAR_MODULES) and hasattr(adapter.model, "coef_"):
-            return "linear"
+        exact = _exact_kind(adapter.model)
+        if exact is not None:
+            return exact
     # KernelExplainer rather than PermutationExplainer: the latter spends 8-18 s compiling
     # shap's numba kernels in every new process
     return "kernel"
@@ -393,6 +406,38 @@ def _build(kind: str, adapter: ModelAdapter, bg: np.ndarray, d: int, random_stat
             len(bg),
         )
     raise ValueError(f"explainer must be one of {EXPLAINERS}; got {kind!r}.")  # pragma: no cover
+
+
+def _build_pipeline(
+    kind: str, adapter: ModelAdapter, bg: np.ndarray, d: int, random_state: int, notes: list[str]
+) -> tuple[_Built, ModelAdapter] | None:
+    """The final estimator's exact explainer, mapped back to the input columns; None (and
+    a note) when the pipeline cannot be explained that way."""
+    plan, why = plan_pipeline(adapter.model, d)
+    if plan is None:
+        if why != "not a pipeline":
+            notes.append(f"pipeline explained as a whole by KernelExplainer: {why}")
+        return None
+    exact = _exact_kind(plan.final)
+    if exact is None or kind not in ("auto", exact):
+        if kind == "auto":
+            notes.append(
+                f"pipeline explained as a whole by KernelExplainer: its final "
+                f"{type(plan.final).__name__} has no exact shap explainer"
+            )
+        return None
+    bg_z = plan.transform(bg)
+    final = adapt_model(plan.final, bg_z.shape[1])
+    inner = _build(exact, final, bg_z, bg_z.shape[1], random_state)
+
+    def values(x: np.ndarray) -> np.ndarray:
+        return plan.to_inputs(inner.values(plan.transform(x)))
+
+    name = (
+        f"{inner.name} of the pipeline's final {type(plan.final).__name__} "
+        f"({bg_z.shape[1]} transformed columns summed into {d} inputs)"
+    )
+    return _Built(name, values, inner.chunk, inner.background), final
 
 
 def _deep_works(built: _Built, x: np.ndarray) -> str | None:
@@ -498,6 +543,16 @@ def _pick_output(
     )
 
 
+def predict_batches(
+    adapter: ModelAdapter, reference: np.ndarray, current: np.ndarray, random_state: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The model's outputs ``(n, k)`` on every row of both batches (the model's state and
+    the RNG states left as they were)."""
+    with _protected(adapter, random_state):
+        check_model_runs(adapter, reference)
+        return adapter.predict(reference), adapter.predict(current)
+
+
 def explain_batches(
     model: Any,
     reference: np.ndarray,
@@ -555,8 +610,18 @@ def explain_batches(
         nb = min(int(background), len(reference))
         bg = reference[np.sort(rng.choice(len(reference), size=nb, replace=False))]
         kind = _choose(adapter, explainer)
+        scale_adapter = adapter
         try:
-            built = _build(kind, adapter, bg, d, random_state)
+            piped = (
+                _build_pipeline(explainer, adapter, bg, d, random_state, notes)
+                if adapter.kind == "sklearn" and explainer in ("auto", "tree", "linear")
+                else None
+            )
+            if piped is not None:
+                built, scale_adapter = piped
+                kind = "linear" if built.name.startswith("Linear") else "tree"
+            else:
+                built = _build(kind, adapter, bg, d, random_state)
         except _WrongKind:
             raise
         except Exception as e:
@@ -610,7 +675,7 @@ def explain_batches(
         pc = adapter.predict(current) if need_preds else np.zeros((len(current), 1))
     if vr.shape[1] != d:
         raise RuntimeError(f"{built.name} returned {vr.shape[1]} columns for {d} features.")
-    scale = _scale(kind, adapter)
+    scale = _scale(kind, scale_adapter)
     sr, desc = _pick_output(vr, pr, output, adapter, scale)
     sc, _ = _pick_output(vc, pc, output, adapter, scale)
     return ShapValues(sr, sc, built.name, desc, built.background, notes)

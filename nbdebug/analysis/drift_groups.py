@@ -1,0 +1,153 @@
+"""Name the clusters of SHAP space by what defines them, so a share that grew reads as a
+finding ("predicted class 0 grew from 37% to 64%", "rows with `worst radius` > 1.2 grew").
+
+A cluster is named
+
+* by the model's predicted class, when at least :data:`CLASS_PURITY` of its rows have that
+  class (the cluster *is* a class);
+* otherwise by a rule on the inputs: a depth-2 decision tree (scikit-learn, as shap's
+  cohorts do) is fitted on the inputs to tell the cluster's rows from the others, and the
+  leaf holding most of the cluster's rows gives the rule.
+
+Each name comes with its purity (the share of the cluster's rows that match the
+description) and its coverage (the share of the rows matching the description that lie in
+the cluster). The shares of
+the description in each batch are counted over *all* rows of the batches (the rule and the
+prediction are cheap), not only over the explained ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+CLASS_PURITY = 0.9
+RULE_DEPTH = 2
+
+
+@dataclass
+class Group:
+    description: str
+    kind: str  # "class" | "rule"
+    purity: float
+    coverage: float
+    share_reference: float
+    share_current: float
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def _rule(tree, leaf: int, names: list[str]) -> str:  # type: ignore[no-untyped-def]
+    t = tree.tree_
+    parent = {}
+    for node in range(t.node_count):
+        for child, side in ((t.children_left[node], "<="), (t.children_right[node], ">")):
+            if child != -1:
+                parent[int(child)] = (node, side)
+    parts = []
+    node = leaf
+    while node in parent:
+        p, side = parent[node]
+        parts.append(f"`{names[t.feature[p]]}` {side} {_fmt(float(t.threshold[p]))}")
+        node = p
+    return " and ".join(reversed(parts)) or "all rows"
+
+
+def name_groups(
+    labels: np.ndarray,
+    x: np.ndarray,
+    names: list[str],
+    xr_all: np.ndarray,
+    xc_all: np.ndarray,
+    *,
+    classes: np.ndarray | None = None,
+    classes_reference: np.ndarray | None = None,
+    classes_current: np.ndarray | None = None,
+    random_state: int = 0,
+) -> list[Group]:
+    """One :class:`Group` per cluster ``0..k-1``.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        int64 ``(m,)``: cluster of each explained row.
+    x : numpy.ndarray
+        float64 ``(m, d)``: the inputs of those rows.
+    xr_all, xc_all : numpy.ndarray
+        All rows of the two batches, ``(n_reference, d)``, ``(n_current, d)``.
+    classes, classes_reference, classes_current : numpy.ndarray, optional
+        Predicted class of the explained rows and of all rows of each batch (classifiers).
+    """
+    from sklearn.tree import DecisionTreeClassifier
+
+    k = int(labels.max()) + 1 if len(labels) else 0
+    out: list[Group] = []
+    for c in range(k):
+        members = labels == c
+        if classes is not None and classes_reference is not None and classes_current is not None:
+            vals, counts = np.unique(classes[members], return_counts=True)
+            top = int(np.argmax(counts))
+            purity = counts[top] / members.sum()
+            if purity >= CLASS_PURITY:
+                cls = vals[top]
+                in_class = classes == cls
+                out.append(
+                    Group(
+                        f"predicted class {cls.item() if isinstance(cls, np.generic) else cls!r}",
+                        "class",
+                        float(purity),
+                        float((members & in_class).sum() / max(in_class.sum(), 1)),
+                        float(np.mean(classes_reference == cls)),
+                        float(np.mean(classes_current == cls)),
+                    )
+                )
+                continue
+        if members.all() or not members.any():
+            out.append(Group("all rows", "rule", 1.0, 1.0, 1.0, 1.0))
+            continue
+        tree = DecisionTreeClassifier(
+            max_depth=RULE_DEPTH,
+            min_samples_leaf=max(2, len(labels) // 20),
+            random_state=random_state,
+        ).fit(x, members)
+        leaves = tree.apply(x)
+        best, best_key = -1, (-1.0, -1.0)
+        for leaf in np.unique(leaves):
+            in_leaf = leaves == leaf
+            hit = float((in_leaf & members).sum())
+            purity = hit / in_leaf.sum()
+            key = (float(purity >= 0.5), hit)  # a majority leaf first, then the most members
+            if key > best_key:
+                best, best_key = int(leaf), key
+        in_leaf = leaves == best
+        hit = float((in_leaf & members).sum())
+        out.append(
+            Group(
+                "rows with " + _rule(tree, best, names),
+                "rule",
+                hit / members.sum(),
+                hit / in_leaf.sum(),
+                float(np.mean(tree.apply(xr_all) == best)),
+                float(np.mean(tree.apply(xc_all) == best)),
+            )
+        )
+    return out
+
+
+def groups_frame(groups: list[Group]) -> pd.DataFrame:
+    """Columns ``name``, ``purity``, ``coverage``, ``group_share_reference``,
+    ``group_share_current`` (index: cluster)."""
+    return pd.DataFrame(
+        {
+            "name": [g.description for g in groups],
+            "purity": [g.purity for g in groups],
+            "coverage": [g.coverage for g in groups],
+            "group_share_reference": [g.share_reference for g in groups],
+            "group_share_current": [g.share_current for g in groups],
+        },
+        index=pd.Index(range(len(groups)), name="cluster"),
+    )
