@@ -545,9 +545,7 @@ def _statistics(
     clustering, chi2, p_clu = st.most_shifted_clustering(
         clustering, is_cur, int(n_permutations), random_state
     )
-    table, chi2, p_clu, dof = st.cluster_table(
-        clustering, is_cur, s, x, names, test=(chi2, p_clu)
-    )
+    table, chi2, p_clu, dof = st.cluster_table(clustering, is_cur, s, x, names, test=(chi2, p_clu))
     have_classes = classes_reference is not None and classes_current is not None
     groups = name_groups(
         clustering.labels,

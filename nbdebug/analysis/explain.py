@@ -250,6 +250,12 @@ def adapt_model(model: Any, n_features: int) -> ModelAdapter:
         ]
         return ModelAdapter("sklearn", model, predict_sklearn, method, classes or None)
 
+    if hasattr(model, "fit") and not callable(model):
+        raise TypeError(
+            f"the model {type(model).__name__} has neither predict_proba nor predict; drift "
+            "explains a model's predictions, so it needs one of them."
+        )
+
     if callable(model):
 
         def predict_fn(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,169 @@
+"""Pipelines, subsampling and named groups (issue 18, items 3-5), and bad input in one
+sentence each."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.compose import ColumnTransformer
+from sklearn.datasets import load_breast_cancer, load_wine
+from sklearn.decomposition import PCA
+from sklearn.ensemble import RandomForestClassifier
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+from nbdebug.analysis.drift import drift
+from nbdebug.analysis.drift_sample import dkw_error, rows_for_error, stratified_rows
+from nbdebug.analysis.explain import explain_batches
+
+
+@functools.cache
+def cancer_frame() -> tuple[pd.DataFrame, np.ndarray]:
+    b = load_breast_cancer(as_frame=True)
+    return b.data, b.target.to_numpy()
+
+
+def _run(model, ref, cur, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return drift(model, ref, cur, progress=False, **kw)
+
+
+def test_pipeline_gets_the_final_estimators_exact_explainer():
+    x, y = cancer_frame()
+    pipe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000)).fit(x, y)
+    rep = _run(pipe, x.iloc[:200], x.iloc[200:400])
+    assert rep.explainer.startswith("LinearExplainer of the pipeline's final LogisticRegression")
+    # exact: the SHAP rows add up to the pipeline's decision function minus a constant
+    f = np.r_[pipe.decision_function(x.iloc[:200]), pipe.decision_function(x.iloc[200:400])]
+    base = f - np.r_[rep.reference_shap, rep.current_shap].sum(axis=1)
+    assert np.ptp(base) < 1e-8
+    assert "log-odds" in rep.output
+
+
+def test_column_transformer_one_hot_columns_are_summed_per_input():
+    x, y = cancer_frame()
+    df = x[["mean radius", "mean texture", "worst area"]].copy()
+    df["site"] = np.arange(len(df)) % 3  # a categorical column coded as numbers
+    pre = ColumnTransformer(
+        [
+            ("num", StandardScaler(), ["mean radius", "mean texture", "worst area"]),
+            ("cat", OneHotEncoder(), ["site"]),
+        ]
+    )
+    pipe = make_pipeline(pre, RandomForestClassifier(n_estimators=20, random_state=0))
+    pipe.fit(df, y)
+    ref, cur = df.iloc[:250], df.iloc[250:500]
+    rep = _run(pipe, ref, cur)
+    assert rep.explainer.startswith("TreeExplainer (path-dependent) of the pipeline's final")
+    assert "6 transformed columns summed into 4 inputs" in rep.explainer
+    assert rep.feature_names == list(df.columns)
+    # local accuracy on the pipeline's own probability
+    p = np.r_[pipe.predict_proba(ref)[:, 1], pipe.predict_proba(cur)[:, 1]]
+    assert np.ptp(p - np.r_[rep.reference_shap, rep.current_shap].sum(axis=1)) < 1e-6
+    # the site column's value is the sum of its three one-hot columns' values
+    final = pipe[-1]
+    import shap
+
+    z = pre.transform(ref)
+    raw = shap.TreeExplainer(final).shap_values(z, check_additivity=False)[:, :, 1]
+    np.testing.assert_allclose(rep.reference_shap[:, 3], raw[:, 3:].sum(axis=1), atol=1e-12)
+
+
+def test_pipeline_that_mixes_columns_falls_back_with_a_note():
+    x, y = cancer_frame()
+    pipe = make_pipeline(StandardScaler(), PCA(3), LogisticRegression()).fit(x, y)
+    sv = explain_batches(pipe, x.to_numpy()[:30], x.to_numpy()[30:40], background=5, progress=False)
+    assert sv.explainer.startswith("KernelExplainer")
+    assert any("mixes input columns" in n for n in sv.notes)
+
+
+def test_large_batches_explain_a_stratified_subsample_of_stated_error():
+    assert rows_for_error(0.15) == 82 and dkw_error(82) <= 0.15 < dkw_error(81)
+    score = np.random.default_rng(0).random(5000)
+    rows = stratified_rows(score, 82, 0)
+    assert len(rows) == 82 and len(set(rows)) == 82
+    # proportional allocation: each tenth of the score range holds 8 or 9 of the rows
+    counts = np.histogram(score[rows], bins=np.quantile(score, np.linspace(0, 1, 11)))[0]
+    assert counts.min() >= 8 and counts.max() <= 9
+    assert len(stratified_rows(score[:900], 82, 0)) == 900  # small batches: every row
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2800, 5))
+    y = (x[:, 0] + x[:, 1] > 0).astype(int)
+    rf = RandomForestClassifier(n_estimators=10, random_state=0)
+    model = make_pipeline(ColumnTransformer([("used", "passthrough", [0, 1, 2, 3])]), rf)
+    model.fit(x[:400], y[:400])
+    cur = x[1600:].copy()
+    cur[:, 4] += 1.0
+    rep = _run(model, x[400:1600], cur)
+    assert len(rep.reference_rows) == len(rep.current_rows) == 82
+    assert rep.reference_shap.shape == (82, 5) and rep.reference.shape == (1200, 5)
+    assert rep.sampling_error == pytest.approx(dkw_error(82))
+    assert "stratified subsample of 82 + 82 rows" in rep.summary
+    # the input tests used every row: the KS statistic is that of the full batches
+    from scipy.stats import ks_2samp
+
+    row = rep.features.loc["x4"]
+    assert row["ks"] == pytest.approx(ks_2samp(x[400:1600, 4], cur[:, 4]).statistic)
+    assert row["quadrant"] == "input only"  # the pipeline drops x4
+    assert (rep.current_shap[:, 4] == 0).all()
+
+
+def test_a_class_that_grew_is_named_by_its_class():
+    b = load_wine()
+    x = StandardScaler().fit_transform(b.data)
+    y = b.target
+    rf = RandomForestClassifier(n_estimators=40, random_state=0).fit(x, y)
+    idx = np.random.default_rng(4).permutation(len(x))
+    a, c = idx[:89], idx[89:]
+    cur = np.r_[c[y[c] == 1], c[y[c] != 1][:8]]
+    rep = _run(rf, x[a], x[cur], random_state=4)
+    top = rep.clusters.loc[rep.clusters["change"].idxmax()]
+    assert top["name"] == "predicted class 1" and top["purity"] >= 0.9
+    pred_ref, pred_cur = rf.predict(x[a]), rf.predict(x[cur])
+    assert top["group_share_reference"] == pytest.approx(np.mean(pred_ref == 1))
+    assert top["group_share_current"] == pytest.approx(np.mean(pred_cur == 1))
+    assert "predicted class 1 (purity" in rep.summary and "grew from" in rep.summary
+
+
+def test_a_grown_input_region_is_named_by_a_rule():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(900, 3))
+    y = (x[:, 0] > 0.8).astype(int)  # the model reacts to a region of x0
+    rf = RandomForestClassifier(n_estimators=20, random_state=0, max_depth=4).fit(x[:300], y[:300])
+    ref = x[300:600]
+    pool = x[600:]
+    cur = np.r_[pool[pool[:, 0] > 0.8], pool[pool[:, 0] <= 0.8][:80]]
+    rep = _run(rf, ref, cur, n_clusters=2)
+    top = rep.clusters.loc[rep.clusters["change"].idxmax()]
+    assert top["name"].startswith(("rows with `x0` >", "predicted class 1"))
+    assert top["group_share_current"] > top["group_share_reference"] + 0.2
+    assert top["purity"] >= 0.8
+
+
+def test_bad_input_one_sentence_each():
+    x, y = cancer_frame()
+    rf = RandomForestClassifier(n_estimators=5, random_state=0).fit(x, y)
+    cur = x.iloc[:40].copy()
+    cur["mean radius"] = cur["mean radius"].astype(str)
+    with pytest.raises(ValueError) as e:
+        drift(rf, x.iloc[:40], cur, progress=False)
+    msg = str(e.value)
+    assert "'mean radius'" in msg and msg.count(". ") == 0  # one sentence
+
+    class NoPredict:
+        def fit(self, *a):
+            return self
+
+    with pytest.raises(TypeError, match=r"has neither predict_proba nor predict"):
+        drift(NoPredict(), x.iloc[:40], x.iloc[40:80], progress=False)
+    with pytest.raises(ValueError, match=r"current batch has 1 row\(s\); at least 2"):
+        drift(rf, x.iloc[:40], x.iloc[:1], progress=False)
+    with pytest.raises(ValueError, match=r"sampling_error must be a number strictly between"):
+        drift(rf, x.iloc[:40], x.iloc[40:80], sampling_error=0, progress=False)
