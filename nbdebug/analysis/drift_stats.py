@@ -323,7 +323,7 @@ def most_shifted_clustering(
     chosen = replace(
         clustering,
         labels=labels,
-        k=int(len(np.unique(labels))),
+        k=len(np.unique(labels)),
         silhouette=clustering.scores.get(best_k, math.nan),
     )
     return chosen, chi2, (1 + hits) / (1 + n_permutations)
