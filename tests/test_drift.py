@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import pickle
 import random
+import re
 import warnings
 
 import numpy as np
@@ -619,12 +620,29 @@ def test_panel_driven_in_python(backend):
     assert "DRIFT" in panel.summary.value
     order = [v for _, v in panel.feature.options]
     assert order == list(rep.features.index) and panel.feature.value == names[5]
-    table = panel.table.figure.data[0]
-    assert list(table.cells.values[0]) == order
+    # the table is HTML (issue 17.1): every feature name, header and multi-word cell is text
+    table = panel.table.value
+    rows = re.findall(r'class="row_heading level0 row\d+" >([^<]*)</th>', table)
+    assert rows == order
+    headers = re.findall(r'class="col_heading level0 col\d+" >([^<]*)</th>', table)
+    assert len(headers) == 9 and all(h.strip() for h in headers)
+    assert "share of prediction shift" in headers and "quadrant" in headers
+    cells = re.findall(r'class="data row(\d+) col0" >([^<]*)</td>', table)
+    assert [q for _, q in cells] == list(rep.features["quadrant"])
+    fills = {}
+    for selectors, colour in re.findall(r"([^{}]+)\{\s*background-color: ([^;]+);", table):
+        for sel in selectors.split(","):
+            fills[sel.strip().rsplit("_", 2)[-2:][0] + "_" + sel.strip().rsplit("_", 1)[-1]] = (
+                colour
+            )
     r, g, b_ = QUADRANT_RGB["input+explanation"]
-    fills = table.cells.fill.color[0]
     for i, q in enumerate(rep.features["quadrant"]):
-        assert (f"rgba({r},{g},{b_}" in fills[i]) == (q == "input+explanation")
+        assert (f"rgba({r},{g},{b_}" in fills.get(f"row{i}_col0", "")) == (q == "input+explanation")
+    bars = panel.exposure.figure.data[0]
+    shares = rep.features["exposure_share"].sort_values(ascending=False, kind="stable")
+    assert list(bars.y)[::-1] == [str(f) for f in shares.index[: len(bars.y)]]
+    np.testing.assert_allclose(list(bars.x)[::-1], shares.to_numpy()[: len(bars.y)])
+    assert __import__("html").escape(rep.headline) in panel.summary.value
 
     j = names.index("worst area")
     panel.feature.value = "worst area"
@@ -652,6 +670,6 @@ def test_panel_driven_in_python(backend):
             rep.is_current[t.customdata] == cur_rows
         ).all()
     bars = panel.shares.figure.data
-    np.testing.assert_allclose(bars[0].y, rep.clusters["share_reference"])
-    np.testing.assert_allclose(bars[1].y, rep.clusters["share_current"])
+    np.testing.assert_allclose(bars[0].x, rep.clusters["share_reference"])
+    np.testing.assert_allclose(bars[1].x, rep.clusters["share_current"])
     assert panel.widget.children[0] is panel.summary

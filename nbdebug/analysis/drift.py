@@ -249,7 +249,8 @@ def _headline(feats: pd.DataFrame, *, alarm: bool, shift: float, unit: str) -> s
             f"{head}; the model's use of {_names(via, 3)} changed ({share:.0%} of the prediction "
             f"shift) although those inputs did not drift; {moved}."
         )
-    return f"{head}, but the model's predictions do not move with them ({moved})."
+    them = "it" if len(inp) == 1 else "them"
+    return f"{head}, but the model's predictions do not move with {them} ({moved})."
 
 
 def _summary(

@@ -1,7 +1,9 @@
 """Figures of a :class:`nbdebug.analysis.drift.DriftReport`: pure functions, report in,
 ``plotly.graph_objects.Figure`` out (usable in a static HTML report and in the panel).
 
-* :func:`feature_table`: features sorted by drift, quadrant and KS columns coloured;
+* :func:`feature_table_html`: features sorted by drift, quadrant and KS columns coloured
+  (HTML: renders in every front end);
+* :func:`exposure_bars`: each feature's share of the prediction shift;
 * :func:`feature_overlay`: reference vs current distribution of one feature, raw and SHAP;
 * :func:`shap_map`: 2-D PCA map of the SHAP rows, colour = cluster, marker = batch;
 * :func:`cluster_shares`: each cluster's share of the reference and of the current batch.
@@ -12,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
@@ -53,60 +57,102 @@ def cluster_color(c: int) -> str:
     return CLUSTER_COLORS[c % len(CLUSTER_COLORS)]
 
 
-def _fmt(v: Any, spec: str) -> str:
+TABLE_COLUMNS = {
+    "quadrant": ("quadrant", "{}"),
+    "exposure_share": ("share of prediction shift", "{:.0%}"),
+    "exposure": ("exposure", "{:.3g}"),
+    "exposure_noise": ("noise", "{:.2g}"),
+    "ks": ("KS input", "{:.3f}"),
+    "ks_p_adj": ("p adj input", "{:.2g}"),
+    "wasserstein": ("W / σ", "{:.2f}"),
+    "shap_ks": ("KS SHAP", "{:.3f}"),
+    "shap_importance": ("mean |SHAP|", "{:.3g}"),
+}
+
+
+def _cell(v: Any, spec: str) -> str:
     if isinstance(v, float) and math.isinf(v):
         return "inf"
     if isinstance(v, float) and math.isnan(v):
         return "–"
-    return format(v, spec)
+    return spec.format(v)
 
 
-def feature_table(report: DriftReport, *, max_rows: int | None = None) -> go.Figure:
-    """The feature table, in the report's order (flagged first, then by KS).
-
-    The feature and quadrant cells carry the quadrant colour; the KS cells a heat colour.
-    """
+def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> str:
+    """The feature table as HTML (pandas Styler), in the report's order (flagged first,
+    then by exposure share). The feature and quadrant cells carry the quadrant colour, the
+    share and KS cells a heat colour. HTML renders the same in JupyterLab, Notebook 7,
+    VS Code, Colab and a static page (a plotly ``go.Table`` inside a ``FigureWidget``
+    drops text with spaces in JupyterLab)."""
     f = report.features if max_rows is None else report.features.head(max_rows)
-    quad_fill = [quadrant_color(q) for q in f["quadrant"]]
-    ks_fill = [heat_color(float(v), 1.0) for v in f["ks"]]
-    sks_fill = [heat_color(float(v), 1.0) for v in f["shap_ks"]]
-    white = ["rgba(255,255,255,1)"] * len(f)
-    header = [
-        "feature",
-        "quadrant",
-        "KS input",
-        "p adj",
-        "W / σ",
-        "KS SHAP",
-        "p adj",
-        "W / σ SHAP",
-        "mean |SHAP|",
-    ]
-    values = [
-        [str(i) for i in f.index],
-        list(f["quadrant"]),
-        [_fmt(float(v), ".3f") for v in f["ks"]],
-        [_fmt(float(v), ".2g") for v in f["ks_p_adj"]],
-        [_fmt(float(v), ".2f") for v in f["wasserstein"]],
-        [_fmt(float(v), ".3f") for v in f["shap_ks"]],
-        [_fmt(float(v), ".2g") for v in f["shap_ks_p_adj"]],
-        [_fmt(float(v), ".2f") for v in f["shap_wasserstein"]],
-        [_fmt(float(v), ".3g") for v in f["shap_importance"]],
-    ]
-    fills = [quad_fill, quad_fill, ks_fill, white, white, sks_fill, white, white, white]
+    shown = pd.DataFrame(
+        {label: [_cell(v, spec) for v in f[col]] for col, (label, spec) in TABLE_COLUMNS.items()},
+        index=pd.Index([str(i) for i in f.index], name="feature"),
+    )
+    quad = list(f["quadrant"])
+    heat = {
+        "share of prediction shift": [heat_color(float(v), 1.0) for v in f["exposure_share"]],
+        "KS input": [heat_color(float(v), 1.0) for v in f["ks"]],
+        "KS SHAP": [heat_color(float(v), 1.0) for v in f["shap_ks"]],
+    }
+
+    def colours(frame: pd.DataFrame) -> pd.DataFrame:
+        out = pd.DataFrame("", index=frame.index, columns=frame.columns)
+        out["quadrant"] = [f"background-color: {quadrant_color(q)}" for q in quad]
+        for col, fills in heat.items():
+            out[col] = [f"background-color: {c}" for c in fills]
+        return out
+
+    styler = (
+        shown.style.apply(colours, axis=None)
+        .apply_index(lambda idx: [f"background-color: {quadrant_color(q)}" for q in quad], axis=0)
+        .set_caption(
+            f"Features by drift ({report.correction}-corrected at alpha={report.alpha:g}; "
+            f"exposure in {report.output})"
+        )
+        .set_table_styles(
+            [
+                {"selector": "", "props": "border-collapse: collapse; font-size: 12px;"},
+                {"selector": "th, td", "props": "padding: 2px 8px; text-align: left;"},
+                {"selector": "caption", "props": "caption-side: top; font-weight: bold;"},
+                {"selector": "thead th", "props": "background-color: #e8e8e8;"},
+            ]
+        )
+    )
+    return styler.to_html()
+
+
+def exposure_bars(report: DriftReport, *, top: int = 12) -> go.Figure:
+    """Each feature's share of the prediction shift (its exposure above noise), largest
+    first, coloured by quadrant; hover gives the exposure and its noise in output units."""
+    f = report.features.sort_values("exposure_share", ascending=False, kind="stable").head(top)
+    f = f.iloc[::-1]  # largest at the top of a horizontal bar chart
     fig = go.Figure(
-        go.Table(
-            columnwidth=[3, 2.2, 1.2, 1.2, 1.1, 1.2, 1.2, 1.2, 1.3],
-            header=dict(values=header, fill_color="#e8e8e8", align="left", font=dict(size=12)),
-            cells=dict(
-                values=values, fill_color=fills, align="left", font=dict(size=11), height=22
-            ),
+        go.Bar(
+            x=f["exposure_share"].to_numpy(),
+            y=[str(i) for i in f.index],
+            orientation="h",
+            marker_color=[
+                quadrant_color(q, 0.8) if q != "none" else "#bbbbbb" for q in f["quadrant"]
+            ],
+            marker_line=dict(color="#555555", width=0.5),
+            text=[f"{v:.0%}" for v in f["exposure_share"]],
+            textposition="outside",
+            customdata=np.c_[f["exposure"].to_numpy(), f["exposure_noise"].to_numpy()],
+            hovertext=list(f["quadrant"]),
+            hovertemplate="%{y}: %{x:.0%} of the prediction shift<br>exposure %{customdata[0]:.3g}"
+            " (noise %{customdata[1]:.2g})<br>%{hovertext}<extra></extra>",
         )
     )
     fig.update_layout(
-        title=f"Features by drift ({report.correction}-corrected at alpha={report.alpha:g})",
-        margin=dict(l=10, r=10, t=40, b=10),
-        height=min(600, 90 + 23 * len(f)),
+        title=dict(text="Share of the prediction shift, by feature", x=0, xanchor="left"),
+        xaxis=dict(
+            tickformat=".0%", range=[0, min(1.0, float(f["exposure_share"].max()) * 1.25 + 0.05)]
+        ),
+        yaxis=dict(automargin=True),
+        height=max(220, 60 + 24 * len(f)),
+        margin=dict(l=10, r=30, t=40, b=30),
+        showlegend=False,
     )
     return fig
 
@@ -125,8 +171,8 @@ def overlay_titles(report: DriftReport, feature: str) -> tuple[str, str]:
     """Subplot titles of :func:`feature_overlay` for ``feature``."""
     row = report.features.loc[feature]
     return (
-        f"`{feature}` input: KS {row['ks']:.2f}, p adj {row['ks_p_adj']:.2g}",
-        f"`{feature}` SHAP: KS {row['shap_ks']:.2f}, p adj {row['shap_ks_p_adj']:.2g}",
+        f"`{feature}` input<br>KS {row['ks']:.2f}, p adj {row['ks_p_adj']:.2g}",
+        f"`{feature}` SHAP<br>exposure {row['exposure']:.3g} ({row['exposure_share']:.0%} of shift)",
     )
 
 
@@ -161,11 +207,12 @@ def feature_overlay(report: DriftReport, feature: str) -> go.Figure:
             row=1,
             col=col,
         )
+    fig.update_annotations(font_size=12)
     fig.update_layout(
         barmode="overlay",
-        height=320,
-        margin=dict(l=40, r=10, t=50, b=40),
-        legend=dict(orientation="h", y=-0.2),
+        height=340,
+        margin=dict(l=40, r=10, t=60, b=40),
+        legend=dict(orientation="h", y=-0.25, x=0),
     )
     fig.update_xaxes(title_text="value", row=1, col=1)
     fig.update_xaxes(title_text=f"SHAP ({report.output})", row=1, col=2)
@@ -202,43 +249,52 @@ def shap_map(report: DriftReport, *, max_points: int | None = None) -> go.Figure
             )
     v = report.pca_variance
     fig.update_layout(
-        title="SHAP space (PCA): colour = cluster, ○ reference, × current",
+        title=dict(text="SHAP space (PCA): colour = cluster, ○ reference, × current", x=0),
         xaxis_title=f"PC1 ({v[0]:.0%} of SHAP variance)",
         yaxis_title=f"PC2 ({v[1]:.0%})",
-        height=420,
-        margin=dict(l=40, r=10, t=50, b=40),
+        height=460,
+        autosize=True,
+        margin=dict(l=50, r=20, t=50, b=40),
+        legend=dict(orientation="h", x=0, y=-0.18, yanchor="top"),
     )
     return fig
 
 
 def cluster_shares(report: DriftReport) -> go.Figure:
-    """Each cluster's share of the reference and of the current batch (grouped bars)."""
+    """Each cluster's share of the reference and of the current batch (grouped horizontal
+    bars, one row per cluster named by what defines it)."""
     t = report.clusters
     labels = [f"C{c}: {n}" for c, n in zip(t.index, t["name"])]
     fig = go.Figure(
         [
             go.Bar(
-                x=labels,
-                y=t["share_reference"].to_numpy(),
-                name="reference",
-                marker_color=REFERENCE_COLOR,
-                text=[f"{v:.0%}" for v in t["share_reference"]],
-            ),
-            go.Bar(
-                x=labels,
-                y=t["share_current"].to_numpy(),
-                name="current",
-                marker_color=CURRENT_COLOR,
-                text=[f"{v:.0%}" for v in t["share_current"]],
-            ),
+                y=labels,
+                x=t[col].to_numpy(),
+                name=batch,
+                orientation="h",
+                marker_color=color,
+                text=[f"{v:.0%}" for v in t[col]],
+                textposition="outside",
+            )
+            for col, batch, color in (
+                ("share_reference", "reference", REFERENCE_COLOR),
+                ("share_current", "current", CURRENT_COLOR),
+            )
         ]
     )
     ct = report.cluster_test
+    top = float(max(t["share_reference"].max(), t["share_current"].max())) if len(t) else 1.0
     fig.update_layout(
         barmode="group",
-        title=f"Cluster shares: chi-square p={ct.p_value:.3g} (corrected {ct.p_adjusted:.3g})",
-        yaxis=dict(tickformat=".0%", title="share of batch"),
-        height=420,
-        margin=dict(l=40, r=10, t=50, b=80),
+        title=dict(
+            text=f"Cluster shares: permutation p={ct.p_value:.3g} (corrected {ct.p_adjusted:.3g})",
+            x=0,
+        ),
+        xaxis=dict(tickformat=".0%", title="share of batch", range=[0, min(1.0, top * 1.2 + 0.05)]),
+        yaxis=dict(automargin=True, autorange="reversed"),
+        height=max(260, 110 + 48 * len(t)),
+        autosize=True,
+        margin=dict(l=10, r=20, t=50, b=40),
+        legend=dict(orientation="h", x=0, y=-0.15, yanchor="top"),
     )
     return fig

@@ -1,8 +1,10 @@
 """The drift panel: a :class:`~nbdebug.analysis.drift.DriftReport` shown as a widget.
 
-Layout: the summary (with the alarm), the feature table sorted by drift with quadrants
-coloured, a feature selector driving the raw / SHAP overlay, the PCA map of SHAP space and
-the cluster share bars. Wiring only: every number comes from the report, every figure from
+Layout: the headline (what changed, does the model care) with the alarm and the summary,
+the exposure bars (each feature's share of the prediction shift), the feature table sorted
+by drift with quadrants coloured (HTML, so it renders in every front end), a feature
+selector driving the raw / SHAP overlay, the PCA map of SHAP space and the cluster share
+bars (stacked, full width: nothing is clipped). Wiring only: every number comes from the report, every figure from
 :mod:`nbdebug.figures.drift` through :class:`~nbdebug.widgets.plot.PlotView`.
 """
 
@@ -35,7 +37,9 @@ class DriftPanel:
         Put this in a layout or display it.
     feature : ipywidgets.Dropdown
         The feature shown in the overlay; its options are sorted by drift.
-    table, overlay, map, shares : PlotView
+    table : ipywidgets.HTML
+        The feature table.
+    exposure, overlay, map, shares : PlotView
     """
 
     def __init__(self, report: DriftReport, *, backend: str | None = None):
@@ -49,7 +53,11 @@ class DriftPanel:
         order = [str(f) for f in report.features.index]
         quadrants = list(report.features["quadrant"])
         self.summary = widgets.HTML(self._summary_html())
-        self.table = PlotView(figs.feature_table(report), backend=backend)
+        self.exposure = PlotView(figs.exposure_bars(report), backend=backend)
+        self.table = widgets.HTML(
+            figs.feature_table_html(report),
+            layout=widgets.Layout(max_height="420px", overflow="auto"),
+        )
         self.feature = widgets.Dropdown(
             options=[(f"{f}  [{q}]", f) for f, q in zip(order, quadrants)],
             value=order[0],
@@ -60,18 +68,14 @@ class DriftPanel:
         self.map = PlotView(figs.shap_map(report, max_points=20_000), backend=backend)
         self.shares = PlotView(figs.cluster_shares(report), backend=backend)
         self.feature.observe(self._on_feature, names="value")
-        half = widgets.Layout(width="50%")
         self.widget = widgets.VBox(
             [
                 self.summary,
-                self.table.widget,
+                self.exposure.widget,
+                self.table,
                 widgets.VBox([self.feature, self.overlay.widget]),
-                widgets.HBox(
-                    [
-                        widgets.Box([self.map.widget], layout=half),
-                        widgets.Box([self.shares.widget], layout=half),
-                    ]
-                ),
+                self.map.widget,
+                self.shares.widget,
             ]
         )
 
@@ -79,10 +83,14 @@ class DriftPanel:
         r = self.report
         color = "#d62728" if r.alarm else "#2ca02c"
         badge = "DRIFT" if r.alarm else "no drift"
+        rest = (
+            r.summary[len(r.headline) :].strip() if r.summary.startswith(r.headline) else r.summary
+        )
         return (
             f'<div style="line-height:1.4"><span style="background:{color};color:white;'
             f'padding:2px 8px;border-radius:4px;font-weight:bold">{badge}</span> '
-            f"{html.escape(r.summary)}</div>"
+            f"<b>{html.escape(r.headline)}</b>"
+            f"<details><summary>details</summary>{html.escape(rest)}</details></div>"
         )
 
     def select(self, feature: str) -> None:
