@@ -40,7 +40,7 @@ class PipelinePlan:
     def to_inputs(self, values: np.ndarray) -> np.ndarray:
         """Sum ``(n, d_z[, k])`` SHAP values into ``(n, d[, k])`` per input column."""
         out = np.zeros((values.shape[0], self.n_inputs, *values.shape[2:]), dtype=np.float64)
-        np.add.at(out, (slice(None), self.columns), values)
+        np.add.at(out, (slice(None), self.columns), values)  # type: ignore[arg-type]
         return out
 
 
@@ -77,7 +77,8 @@ def _positions(cols: Any, in_names: list[str], names_in: list[str] | None) -> li
     if all(isinstance(c, (int, np.integer)) for c in items):
         return [int(c) for c in items]
     if names_in is not None and all(isinstance(c, str) for c in items):
-        return [names_in.index(c) for c in items] if all(c in names_in for c in items) else None
+        strs = [str(c) for c in items]
+        return [names_in.index(c) for c in strs] if all(c in names_in for c in strs) else None
     return None
 
 
@@ -121,8 +122,8 @@ def input_map(est: Any, in_names: list[str]) -> tuple[list[int], list[str]] | No
     out_names = _out_names(est, in_names)
     if out_names is None:
         return None
-    idx = _match(out_names, in_names)
-    return None if idx is None else (idx, out_names)
+    matched = _match(out_names, in_names)
+    return None if matched is None else (matched, out_names)
 
 
 def plan_pipeline(model: Any, n_features: int) -> tuple[PipelinePlan | None, str]:
