@@ -139,7 +139,10 @@ def render() -> str:
                         head = f"`.{mname}` *(property)*"
                     else:
                         params = (
-                            _plain_signature(member).replace("(self, ", "(").replace("(self)", "()")
+                            _plain_signature(member)
+                            .replace("(self, ", "(")
+                            .replace("(self)", "()")
+                            .replace("(cls, ", "(")
                         )
                         head = f"`.{mname}{params}`"
                     lines.append(f"- {head}" + (f": {doc}" if doc else ""))
