@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import transformer
 
-from nbdebug.analysis.gradcheck_sweep import _capture_module_inputs, gradcheck_modules
+from nbdebug.analysis.gradcheck_sweep import capture_module_inputs, gradcheck_modules
 from nbdebug.core.batch import iter_tensors
 
 
@@ -49,7 +49,7 @@ def _float64(obj):
 
 def plain_cases(model, x, rows, names):
     """(name, fn, float inputs) for torch.autograd.gradcheck, on the same activations."""
-    _, captured = _capture_module_inputs(model, x, rows)
+    _, captured = capture_module_inputs(model, x, rows)
     modules = dict(model.named_modules())
     cases = []
     for name in names:

@@ -18,21 +18,15 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.gradcheck import GradcheckResult
+from ..analysis.gradcheck_result import GradcheckResult
 from ..analysis.gradcheck_sweep import gradcheck_modules
+from ..analysis.gradcheck_verdicts import SKIPPED
 from ..core.batch import check_inputs, check_model
-from ..figures.gradcheck import gradcheck_figure
+from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
 from .plot import PlotView
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
-_COLOR = {
-    "ok": "#2ca02c",
-    "float32 precision": "#1f77b4",
-    "non-differentiable point": "#ff7f0e",
-    "backward is wrong": "#d62728",
-    "skipped": "#7f7f7f",
-}
 STYLE = """<style>
 .nbdebug-gc-table select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
 .nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px; white-space: pre; }
@@ -293,7 +287,7 @@ class GradcheckPanel:
             self.result = None
             self.pair_select.options = []
             self.title.value = f"<b>module {html.escape(name or '(model)')}</b>"
-            self.verdict.value = _badge("skipped") + " " + html.escape(str(rec["reason"]))
+            self.verdict.value = _badge(SKIPPED) + " " + html.escape(str(rec["reason"]))
         self._show_figure(gradcheck_figure(None))
 
     # ------------------------------------------------------------------ display
@@ -308,7 +302,7 @@ class GradcheckPanel:
 
 
 def _badge(verdict: str) -> str:
-    color = _COLOR.get(verdict, "#7f7f7f")
+    color = VERDICT_COLOR.get(verdict, VERDICT_COLOR[SKIPPED])
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(verdict)}</span>"
 
 
