@@ -121,16 +121,9 @@ def gradcheck(
         differentiate, integer/boolean inputs, an output that is not a tensor, a function
         that is not deterministic, a backward that raises.
     """
+    # positional: GradcheckOptions' fields are this signature's keywords, in its order
     options = GradcheckOptions(
-        eps=eps,
-        atol=atol,
-        rtol=rtol,
-        wrt=wrt,
-        second_order=second_order,
-        max_elements=max_elements,
-        fast=fast,
-        random_state=random_state,
-        native_check=native_check,
+        eps, atol, rtol, wrt, second_order, max_elements, fast, random_state, native_check
     ).validate()
     module, target, fn_name = resolve_fn(fn)
     template: tuple[Any, dict[str, Any]] = (tuple(inputs), {})
@@ -181,9 +174,9 @@ def run_gradcheck(
             raise ValueError(sentence(e)) from e.__cause__
         dtype_used = _dtype_name(native)
         notes.append(
-            f"{fn_name} does not run on float64 copies ({e64}); the check ran in {dtype_used}, so "
-            "finite differences are limited by its precision (pass the module itself, not a function "
-            "that closes over it, to check in float64)."
+            f"{fn_name} does not run on float64 copies ({e64}); the check ran in {dtype_used}, "
+            "so finite differences are limited by its precision (pass the module itself, not a "
+            "function that closes over it, to check in float64)."
         )
     if not problem.diff:
         raise ValueError(f"{fn_name} has nothing to differentiate with wrt={options.wrt!r}.")
@@ -284,16 +277,17 @@ def check_pairs(
             scale = float(a.abs().nan_to_num(0.0).max()) if a.numel() else 0.0
             if gap > 1e-9 * (1.0 + scale) or not torch.equal(a.isnan(), b.isnan()):
                 raise ValueError(
-                    f"{problem.fn_name} is not deterministic: two calls on the same inputs gave {name} values "
-                    f"differing by up to {gap:.3g} (dropout or another random op in train mode?); call "
-                    "model.eval() or remove the randomness before checking gradients."
+                    f"{problem.fn_name} is not deterministic: two calls on the same inputs gave "
+                    f"{name} values differing by up to {gap:.3g} (dropout or another random op "
+                    "in train mode?); call model.eval() or remove the randomness before checking "
+                    "gradients."
                 )
     for name, a in zip(problem.out_names or [], f0):
         bad = int((~torch.isfinite(a)).sum())
         if bad:
             raise ValueError(
-                f"{problem.fn_name} returned {bad} non-finite value(s) in {name} at the given inputs; gradients "
-                "cannot be checked at a point where the function is not finite."
+                f"{problem.fn_name} returned {bad} non-finite value(s) in {name} at the given "
+                "inputs; gradients cannot be checked at a point where the function is not finite."
             )
     layout = Layout.build(
         problem, xs0, f0, eps=eps, max_elements=options.max_elements, fast=fast, rng=rng

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import torch
@@ -70,31 +70,17 @@ class GradcheckOptions:
     param_recurse: bool = True
     fixed_seed: int | None = None
 
-    @classmethod
-    def module_sweep(
-        cls,
-        *,
-        eps: float = 1e-6,
-        atol: float = 1e-5,
-        rtol: float = 1e-3,
-        max_elements: int = 32,
-        fast: bool = False,
-        random_state: int = 0,
-    ) -> GradcheckOptions:
-        """The options of one module of :func:`~nbdebug.gradcheck_modules`: inputs and own
-        parameters, every finite float input, one fixed dropout mask, no native re-check."""
-        return cls(
-            eps=eps,
-            atol=atol,
-            rtol=rtol,
+    def for_module_sweep(self) -> GradcheckOptions:
+        """These options as one module of :func:`~nbdebug.gradcheck_modules` checks with
+        them: inputs and own parameters, every finite float input, one fixed dropout mask
+        (seeded with ``random_state``), no native re-check."""
+        return replace(
+            self,
             wrt="both",
-            max_elements=max_elements,
-            fast=fast,
-            random_state=random_state,
             native_check=False,
             all_float=True,
             param_recurse=False,
-            fixed_seed=random_state,
+            fixed_seed=self.random_state,
         )
 
     def validate(self) -> GradcheckOptions:

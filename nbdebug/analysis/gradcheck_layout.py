@@ -113,7 +113,8 @@ class Layout:
             lay.rows.append(np.sort(np.fromiter(chosen, dtype=np.int64, count=len(chosen))))
             lay.sampled_out.append(True)
             lay.notes.append(
-                f"{name} has {n} elements: checked {len(chosen)} of them (elements the checked inputs move, plus random ones)."
+                f"{name} has {n} elements: checked {len(chosen)} of them (elements the checked "
+                "inputs move, plus random ones)."
             )
         return lay
 

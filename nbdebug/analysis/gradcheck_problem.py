@@ -170,7 +170,8 @@ def make_problem(
         for idx, (path, leaf) in enumerate(with_path):
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
                 continue
-            # the sweep differentiates every finite float input (an additive -inf mask is a constant)
+            # the sweep differentiates every finite float input (an additive -inf mask is a
+            # constant)
             if leaf.requires_grad if not options.all_float else bool(torch.isfinite(leaf).all()):
                 specs.append(("leaf", idx))
                 names.append(leaf_name(path))

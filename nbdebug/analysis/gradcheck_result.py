@@ -77,6 +77,12 @@ class PairCheck:
     native_dtype: str | None = None
     native_max_abs_error: float | None = None
 
+    def __repr__(self) -> str:
+        return (
+            f"PairCheck({self.label!r}, verdict={self.verdict!r}, "
+            f"max_abs_error={self.max_abs_error:.3g}, checked={self.analytic.shape})"
+        )
+
     @property
     def label(self) -> str:
         """``"d output / d input[1]"`` (``"2nd order: ..."`` for ``order == 2``)."""
@@ -106,12 +112,6 @@ class PairCheck:
     def ok(self) -> bool:
         """No evidence that the backward is wrong."""
         return self.verdict != BACKWARD_WRONG
-
-    def __repr__(self) -> str:
-        return (
-            f"PairCheck({self.label!r}, verdict={self.verdict!r}, "
-            f"max_abs_error={self.max_abs_error:.3g}, checked={self.analytic.shape})"
-        )
 
 
 @dataclass(repr=False)

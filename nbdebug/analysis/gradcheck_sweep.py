@@ -66,14 +66,11 @@ def gradcheck_modules(
     check_inputs(inputs)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows must be a positive int; got {rows!r}.")
-    options = GradcheckOptions.module_sweep(
-        eps=eps,
-        atol=atol,
-        rtol=rtol,
-        max_elements=max_elements,
-        fast=fast,
-        random_state=random_state,
-    ).validate()
+    # the first three in the fields' order; then by name
+    options = GradcheckOptions(
+        eps, atol, rtol, max_elements=max_elements, fast=fast, random_state=random_state
+    )
+    options = options.for_module_sweep().validate()
     records = []
     results: dict[str, GradcheckResult] = {}
     for rec, res in iter_module_checks(model, inputs, options, rows=rows, progress=progress):
@@ -96,7 +93,7 @@ def iter_module_checks(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> Iterator[tuple[dict[str, Any], GradcheckResult | None]]:
     """The module sweep of :func:`gradcheck_modules`, one ``(row, result)`` at a time, each
-    module checked with ``options`` (see :meth:`GradcheckOptions.module_sweep`)."""
+    module checked with ``options`` (see :meth:`GradcheckOptions.for_module_sweep`)."""
     check_model(model)
     check_inputs(inputs)
     names, captured = capture_module_inputs(model, inputs, rows)
@@ -209,6 +206,7 @@ def capture_module_inputs(
                 f" Executed modules up to: {last[0] or '(none)'}." if last[0] or captured else ""
             )
             raise ValueError(
-                f"the model raised {type(e).__name__} on the first {keep} batch rows: {first_line(e)}.{where}"
+                f"the model raised {type(e).__name__} on the first {keep} batch rows: "
+                f"{first_line(e)}.{where}"
             ) from e
     return names, captured

@@ -118,14 +118,16 @@ def score(p: PairCheck) -> None:
         return
     diff = np.abs(a - n)
     ratio = tolerance_ratio(p)
-    p.worst = tuple(int(v) for v in np.unravel_index(int(np.argmax(ratio)), a.shape))  # type: ignore[assignment]
+    r, c = np.unravel_index(int(np.argmax(ratio)), a.shape)
+    p.worst = (int(r), int(c))
     p.max_abs_error = float(np.max(np.where(np.isnan(diff), np.inf, diff)))
     rel = diff / np.maximum(np.abs(n), max(p.atol, 1e-300))
     p.max_rel_error = float(np.max(np.where(np.isnan(rel), np.inf, rel)))
     p.close = not bool(out_of_tolerance(a, n, p.atol, p.rtol).any())
     p.verdict = OK if p.close else BACKWARD_WRONG
     p.message = (
-        f"{OK}: {p.label}: backward and finite differences agree (max abs error {p.max_abs_error:.2g})."
+        f"{OK}: {p.label}: backward and finite differences agree (max abs error "
+        f"{p.max_abs_error:.2g})."
         if p.close
         else f"{BACKWARD_WRONG}: {p.label} disagrees (max abs error {p.max_abs_error:.2g})."
     )

@@ -29,8 +29,10 @@ _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
 STYLE = """<style>
 .nbdebug-gc-table select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px; white-space: pre; }
-.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
+.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px;
+  white-space: pre; }
+.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white;
+  font-weight: bold; }
 </style>"""
 
 
@@ -64,7 +66,8 @@ class GradcheckPanel:
     ) -> None:
         if result is not None and not isinstance(result, GradcheckResult):
             raise TypeError(
-                f"result must be a GradcheckResult (from nbdebug.gradcheck); got {type(result).__qualname__}."
+                "result must be a GradcheckResult (from nbdebug.gradcheck); got "
+                f"{type(result).__qualname__}."
             )
         if model is not None:
             check_model(model)
@@ -156,7 +159,8 @@ class GradcheckPanel:
             self.title.value = (
                 f"<b>{html.escape(title or 'gradcheck of ' + result.fn_name)}</b> "
                 + html.escape(
-                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, rtol={result.rtol:g}, "
+                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, "
+                    f"rtol={result.rtol:g}, "
                     f"{result.seconds:.2f}s)"
                 )
             )
