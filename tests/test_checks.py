@@ -18,7 +18,7 @@ from torch import nn
 import nbdebug
 from nbdebug.analysis import checks_base as cb
 from nbdebug.analysis.checks import Findings, parse_checks
-from nbdebug.core.guard import NaNGuard
+from nbdebug.analysis.checks_guard import NaNGuard  # nbdebug.NaNGuard: core's guard + checks=True
 from nbdebug.core.snapshot import load_snapshot
 
 
