@@ -14,8 +14,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import nbdebug
-from nbdebug.core import guard as guardmod
 from nbdebug.analysis.checks_guard import NaNGuard  # nbdebug.NaNGuard: core's guard + checks=True
+from nbdebug.core import guard as guardmod
 from nbdebug.core.guard import NonFiniteError, last_error
 from nbdebug.core.snapshot import load_snapshot
 

@@ -175,8 +175,8 @@ class GuardChecks(StepChecks):
 
 class NaNGuard(core_guard.NaNGuard):
     # the docstring is core's (inherited): the checks= forms are documented there
-    @classmethod
-    def resolve_checks(cls, checks: Any) -> StepChecks | None:
+    @staticmethod
+    def resolve_checks(checks: Any) -> StepChecks | None:
         """The ``checks=`` option as a :class:`~nbdebug.core.guard.StepChecks`: a
         ``StepChecks`` object as it is, ``True`` / a number of steps / a dict as a
         :class:`GuardChecks` (see :func:`parse_checks`), ``False``/``None``/``0``: off."""

@@ -290,6 +290,13 @@ def _training_objects(optimizer: Any, scaler: Any, scheduler: Any) -> tuple[Any,
     return optimizer, scaler, scheduler
 
 
+def _option(owner: str, name: str) -> Any:
+    """A read-only guard attribute that is ``guard.<owner>.<name>``."""
+    return property(
+        lambda self: getattr(getattr(self, owner), name), doc=f"``{owner}.{name}`` (read-only)."
+    )
+
+
 def _fmt(v: float | None) -> str:
     if v is None:
         return "None"
@@ -400,7 +407,7 @@ class NaNGuard:
         min_scale: float = 1.0,
         scaler_patience: int = 20,
         max_snapshots: int | None = 20,
-        checks: Any = None,
+        checks: Any = False,
         param_norm_every: int = 10,
     ):
         self.model = check_model(model)
@@ -455,8 +462,8 @@ class NaNGuard:
         self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
         self._rng_cuda = self._cuda_rng()
 
-    @classmethod
-    def resolve_checks(cls, checks: Any) -> StepChecks | None:
+    @staticmethod
+    def resolve_checks(checks: Any) -> StepChecks | None:
         """The ``checks=`` option as a :class:`StepChecks` (or ``None``: off). Core takes a
         ``StepChecks`` object; ``nbdebug.NaNGuard`` extends this to ``True``/int/dict."""
         if checks is None or checks is False:
@@ -470,15 +477,15 @@ class NaNGuard:
         )
 
     # the options, readable as before
-    directory = property(lambda self: self.writer.directory)
-    loss_fn = property(lambda self: self.writer.loss_fn)
-    recipe = property(lambda self: self.writer.recipe)
-    max_snapshots = property(lambda self: self.options.max_snapshots)
-    patience = property(lambda self: self.options.patience)
-    on_nonfinite = property(lambda self: self.options.on_nonfinite)
-    min_scale = property(lambda self: self.options.min_scale)
-    scaler_patience = property(lambda self: self.options.scaler_patience)
-    param_norm_every = property(lambda self: self.options.param_norm_every)
+    directory = _option("writer", "directory")
+    loss_fn = _option("writer", "loss_fn")
+    recipe = _option("writer", "recipe")
+    max_snapshots = _option("options", "max_snapshots")
+    patience = _option("options", "patience")
+    on_nonfinite = _option("options", "on_nonfinite")
+    min_scale = _option("options", "min_scale")
+    scaler_patience = _option("options", "scaler_patience")
+    param_norm_every = _option("options", "param_norm_every")
 
     # ------------------------------------------------------------------ checking
     @staticmethod
