@@ -119,6 +119,8 @@ class Verdict:
 
     Attributes
     ----------
+    reading : StepReading
+        What the decision acted on (on a bad step with the weight norm measured).
     kind : {"loss", "grad", "weights", "scale"} or None
         The failure, or ``None`` (go on and step).
     scaler_skip : bool
@@ -128,6 +130,7 @@ class Verdict:
         ``nonfinite_grads``, ``grad_norms``, ``param_norms``) and ``message_extra``.
     """
 
+    reading: StepReading
     kind: str | None = None
     scaler_skip: bool = False
     detail: dict[str, Any] = field(default_factory=dict)
@@ -552,12 +555,8 @@ class NaNGuard:
         reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))
         row = self._record(reading)
         verdict = self.decide(reading)
-        if "param_norms" in verdict.detail and reading.param_norm is None:
-            # a bad step: the weights are measured too
-            pnorm = math.sqrt(sum(v * v for v in verdict.detail["param_norms"].values()))
-            reading = dataclasses.replace(reading, param_norm=pnorm)
-            row["param_norm"] = pnorm
-        row["skipped"] = verdict.scaler_skip
+        reading = verdict.reading  # a bad step's weight norm is always measured
+        row["param_norm"], row["skipped"] = reading.param_norm, verdict.scaler_skip
         if self.checks is not None:  # health checks, recorded in the row (e.g. row["checks"])
             row.update(self.checks.run(self, reading, failing=verdict.kind is not None))
         if verdict.kind is None:
@@ -679,9 +678,13 @@ class NaNGuard:
         streak."""
         opts = self.options
         scale = reading.scale
-        verdict = Verdict()
+        verdict = Verdict(reading=reading)
         if not reading.finite:
             verdict.kind, verdict.detail = self._diagnose(reading)
+            if reading.param_norm is None:  # a bad step: the weights are measured too
+                norms = verdict.detail["param_norms"].values()
+                pnorm = math.sqrt(sum(v * v for v in norms))
+                verdict.reading = dataclasses.replace(reading, param_norm=pnorm)
         if verdict.kind == "grad" and scale is not None:
             # the scaler sees the inf/NaN gradients and skips this update itself
             verdict.kind = None
