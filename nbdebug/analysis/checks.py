@@ -74,8 +74,20 @@ check_skipped           info      a check could not apply, and why (no parameter
                                   layers, no optimizer, no history, no batch, ...)
 ======================  ========  ==============================================================
 
-Findings are sorted by severity, then by position in the trace (the event they point
-at; findings from the optimizer and the history come after), then causes before symptoms.
+Findings are sorted by severity, then by position (named bands,
+:class:`~nbdebug.analysis.checks_base.Band`: the trace by event, the step, a trace error,
+the history by row, what a guard recorded by step; then findings with no position such
+as the optimizer's), then causes before symptoms.
+
+How :func:`check` works: the source is resolved into one
+:class:`~nbdebug.analysis.checks_base.CheckContext` (trace, batch, loss, optimizer state,
+history, scale), then every :class:`~nbdebug.analysis.checks_base.CheckFamily` of
+``FAMILIES`` runs when the context has what it ``needs``; a family held back is named in
+one ``check_skipped`` finding per missing need. Adding a health check: write it in its
+family file (``checks_data``, ``checks_forward``, ``checks_grad``, ``checks_optim``), list
+it in that file's ``FAMILIES`` with its codes and needs, and test it in
+``tests/test_checks.py``. A :class:`~nbdebug.core.guard.NaNGuard` source is checked on its
+live model by :func:`~nbdebug.analysis.checks_guard.guard_findings`.
 """
 
 from __future__ import annotations
