@@ -347,6 +347,11 @@ class Snapshot:
     optimizer_state, scaler_state, scheduler_state : dict or None
     rng : dict or None
         Stored RNG states (see :meth:`restore_rng`).
+    version : int
+        The format version of the file.
+
+    Every field of the snapshot table (``nbdebug.core.snapshot_format.FIELDS``) is an
+    attribute (fields newer than the file hold their defaults).
     """
 
     # one attribute per field of the snapshot table (snapshot_format.FIELDS), set by
