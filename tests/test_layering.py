@@ -99,3 +99,39 @@ def test_public_guard_brings_its_health_checks_in_a_fresh_process(tmp_path: Path
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``from x import _name`` and ``module._name`` (``module`` an nbdebug module bound by
+    an import) in one file; dunder names are not private."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG.parent)
+    found: list[str] = []
+    modules: set[str] = set()  # local names bound to nbdebug modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            inside = node.level > 0 or (node.module or "").startswith("nbdebug")
+            for a in node.names:
+                if inside and _is_private(a.name):
+                    found.append(f"{rel}:{node.lineno} imports {a.name} from {node.module}")
+                elif inside:
+                    modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("nbdebug"):
+                    modules.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = ast.unparse(node.value)
+            if owner in modules or owner.startswith("nbdebug."):
+                found.append(f"{rel}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    found = [line for path in FILES for line in _private_imports(path)]
+    assert found == [], "private names used across modules:\n" + "\n".join(found)
