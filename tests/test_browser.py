@@ -212,7 +212,7 @@ def test_debugger_in_jupyterlab(tmp_path):
                 page.wait_for_function(f"() => ({MARKER_JS})() !== null", timeout=60_000)
                 status = badge.inner_text()
                 assert status.startswith("NaN produced in norm (forward, Tensor.div"), status
-                assert status.endswith("rows 3"), status
+                assert status.endswith("row 3"), status
                 detail = page.locator(".nbdebug-debugger .nbdebug-detail").first
                 detail_before = detail.inner_text()
                 marker_before = page.evaluate(MARKER_JS)

@@ -37,7 +37,7 @@ def _mlp(n_in: int = 4, n_out: int = 3) -> nn.Sequential:
 # --------------------------------------------------------------------------- scenarios
 EXPECTED_TOP = {
     # scenario: (code, module, param, rows, where-substring)
-    "nan_in_batch": ("nonfinite_input", None, None, [3], "rows [3]"),
+    "nan_in_batch": ("nonfinite_input", None, None, [3], "row 3"),
     "zero_over_zero_norm": ("division_by_zero", "0", None, [2, 4], "Normalize"),
     "exp_overflow": ("exp_overflow_risk", "1", None, [1], "ExpScore"),
     "fp16_linear_overflow": ("fp16_overflow_risk", "0", None, [2], "Linear"),
@@ -47,7 +47,7 @@ EXPECTED_TOP = {
     "param_grad_only": ("log_of_nonpositive", "1", "1.w", None, "SqrtGate"),
     "deep_nested": ("division_by_zero", "1.1.1", None, list(range(7)), "Normalize"),
     "parent_code": ("division_by_zero", "", None, [0, 1, 2], "<model>"),
-    "dict_batch_own_loss": ("nonfinite_input", None, None, [5], "rows [5]"),
+    "dict_batch_own_loss": ("nonfinite_input", None, None, [5], "row 5"),
     "corrupted_weight": ("nonfinite_weight", "2", "2.weight", None, "2.weight"),
 }
 

@@ -11,14 +11,13 @@ import torch
 
 from ..core.batch import call_model, named_tensors
 from ..core.state import preserved
+from ..core.text import fmt_num, row_numbers, rows_text
 from .checks_base import (
     CONSTANT_MIN_ROWS,
     CONSTANT_STD,
     UNSCALED_RANGE,
     Finding,
     TraceView,
-    fmt,
-    rows_text,
     skipped,
 )
 from .checks_forward import is_floating, is_torch_loss, loss_name
@@ -43,7 +42,7 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
             continue
         s = e.stats
         if not e.finite:
-            rows = f"rows {rows_text(e.samples)} of " if e.samples else ""
+            rows = f"{rows_text(e.samples)} of " if e.samples else ""
             out.append(
                 Finding(
                     "nonfinite_input",
@@ -66,7 +65,7 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
                         "warning",
                         f"input {e.name}",
                         {"min": s.min, "max": s.max, "range": spread, "threshold": UNSCALED_RANGE},
-                        f"inputs span {fmt(s.min)} .. {fmt(s.max)}: standardise them (subtract the mean, "
+                        f"inputs span {fmt_num(s.min)} .. {fmt_num(s.max)}: standardise them (subtract the mean, "
                         "divide by the std, per feature) so the first layer's activations and gradients stay O(1).",
                         fix="x = (x - mean) / (std + 1e-8)  # statistics of the training set",
                         event=e.index,
@@ -115,7 +114,7 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
             Finding(
                 "constant_feature",
                 "warning",
-                f"{which} {rows_text(const)} of input {name}",
+                f"{which} {row_numbers(const)} of input {name}",
                 {
                     "features": const[:50],
                     "n_constant": len(const),
@@ -170,7 +169,7 @@ def label_findings(
             Finding(
                 "label_out_of_range",
                 "error",
-                f"target rows {rows_text(rows)}",
+                f"target {rows_text(rows)}",
                 {
                     "min": float(y.min()),
                     "max": float(y.max()),
@@ -232,7 +231,7 @@ def label_findings(
         Finding(
             "label_out_of_range",
             "error",
-            f"target rows {rows_text(rows)}",
+            f"target {rows_text(rows)}",
             {
                 "bad_labels": vals[:20],
                 "n_classes": int(n_classes),

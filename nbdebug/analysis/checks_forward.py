@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from ..core.stats import HIST_EDGES
+from ..core.text import fmt_num, rows_text
 from .checks_base import (
     DEAD_RELU_ZERO_FRAC,
     EXP_LIMIT,
@@ -20,9 +21,7 @@ from .checks_base import (
     SATURATION_SHARE,
     Finding,
     TraceView,
-    fmt,
     module_label,
-    rows_text,
 )
 
 LOG_OPS = frozenset(
@@ -102,7 +101,7 @@ def origin_findings(view: TraceView) -> list[Finding]:
     if o.source:
         ev["source"] = o.source
     common = {"event": o.index, "module": o.module, "param": o.param, "rows": list(o.samples)}
-    rows = f" (rows {rows_text(o.samples)})" if o.samples else ""
+    rows = f" ({rows_text(o.samples)})" if o.samples else ""
     if any(k in LOG_OPS for k in kinds):
         op = made_by or "log/sqrt"
         back = o.phase == "backward"
@@ -288,7 +287,7 @@ def forward_findings(
                                 "threshold": lim,
                                 "input_from": inp.label,
                             },
-                            f"inputs up to {fmt(inp.stats.absmax)} reach this {mtype} (exp overflows above "
+                            f"inputs up to {fmt_num(inp.stats.absmax)} reach this {mtype} (exp overflows above "
                             f"{lim:.4g} in {e.dtype}); its probabilities saturate to exact 0/1 and a log of "
                             "them gives -inf: scale the logits down (temperature, normalisation) or keep "
                             "them in log space.",
@@ -308,7 +307,7 @@ def forward_findings(
                         "threshold": FP16_RISK_FRACTION * FP16_MAX,
                         "limit": FP16_MAX,
                     },
-                    f"float16 activations reach {fmt(s.absmax)}, within a factor 2 of the largest float16 "
+                    f"float16 activations reach {fmt_num(s.absmax)}, within a factor 2 of the largest float16 "
                     "(65504): run this module in float32 or bfloat16, or rescale its inputs.",
                     event=e.index,
                     module=e.module,
@@ -331,7 +330,7 @@ def forward_findings(
                         "threshold": FP16_RISK_FRACTION * FP16_MAX,
                         "limit": FP16_MAX,
                     },
-                    f"activations reach {fmt(s.absmax)}: under float16 autocast (a GradScaler is in use) "
+                    f"activations reach {fmt_num(s.absmax)}: under float16 autocast (a GradScaler is in use) "
                     "this module's output would overflow 65504; use bfloat16 autocast or rescale.",
                     event=e.index,
                     module=e.module,
@@ -483,7 +482,7 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                     "warning",
                     "the loss (model output)",
                     {"output_absmax": out.stats.absmax, "threshold": lim},
-                    f"the model's outputs reach {fmt(out.stats.absmax)} (> {lim:.4g} in {out.dtype}): {kind}; "
+                    f"the model's outputs reach {fmt_num(out.stats.absmax)} (> {lim:.4g} in {out.dtype}): {kind}; "
                     "use a stable built-in (F.cross_entropy, F.log_softmax, torch.logsumexp) or scale the logits.",
                     fix="loss = F.cross_entropy(logits, y)",
                     event=out.index,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.text import dtype_name, fmt_num
 from ..core.trace import _norms
 from .checks_base import (
     ADAM_SIGMA,
@@ -37,7 +38,6 @@ from .checks_base import (
     SCALER_SKIPS,
     SCALER_WINDOW,
     Finding,
-    fmt,
 )
 
 #: A recorded log10 moment series steadier than this (in decades) counts as this steady.
@@ -67,11 +67,7 @@ def optimizer_params(
         hyper = {k: v for k, v in g.items() if k != "params"}
         for pi, p in enumerate(g["params"]):
             name = names.get(id(p), f"group{gi}.param{pi}")
-            out.append(
-                OptimParam(
-                    name, hyper, optimizer.state.get(p, {}), str(p.dtype).replace("torch.", "")
-                )
-            )
+            out.append(OptimParam(name, hyper, optimizer.state.get(p, {}), dtype_name(p.dtype)))
     return out
 
 
@@ -91,7 +87,7 @@ def state_dict_params(
             st = per_index.get(idx, {}) or {}
             dtype = next(
                 (
-                    str(v.dtype).replace("torch.", "")
+                    dtype_name(v.dtype)
                     for v in st.values()
                     if isinstance(v, torch.Tensor) and v.ndim
                 ),
@@ -287,7 +283,7 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
             if rise is not None:
                 ev["loss_rise"] = rise
             advice = (
-                f"the loss rose {fmt(rise)}x within {LR_BOUNDARY_WINDOW} steps after this {kind}: lengthen the "
+                f"the loss rose {fmt_num(rise)}x within {LR_BOUNDARY_WINDOW} steps after this {kind}: lengthen the "
                 "warm-up, lower the peak learning rate, or smooth the schedule."
                 if bad
                 else f"the learning-rate schedule changes regime here ({kind}); watch the loss around this step."
@@ -372,7 +368,7 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
                 f"clip_grad_norm_(max_norm={clip_norm:g})",
                 {**ev, "threshold": CLIP_ALWAYS_SHARE},
                 f"the gradient was clipped in {share:.0%} of the last {len(norms)} steps (median norm "
-                f"{fmt(float(np.median(norms)))}): every update has the same length, so max_norm acts as the "
+                f"{fmt_num(float(np.median(norms)))}): every update has the same length, so max_norm acts as the "
                 "learning rate; raise max_norm above the typical norm or lower the learning rate.",
                 fix=f"clip_grad_norm_(params, max_norm={2 * float(np.median(norms)):.3g})",
             )
@@ -385,7 +381,7 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
                 f"clip_grad_norm_(max_norm={clip_norm:g})",
                 {**ev, "max_grad_norm": float(norms.max()), "threshold": clip_norm},
                 f"the gradient norm never reached max_norm={clip_norm:g} in {len(norms)} steps (largest "
-                f"{fmt(float(norms.max()))}): clipping is only a safety net here; lower max_norm if spikes "
+                f"{fmt_num(float(norms.max()))}): clipping is only a safety net here; lower max_norm if spikes "
                 "between these values hurt.",
             )
         ]
@@ -424,7 +420,7 @@ def scaler_findings(
                 "error",
                 "GradScaler",
                 ev,
-                f"the loss scale fell to {fmt(scale_now)} (< {SCALER_MIN_SCALE:g}): the gradients overflow float16 "
+                f"the loss scale fell to {fmt_num(scale_now)} (< {SCALER_MIN_SCALE:g}): the gradients overflow float16 "
                 "even unscaled, i.e. something is already Inf/NaN; find the first non-finite step (NaNGuard "
                 "snapshot) rather than scaling further.",
             )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..core.batch import check_model
+from ..core.text import dtype_name
 from .checks_base import Finding, Findings, sort_findings
 
 _PREFIXES = ("module.", "_orig_mod.", "model.")
@@ -133,14 +134,14 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
         n_flushed = int((fin.abs() < tiny).sum()) - int((fin == 0).sum()) if fin.numel() else 0
         n_zero = int((fin == 0).sum()) if fin.numel() else 0
         ev: dict[str, Any] = {
-            "checkpoint_dtype": str(v.dtype).replace("torch.", ""),
-            "model_dtype": str(w.dtype).replace("torch.", ""),
+            "checkpoint_dtype": dtype_name(v.dtype),
+            "model_dtype": dtype_name(w.dtype),
             "max_roundoff": absmax * ulp_half,
             "relative_roundoff": ulp_half,
             "absmax": absmax,
             "n_subnormal": max(n_flushed, 0),
             "n_zero": n_zero,
-            "threshold": f"finfo({str(v.dtype).replace('torch.', '')}).eps / 2 = {ulp_half:.3g}",
+            "threshold": f"finfo({dtype_name(v.dtype)}).eps / 2 = {ulp_half:.3g}",
         }
         if tuple(w.shape) == tuple(x.shape):
             # when the model already holds these weights at full precision: the actual error

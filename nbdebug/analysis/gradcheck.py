@@ -44,6 +44,7 @@ from torch.utils._pytree import (
 
 from ..core.batch import describe, named_tensors
 from ..core.state import RngState
+from ..core.text import dtype_name
 
 VERDICTS = ("ok", "backward is wrong", "non-differentiable point", "float32 precision")
 _SEVERITY = {"ok": 0, "float32 precision": 1, "non-differentiable point": 2, "backward is wrong": 3}
@@ -469,7 +470,7 @@ def _check_gradcheck_inputs(
         )
     floats = [(n, t) for n, t in tensors if t.is_floating_point()]
     if not floats:
-        kinds = ", ".join(f"{n}: {str(t.dtype).replace('torch.', '')}" for n, t in tensors)
+        kinds = ", ".join(f"{n}: {dtype_name(t.dtype)}" for n, t in tensors)
         raise TypeError(
             f"gradcheck differentiates floating-point tensors, but the inputs are integer or boolean ({kinds}), "
             f"which have no gradient; pass float inputs with requires_grad=True, e.g. x.double().requires_grad_(){hint}."
@@ -1445,7 +1446,7 @@ def _checked_text(p: PairCheck) -> str:
 
 
 def _dtype_name(d: torch.dtype | None) -> str:
-    return str(d).replace("torch.", "") if d is not None else "unknown"
+    return dtype_name(d) if d is not None else "unknown"
 
 
 def _sentence(e: BaseException) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .text import dtype_name
+
 
 def check_model(model: Any) -> torch.nn.Module:
     """The module to debug. A ``torch.compile``'d model is debugged through the module it
@@ -123,7 +125,7 @@ def batch_size(inputs: Any) -> int | None:
 def describe(obj: Any) -> str:
     """Short description of a batch or an output: ``"Tensor(16, 10) float32"``."""
     if isinstance(obj, torch.Tensor):
-        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+        return f"Tensor{tuple(obj.shape)} {dtype_name(obj.dtype)}"
     if isinstance(obj, Mapping):
         return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in obj.items()) + "}"
     if isinstance(obj, (tuple, list)):

@@ -33,6 +33,7 @@ from .stats import (
     row_flags,
     vector_is_finite,
 )
+from .text import dtype_name, qualified_name
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Slot:
 
 
 def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+    return dtype_name(t.dtype)
 
 
 def clone_structure(obj: Any) -> Any:
@@ -132,7 +133,7 @@ class Recorder:
         self.param_names: dict[int, tuple[str, str, str]] = {}
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
-                qual = f"{mname}.{pname}" if mname else pname
+                qual = qualified_name(mname, pname)
                 self.param_names.setdefault(id(p), (mname, pname, qual))
         self.origin_call: int = -1  # exact mode: the forward origin found on the fly
         self.recomputing = False  # set once the backward starts (activation checkpointing)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .events import Event, ParamInfo
+from .text import rows_text
 
 
 @dataclass
@@ -175,11 +176,7 @@ class Trace:
             bits.append(o.source)
         if o.param:
             bits.append(f"param {o.param}")
-        rows = (
-            f", rows {', '.join(map(str, o.samples[:8]))}{' ...' if len(o.samples) > 8 else ''}"
-            if o.samples
-            else ""
-        )
+        rows = f", {rows_text(o.samples)}" if o.samples else ""
         return f"{kind} produced in {where} ({', '.join(bits)}){rows}"
 
     def __repr__(self) -> str:

@@ -73,6 +73,7 @@ from .snapshot_format import (
     unique_path,
 )
 from .state import RngState
+from .text import first_line
 
 # --------------------------------------------------------------------------- saving
 
@@ -188,11 +189,6 @@ def _class_name(obj: Any) -> str | None:
 # --------------------------------------------------------------------------- loading
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
 def read_payload(
     path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
 ) -> dict[str, Any]:
@@ -217,7 +213,7 @@ def read_payload(
             f"{p} is a directory, not a snapshot file (list_snapshots() lists one)."
         ) from e
     except OSError as e:
-        raise SnapshotError(f"{p}: cannot read it ({_first_line(e)}).") from e
+        raise SnapshotError(f"{p}: cannot read it ({first_line(e)}).") from e
     if not head:
         raise SnapshotError(f"{p} is empty (0 bytes): not a snapshot.")
     if head != _ZIP_MAGIC:
@@ -243,7 +239,7 @@ def read_payload(
             raise SnapshotError(
                 f"{p} is truncated or corrupt: its zip archive cannot be read."
             ) from e
-        raise SnapshotError(f"{p} is corrupt: torch.load failed ({_first_line(e)}).") from e
+        raise SnapshotError(f"{p} is corrupt: torch.load failed ({first_line(e)}).") from e
     return validate_payload(obj, p)
 
 
@@ -313,7 +309,7 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
                 caller.restore()
         except Exception as e:
             raise SnapshotError(
-                f"{path} is corrupt: its RNG state cannot be read ({_first_line(e)})."
+                f"{path} is corrupt: its RNG state cannot be read ({first_line(e)})."
             ) from e
     recipe = obj["recipe"]
     if recipe is not None and (
@@ -370,7 +366,7 @@ def _build_model(
             factory = import_object(spec)
             built = factory(**recipe["kwargs"])
         except Exception as e:
-            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {_first_line(e)}") from e
+            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {first_line(e)}") from e
         if not isinstance(built, torch.nn.Module):
             raise SnapshotError(
                 f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, not an nn.Module."
@@ -381,7 +377,7 @@ def _build_model(
             return copy.deepcopy(model)  # the caller's model stays as it is
         except Exception as e:
             raise TypeError(
-                f"cannot copy the given {type(model).__qualname__} ({_first_line(e)}); pass a "
+                f"cannot copy the given {type(model).__qualname__} ({first_line(e)}); pass a "
                 "zero-argument factory instead: load_snapshot(path, model=lambda: MyNet())."
             ) from e
     if callable(model):
@@ -611,7 +607,7 @@ class Snapshot:
             return opt
         except Exception as e:
             raise SnapshotError(
-                f"cannot rebuild the optimizer {self.optimizer_class!r}: {_first_line(e)}"
+                f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
             ) from e
 
     def trace(self, loss_fn: Any = None) -> Any:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .state import RngState
+from .text import dtype_name
 
 FORMAT = "nbdebug-snapshot"
 #: Version of the file layout this nbdebug writes; it reads this one and older ones.
@@ -334,12 +335,12 @@ def environment(model: torch.nn.Module | None = None) -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "num_threads": torch.get_num_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "default_dtype": str(torch.get_default_dtype()).replace("torch.", ""),
+        "default_dtype": dtype_name(torch.get_default_dtype()),
     }
     if model is not None:
         tensors = [*model.parameters(), *model.buffers()]
         env["devices"] = sorted({str(t.device) for t in tensors})
-        env["dtypes"] = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+        env["dtypes"] = sorted({dtype_name(t.dtype) for t in tensors})
         cuda = [d for d in env["devices"] if d.startswith("cuda")]
         if cuda and torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name(torch.device(cuda[0]))

@@ -8,12 +8,13 @@ panel, marks skipped steps, and draws a vertical line at the failing step.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from ..core.text import fmt_num
 
 #: (column, panel title) in display order. ``loss`` is always shown; the others only when
 #: the history holds at least one value for them.
@@ -140,7 +141,7 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
                     name=f"{col} non-finite",
                     mode="markers",
                     marker={"symbol": "x", "size": 10, "color": _BAD},
-                    text=[_fmt(v) for v in y[bad]],
+                    text=[fmt_num(v) for v in y[bad]],
                     showlegend=False,
                     hovertemplate=f"step %{{x}}<br>{title} %{{text}}<extra></extra>",
                 ),
@@ -188,9 +189,3 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         template="plotly_white",
     )
     return fig
-
-
-def _fmt(v: float) -> str:
-    if math.isnan(v):
-        return "nan"
-    return "inf" if v > 0 else "-inf"

@@ -15,19 +15,7 @@ from typing import Any
 from ..core.batch import describe
 from ..core.result import Trace
 from ..core.snapshot import Snapshot
-
-
-def fmt(v: Any) -> str:
-    """A number as the tables show it: 4 significant digits, ``nan``/``inf`` spelled out."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, (int, float)):
-        if isinstance(v, float) and not math.isfinite(v):
-            return str(v)
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-    return str(v)
+from ..core.text import fmt_num, row_numbers
 
 
 def largest(values: dict[str, float], k: int = 10) -> list[tuple[str, float]]:
@@ -73,7 +61,7 @@ def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
             ("tensor", f"{o.kind} {o.name} {tuple(o.shape)} {o.dtype}"),
             ("op", o.op or "-"),
             ("source", o.source or "-"),
-            ("samples", _rows(o.samples)),
+            ("samples", row_numbers(o.samples, 16) or "-"),
         ]
         if o.param:
             rows.append(("parameter", o.param))
@@ -82,13 +70,6 @@ def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
     elif trace.first_nonfinite is not None:
         rows.append(("first non-finite", trace.first_nonfinite.label))
     return rows
-
-
-def _rows(samples: list[int], most: int = 16) -> str:
-    if not samples:
-        return "-"
-    more = f" ... ({len(samples)} rows)" if len(samples) > most else ""
-    return ", ".join(map(str, samples[:most])) + more
 
 
 def _join(v: Any) -> str:
@@ -108,7 +89,7 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     )
     rows = [
         ("file", f"{snap.path} (format {snap.version}, written {when})"),
-        ("step", fmt(snap.step)),
+        ("step", fmt_num(snap.step)),
         ("reason", f"{snap.kind}: {snap.message}"),
         ("model", model),
         (
@@ -117,7 +98,7 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
         ),
         (
             "loss",
-            f"{fmt(snap.reason.get('loss'))}"
+            f"{fmt_num(snap.reason.get('loss'))}"
             + (f", action {snap.reason['action']}" if "action" in snap.reason else ""),
         ),
         (
@@ -153,10 +134,10 @@ def history_table(snap: Snapshot, rows: int = 10) -> Any:
     out = pd.DataFrame(index=df.index)
     for c in df.columns:
         if c in ("loss", "grad_norm"):
-            out[c] = [fmt(float(v)) for v in df[c]]
+            out[c] = [fmt_num(float(v)) for v in df[c]]
         else:
             out[c] = [
-                "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v)
+                "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt_num(v)
                 for v in df[c]
             ]
     return out
@@ -171,7 +152,7 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
     if not items:
         return ""
     body = "".join(
-        f'<tr><td>{html.escape(n)}</td><td class="{"bad" if not math.isfinite(v) else ""}">{fmt(v)}</td></tr>'
+        f'<tr><td>{html.escape(n)}</td><td class="{"bad" if not math.isfinite(v) else ""}">{fmt_num(v)}</td></tr>'
         for n, v in items
     )
     return (
@@ -236,7 +217,7 @@ def report_html(
             full_html=False, include_plotlyjs=False, div_id=div_id, config={"displaylogo": False}
         )
 
-    title = f"nbdebug snapshot: step {fmt(snap.step)}"
+    title = f"nbdebug snapshot: step {fmt_num(snap.step)}"
     parts = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="bad">{html.escape(snap.kind)}: {html.escape(snap.message)}</p>',

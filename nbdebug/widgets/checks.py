@@ -19,6 +19,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from ..analysis.checks_base import SEVERITIES, Finding
+from ..core.text import fmt_num, rows_text
 
 COLORS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 _BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
@@ -196,9 +197,7 @@ def detail_html(f: Finding) -> str:
     if f.param:
         jump.append(f"parameter {e(f.param)}")
     if f.rows:
-        jump.append(
-            f"rows {e(', '.join(map(str, f.rows[:20])))}{' ...' if len(f.rows) > 20 else ''}"
-        )
+        jump.append(e(rows_text(f.rows, 20)))
     if f.step is not None:
         jump.append(f"step {f.step}")
     parts = [
@@ -216,6 +215,6 @@ def detail_html(f: Finding) -> str:
 
 def _value(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return fmt_num(v, ".6g")
     text = str(v)
     return text if len(text) <= 200 else text[:197] + "..."

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ..analysis.review import LabelReview
+from ..core.text import fmt_num
 from ..figures import labels as figs
 from .plot import PlotView
 
@@ -490,7 +491,7 @@ def _table_html(sample: Any, most: int = 24) -> str:
         arr = np.asarray(sample.detach().cpu() if hasattr(sample, "detach") else sample).ravel()
         items = [(f"x[{i}]", v) for i, v in enumerate(arr)]
     rows = "".join(
-        f"<tr><td style='padding:0 8px'>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>"
+        f"<tr><td style='padding:0 8px'>{html.escape(str(k))}</td><td>{html.escape(fmt_num(v))}</td></tr>"
         for k, v in items[:most]
     )
     more = (
@@ -499,9 +500,3 @@ def _table_html(sample: Any, most: int = 24) -> str:
         else ""
     )
     return f'<table style="font-size:12px;border:1px solid #ddd">{rows}{more}</table>'
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, (float, np.floating)):
-        return f"{float(v):.4g}"
-    return str(v)

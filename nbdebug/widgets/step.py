@@ -10,7 +10,6 @@ diffs: the norm plot is never redrawn, only its ``"current event"`` trace moves.
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ import plotly.graph_objects as go
 
 from ..core.events import Event
 from ..core.result import Trace
+from ..core.text import fmt_num, row_numbers
 from ..figures.histogram import histogram_bins, histogram_figure, histogram_title
 from ..figures.norms import norm_figure, norm_points
 from .cursor import PHASE_FILTERS, Cursor
@@ -57,12 +57,6 @@ def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
     )
 
 
-def _num(v: float) -> str:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return f"{v:.4g}"
-
-
 def detail_html(ev: Event | None, trace: Trace) -> str:
     """The detail pane of one event as HTML."""
     if ev is None:
@@ -96,12 +90,12 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     vals = s.as_dict()
     bad = {"n_nan", "n_inf"} if not s.finite else set()
     stats = "".join(
-        f"<tr><th style='text-align:left'>{k}</th><td class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{_num(vals[k])}</td></tr>"
+        f"<tr><th style='text-align:left'>{k}</th><td class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{fmt_num(vals[k])}</td></tr>"
         for k in names
     )
     if not s.finite:
         rows_txt = (
-            ", ".join(map(str, ev.samples)) if ev.samples else "not per row (no batch dimension)"
+            row_numbers(ev.samples, None) if ev.samples else "not per row (no batch dimension)"
         )
         nonfinite = f"<div class='nbdebug-bad'>non-finite rows: {e(rows_txt)}</div>"
     else:
