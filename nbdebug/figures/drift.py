@@ -17,12 +17,13 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ..core.text import fmt_num
+from .palette import BLUE, LIGHT_GREY, ORANGE
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
 
-REFERENCE_COLOR = "#1f77b4"
-CURRENT_COLOR = "#ff7f0e"
+REFERENCE_COLOR = BLUE
+CURRENT_COLOR = ORANGE
 REFERENCE_SYMBOL = "circle"
 CURRENT_SYMBOL = "x"
 # quadrant -> (r, g, b)
@@ -91,7 +92,7 @@ def feature_table(report: DriftReport, *, max_rows: int | None = None) -> go.Fig
     fig = go.Figure(
         go.Table(
             columnwidth=[3, 2.2, 1.2, 1.2, 1.1, 1.2, 1.2, 1.2, 1.3],
-            header=dict(values=header, fill_color="#e8e8e8", align="left", font=dict(size=12)),
+            header=dict(values=header, fill_color=LIGHT_GREY, align="left", font=dict(size=12)),
             cells=dict(
                 values=values, fill_color=fills, align="left", font=dict(size=11), height=22
             ),

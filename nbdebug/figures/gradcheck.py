@@ -15,15 +15,16 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..analysis.gradcheck import GradcheckResult, PairCheck
+from .palette import BLUE, GREEN, ORANGE, RED
 
 PANELS = ("analytic", "numerical", "|difference|")
 #: names of the three marker traces (after the three heatmaps)
 WORST_TRACE = "worst element"
 _VERDICT_COLOR = {
-    "ok": "#2ca02c",
-    "float32 precision": "#1f77b4",
-    "non-differentiable point": "#ff7f0e",
-    "backward is wrong": "#d62728",
+    "ok": GREEN,
+    "float32 precision": BLUE,
+    "non-differentiable point": ORANGE,
+    "backward is wrong": RED,
 }
 
 

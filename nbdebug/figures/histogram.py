@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..core.events import Event
+from .palette import BLUE
 
 
 def histogram_title(ev: Event) -> str:
@@ -46,7 +47,7 @@ def histogram_figure(ev: Event) -> go.Figure:
             x=x,
             y=y,
             width=width * 0.9,
-            marker={"color": "#1f77b4"},
+            marker={"color": BLUE},
             name="log10|x|",
             hovertemplate="log10|x| ~ %{x:.2f}: %{y}<extra></extra>",
         )

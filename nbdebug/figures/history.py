@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..core.text import fmt_num
+from .palette import BLUE, ORANGE, RED
 
 #: (column, panel title) in display order. ``loss`` is always shown; the others only when
 #: the history holds at least one value for them.
@@ -27,9 +28,9 @@ PANELS: tuple[tuple[str, str], ...] = (
 )
 
 _ALWAYS_RECORDED = frozenset({"loss", "grad_norm"})
-_LINE = "#1f77b4"
-_BAD = "#d62728"
-_SKIP = "#ff7f0e"
+_LINE = BLUE
+_BAD = RED
+_SKIP = ORANGE
 
 
 def _column(history: Any, name: str) -> np.ndarray:

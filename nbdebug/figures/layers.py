@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
 from ..analysis.checks_base import VANISHING_RATIO as VANISHING
 from ..core.result import Trace
+from .palette import BLUE, PURPLE, RED
 
 # grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
 # explodes. One threshold for the plot and the health checks.
@@ -43,10 +44,10 @@ def ratio_figure(trace: Trace) -> go.Figure:
         assert r is not None
         bad_grad = p.grad_n_nan + p.grad_n_inf
         if bad_grad or not math.isfinite(r) or r <= 0:
-            y, color = (hi if r == math.inf and not bad_grad else lo), "#d62728"
+            y, color = (hi if r == math.inf and not bad_grad else lo), RED
         else:
             y = r
-            color = "#d62728" if r < VANISHING or r > EXPLODING else "#1f77b4"
+            color = RED if r < VANISHING or r > EXPLODING else BLUE
         note = f"grad NaN {p.grad_n_nan}, Inf {p.grad_n_inf}" if bad_grad else f"ratio {r:.3g}"
         names.append(p.name)
         ys.append(y)
@@ -69,7 +70,7 @@ def ratio_figure(trace: Trace) -> go.Figure:
     fig.add_hrect(
         y0=lo,
         y1=VANISHING,
-        fillcolor="#9467bd",
+        fillcolor=PURPLE,
         opacity=0.12,
         line_width=0,
         annotation_text=f"vanishing (< {VANISHING:g})",
@@ -78,7 +79,7 @@ def ratio_figure(trace: Trace) -> go.Figure:
     fig.add_hrect(
         y0=EXPLODING,
         y1=hi,
-        fillcolor="#d62728",
+        fillcolor=RED,
         opacity=0.12,
         line_width=0,
         annotation_text=f"exploding (> {EXPLODING:g})",

@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 
 from ..core.events import Event
 from ..core.result import Trace
+from .palette import BLUE, GREEN, ORANGE, RED
 
 #: Names of the figure's traces, in order; the widget finds the marker by
 #: ``CURRENT_TRACE``, which is always ``fig.data[-1]``.
@@ -160,17 +161,17 @@ def norm_figure(
     style = {
         FORWARD_TRACE: {
             "mode": "lines+markers",
-            "line": {"color": "#1f77b4"},
+            "line": {"color": BLUE},
             "marker": {"size": 6},
         },
         BACKWARD_TRACE: {
             "mode": "lines+markers",
-            "line": {"color": "#ff7f0e"},
+            "line": {"color": ORANGE},
             "marker": {"size": 6},
         },
         PARAM_TRACE: {
             "mode": "markers",
-            "marker": {"color": "#2ca02c", "size": 5, "symbol": "diamond"},
+            "marker": {"color": GREEN, "size": 5, "symbol": "diamond"},
         },
     }
     fig = go.Figure()
@@ -196,7 +197,7 @@ def norm_figure(
             text=[hovers[i] for i in bad],
             hovertemplate="%{text}<extra></extra>",
             mode="markers",
-            marker={"color": "#d62728", "size": 11, "symbol": "x"},
+            marker={"color": RED, "size": 11, "symbol": "x"},
             name=NONFINITE_TRACE,
         )
     )

@@ -16,6 +16,7 @@ from ..core.batch import describe
 from ..core.result import Trace
 from ..core.snapshot import Snapshot
 from ..core.text import fmt_num, row_numbers
+from .palette import MUTED_TEXT, RED, RULE, TEXT
 
 
 def largest(values: dict[str, float], k: int = 10) -> list[tuple[str, float]]:
@@ -161,15 +162,15 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
     )
 
 
-_CSS = """
-body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: .5em 0; font-size: .9em; }
-th, td { padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top; }
-table.facts th { color: #555; white-space: nowrap; }
-.bad { color: #d62728; font-weight: 600; }
-.note { color: #666; font-style: italic; }
-.cols { display: flex; gap: 3em; flex-wrap: wrap; }
+_CSS = f"""
+body {{ font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em auto; max-width: 1100px; color: {TEXT}; }}
+h1 {{ font-size: 1.5em; }} h2 {{ font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid {RULE}; }}
+table {{ border-collapse: collapse; margin: .5em 0; font-size: .9em; }}
+th, td {{ padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top; }}
+table.facts th {{ color: {MUTED_TEXT}; white-space: nowrap; }}
+.bad {{ color: {RED}; font-weight: 600; }}
+.note {{ color: #666; font-style: italic; }}
+.cols {{ display: flex; gap: 3em; flex-wrap: wrap; }}
 """
 
 

@@ -22,10 +22,12 @@ import ipywidgets as widgets
 
 from ..core.events import Event
 from ..core.result import Trace, TraceError
+from ..figures.palette import RED
 from .cursor import Cursor
 from .history import HistoryPanel
 from .layers import LayersPanel
-from .step import STYLE, StepPanel
+from .step import StepPanel
+from .style import STYLE
 from .tabs import add_feature_tabs
 
 TraceSource = Callable[[], Trace]
@@ -98,7 +100,7 @@ def header_html(
     lines = [" · ".join(parts), f"<div style='margin-top:4px'>{badge} {extra}</div>"]
     if error and error not in status:
         lines.append(
-            f"<div class='nbdebug-error' style='color:#d62728;margin-top:4px'><b>TraceError:</b> {e(error)}</div>"
+            f"<div class='nbdebug-error' style='color:{RED};margin-top:4px'><b>TraceError:</b> {e(error)}</div>"
         )
     if snapshot:
         lines.append(f"<div><small>{e(snapshot)}</small></div>")

@@ -20,16 +20,11 @@ import ipywidgets as widgets
 
 from ..analysis.checks_base import SEVERITIES, Finding
 from ..core.text import fmt_num, rows_text
+from ..figures.palette import GREEN, GREY, SEVERITY_COLORS
+from .style import STYLE
 
-COLORS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+COLORS = SEVERITY_COLORS
 _BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
-STYLE = """<style>
-.nbdebug-checks .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
-.nbdebug-checks .widget-button { text-align: left; justify-content: flex-start; }
-.nbdebug-checks-detail table { border-collapse: collapse; font-size: 12px; }
-.nbdebug-checks-detail td { padding: 1px 8px; }
-.nbdebug-checks-detail pre { margin: 4px 0; }
-</style>"""
 
 
 def counts_summary(findings: Sequence[Finding]) -> str:
@@ -45,7 +40,7 @@ def counts_summary(findings: Sequence[Finding]) -> str:
 
 
 def badge(text: str, severity: str) -> str:
-    color = COLORS.get(severity, "#7f7f7f")
+    color = COLORS.get(severity, GREY)
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(text)}</span>"
 
 
@@ -143,7 +138,7 @@ class ChecksPanel:
             if any(f.severity == "error" for f in self.findings)
             else ("warning" if any(f.severity == "warning" for f in self.findings) else "ok")
         )
-        color = "#2ca02c" if sev == "ok" else COLORS[sev]
+        color = GREEN if sev == "ok" else COLORS[sev]
         return (
             f"<b>Health checks</b> <span class='nbdebug-badge' style='background:{color}'>"
             f"{html.escape(self.summary)}</span>{html.escape(info)}"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 
 from ..figures import drift as figs
+from ..figures.palette import GREEN, RED
 from .plot import PlotView
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,7 +78,7 @@ class DriftPanel:
 
     def _summary_html(self) -> str:
         r = self.report
-        color = "#d62728" if r.alarm else "#2ca02c"
+        color = RED if r.alarm else GREEN
         badge = "DRIFT" if r.alarm else "no drift"
         return (
             f'<div style="line-height:1.4"><span style="background:{color};color:white;'

@@ -22,22 +22,19 @@ from ..analysis.gradcheck import GradcheckResult
 from ..analysis.gradcheck_sweep import gradcheck_modules
 from ..core.batch import check_inputs, check_model
 from ..figures.gradcheck import gradcheck_figure
+from ..figures.palette import BLUE, GREEN, GREY, ORANGE, RED
 from .plot import PlotView
+from .style import STYLE
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
 _COLOR = {
-    "ok": "#2ca02c",
-    "float32 precision": "#1f77b4",
-    "non-differentiable point": "#ff7f0e",
-    "backward is wrong": "#d62728",
-    "skipped": "#7f7f7f",
+    "ok": GREEN,
+    "float32 precision": BLUE,
+    "non-differentiable point": ORANGE,
+    "backward is wrong": RED,
+    "skipped": GREY,
 }
-STYLE = """<style>
-.nbdebug-gc-table select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px; white-space: pre; }
-.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
-</style>"""
 
 
 class GradcheckPanel:
@@ -238,7 +235,7 @@ class GradcheckPanel:
                 self.model, self.inputs, rows=self.rows, progress=progress, **self.sweep_options
             )
         except (TypeError, ValueError) as e:
-            self.status.value = f"<span style='color:#d62728'>{html.escape(str(e))}</span>"
+            self.status.value = f"<span style='color:{RED}'>{html.escape(str(e))}</span>"
             return None
         finally:
             self.sweep_button.disabled = False
@@ -308,7 +305,7 @@ class GradcheckPanel:
 
 
 def _badge(verdict: str) -> str:
-    color = _COLOR.get(verdict, "#7f7f7f")
+    color = _COLOR.get(verdict, GREY)
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(verdict)}</span>"
 
 

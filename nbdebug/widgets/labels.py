@@ -21,6 +21,7 @@ import pandas as pd
 from ..analysis.review import LabelReview
 from ..core.text import fmt_num
 from ..figures import labels as figs
+from ..figures.palette import GREEN, RED
 from .plot import PlotView
 
 KEYS = {"k": "keep", "r": "relabel", "x": "exclude", "s": "skip", "u": "undo"}
@@ -31,7 +32,7 @@ function render({ model, el }) {
   box.tabIndex = 0;
   box.textContent = "\u2328 click here, then press k keep \u00b7 r relabel to suggestion \u00b7 x exclude \u00b7 s skip \u00b7 u undo";
   box.style.cssText = "padding:4px 8px;border:1px dashed #999;border-radius:4px;font-size:12px;color:#555;cursor:pointer;outline:none";
-  box.addEventListener("focus", () => { box.style.borderColor = "#1f77b4"; box.style.color = "#1f77b4"; });
+  box.addEventListener("focus", () => { box.style.borderColor = BLUE; box.style.color = BLUE; });
   box.addEventListener("blur", () => { box.style.borderColor = "#999"; box.style.color = "#555"; });
   box.addEventListener("keydown", (e) => {
     if (["k", "r", "x", "s", "u"].includes(e.key)) { e.preventDefault(); model.send({ key: e.key }); }
@@ -365,7 +366,7 @@ class LabelCleaner:
                     r.skip(item)
                     msg = f"sample {item} skipped"
         except ValueError as e:  # the guard and impossible actions: shown, not raised into the UI
-            self.message.value = f'<span style="color:#d62728">{html.escape(str(e))}</span>'
+            self.message.value = f'<span style="color:{RED}">{html.escape(str(e))}</span>'
             return
         self._show(msg)
 
@@ -422,8 +423,8 @@ class LabelCleaner:
         prev_txt = f"<br>decided: {html.escape(prev['action'])}" if prev else ""
         return (
             f'<div style="line-height:1.5">sample <b>{item}</b><br>'
-            f'given <b style="color:#d62728">{html.escape(self.names[given])}</b> → suggested '
-            f'<b style="color:#2ca02c">{sug_txt}</b><br>'
+            f'given <b style="color:{RED}">{html.escape(self.names[given])}</b> → suggested '
+            f'<b style="color:{GREEN}">{sug_txt}</b><br>'
             f"score (label quality) {float(row['label_quality']):.4f}"
             f"{' · ' + html.escape(str(row['method'])) if 'method' in row and str(row['method']) else ''}"
             f"{prev_txt}<br>"
@@ -456,7 +457,7 @@ class LabelCleaner:
                 f"{pr['pending']} pending in {html.escape(filt)}"
                 + (f"<br><small>{html.escape(est.summary())}</small>" if est is not None else "")
                 + (
-                    "<br><small style='color:#d62728'>test split: relabel/exclude disabled</small>"
+                    f"<br><small style='color:{RED}'>test split: relabel/exclude disabled</small>"
                     if not r.can_relabel
                     else ""
                 )

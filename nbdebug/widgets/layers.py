@@ -11,6 +11,7 @@ import ipywidgets as widgets
 from ..core.result import Trace
 from ..figures.layers import EXPLODING, VANISHING, ratio_figure
 from .plot import PlotView
+from .style import STYLE
 
 #: Columns the table can be sorted by (``Trace.params_frame()`` columns, plus the name).
 SORT_COLUMNS = (
@@ -67,12 +68,7 @@ def params_table_html(frame: Any, selected: str | None = None) -> str:
         body.append(
             f"<tr class='{cls}'><td style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>"
         )
-    return (
-        "<style>.nbdebug-params td,.nbdebug-params th{padding:1px 8px;text-align:right;font-size:12px}"
-        ".nbdebug-params .nbdebug-bad{color:#d62728;font-weight:bold}.nbdebug-params .nbdebug-warn{color:#9467bd}"
-        ".nbdebug-params .nbdebug-selected{background:#fff3b0}</style>"
-        f"<table class='nbdebug-params'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-    )
+    return f"{STYLE}<table class='nbdebug-params'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 class LayersPanel:

@@ -23,19 +23,10 @@ from ..figures.histogram import histogram_bins, histogram_figure, histogram_titl
 from ..figures.norms import norm_figure, norm_points
 from .cursor import PHASE_FILTERS, Cursor
 from .plot import PlotView
+from .style import STYLE
 
 _PHASE_MARK = {"input": "in ", "forward": "fwd", "loss": "los", "backward": "bwd"}
 _NBSP = "\u00a0"
-
-STYLE = """<style>
-.nbdebug-events select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-detail table { border-collapse: collapse; font-size: 12px; }
-.nbdebug-detail td, .nbdebug-detail th { padding: 1px 8px; text-align: right; }
-.nbdebug-detail .nbdebug-bad { color: #d62728; font-weight: bold; }
-.nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
-.nbdebug-badge-ok { background: #2ca02c; }
-.nbdebug-badge-bad { background: #d62728; }
-</style>"""
 
 
 def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
