@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .core.display import add_viewer_source
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it
@@ -48,6 +50,10 @@ _EXPORTS: dict[str, str] = {
 # modules that plug into a lower layer when that layer's names are used: the guard's
 # health checks (core never imports analysis itself)
 _COMPANIONS: dict[str, tuple[str, ...]] = {"nbdebug.core.guard": ("nbdebug.analysis.checks",)}
+
+# result objects of core and analysis show themselves through the panels that the widgets
+# layer registers: on the first show(), not before (``import nbdebug`` stays UI-free)
+add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.display").register_viewers())
 
 __all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
 

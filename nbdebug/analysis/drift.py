@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.display import show as show_result
 from . import drift_stats as st
 from .drift_data import prepare_batches
 from .explain import EXPLAINERS, adapt_model, explain_batches
@@ -154,9 +155,7 @@ class DriftReport:
 
     def show(self, **kwargs: Any) -> Any:
         """The interactive panel (:class:`nbdebug.widgets.drift.DriftPanel`)."""
-        from ..widgets.drift import DriftPanel
-
-        return DriftPanel(self, **kwargs)
+        return show_result(self, **kwargs)
 
     def __repr__(self) -> str:
         d = len(self.feature_names)

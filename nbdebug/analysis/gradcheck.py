@@ -43,6 +43,7 @@ from torch.utils._pytree import (
 )
 
 from ..core.batch import describe, named_tensors
+from ..core.display import show as show_result
 from ..core.state import RngState
 from ..core.text import dtype_name
 
@@ -278,9 +279,7 @@ class GradcheckResult:
 
     def show(self, *, backend: str | None = None) -> Any:
         """The gradcheck panel for this result (an ``ipywidgets`` widget)."""
-        from ..widgets.gradcheck import GradcheckPanel
-
-        return GradcheckPanel(self, backend=backend).widget
+        return show_result(self, backend=backend)
 
     def __repr__(self) -> str:
         n1 = sum(p.order == 1 for p in self.pairs)

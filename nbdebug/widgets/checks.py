@@ -22,6 +22,7 @@ from ..analysis.checks_base import SEVERITIES, Finding
 from ..core.text import fmt_num, rows_text
 from ..figures.palette import GREEN, GREY, SEVERITY_COLORS
 from .style import STYLE
+from .tabs import FeatureTab, TabContext
 
 COLORS = SEVERITY_COLORS
 _BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
@@ -213,3 +214,39 @@ def _value(v: Any) -> str:
         return fmt_num(v, ".6g")
     text = str(v)
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Checks tab: findings of the trace shown, wired to the Step and Layers tabs."""
+    from ..analysis.checks import check
+
+    def on_select(finding: Any) -> None:
+        if finding.event is not None:
+            dbg.step.goto(finding.event)
+            dbg.select_tab("Step")
+        elif finding.param is not None:
+            dbg.layers.select(finding.param)
+            dbg.select_tab("Layers")
+
+    def refresh(findings: Any) -> None:
+        worst = (
+            "error"
+            if any(f.severity == "error" for f in findings)
+            else ("warning" if any(f.severity == "warning" for f in findings) else "info")
+        )
+        dbg.set_header_extra(badge(counts_summary(findings), worst))
+
+    findings = check(dbg.trace)
+    panel = ChecksPanel(findings, on_select=on_select)
+    refresh(findings)
+    dbg.add_tab("Checks", panel)
+
+    def on_retrace(d: Any) -> None:
+        fresh = check(d.trace)
+        panel.update(fresh)
+        refresh(fresh)
+
+    dbg.on_retrace(on_retrace)
+
+
+FEATURE_TAB = FeatureTab("Checks", applies=lambda ctx: True, build=build_tab, order=10)

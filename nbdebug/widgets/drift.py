@@ -16,6 +16,7 @@ import ipywidgets as widgets
 from ..figures import drift as figs
 from ..figures.palette import GREEN, RED
 from .plot import PlotView
+from .tabs import FeatureTab, TabContext, as_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
@@ -108,3 +109,21 @@ class DriftPanel:
 
     def __repr__(self) -> str:
         return f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, features={len(self.report.feature_names)})"
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Drift tab: the reference batch against the debugger's current batch."""
+    if ctx.model is None or ctx.inputs is None:
+        raise TypeError(
+            "reference= needs the model and its current batch "
+            "(debug(model, inputs, reference=...))."
+        )
+    from ..analysis.drift import drift
+
+    report = drift(ctx.model, ctx.reference, as_table(ctx.inputs))
+    dbg.add_tab("Drift", DriftPanel(report, backend=ctx.backend))
+
+
+FEATURE_TAB = FeatureTab(
+    "Drift", applies=lambda ctx: ctx.reference is not None, build=build_tab, order=30
+)

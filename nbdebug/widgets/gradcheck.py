@@ -25,6 +25,7 @@ from ..figures.gradcheck import gradcheck_figure
 from ..figures.palette import BLUE, GREEN, GREY, ORANGE, RED
 from .plot import PlotView
 from .style import STYLE
+from .tabs import FeatureTab, TabContext
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
@@ -312,3 +313,18 @@ def _badge(verdict: str) -> str:
 def _row_text(mark: str, module: str, verdict: str, err: str, seconds: str) -> str:
     text = f"{mark:<2}{module[:40]:<41}{verdict:<26}{err:>10} {seconds:>8}"
     return text.replace(" ", _NBSP)
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Gradcheck tab: the module sweep of the debugger's model and batch, on request."""
+    dbg.add_tab(
+        "Gradcheck", GradcheckPanel(model=ctx.model, inputs=ctx.inputs, backend=ctx.backend)
+    )
+
+
+FEATURE_TAB = FeatureTab(
+    "Gradcheck",
+    applies=lambda ctx: ctx.model is not None and ctx.inputs is not None,
+    build=build_tab,
+    order=20,
+)

@@ -23,6 +23,7 @@ from ..core.text import fmt_num
 from ..figures import labels as figs
 from ..figures.palette import GREEN, RED
 from .plot import PlotView
+from .tabs import FeatureTab, TabContext, as_table
 
 KEYS = {"k": "keep", "r": "relabel", "x": "exclude", "s": "skip", "u": "undo"}
 
@@ -501,3 +502,27 @@ def _table_html(sample: Any, most: int = 24) -> str:
         else ""
     )
     return f'<table style="font-size:12px;border:1px solid #ddd">{rows}{more}</table>'
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Labels tab: the label cleaner over the debugger's samples."""
+    if ctx.labels is None or ctx.pred_probs is None or ctx.inputs is None:
+        raise TypeError(
+            "the Labels tab needs both labels= and pred_probs= (and the samples as the batch)."
+        )
+    from ..analysis.labels import find_label_issues
+
+    issues = find_label_issues(ctx.labels, pred_probs=ctx.pred_probs)
+    table = as_table(ctx.inputs)
+    dbg.add_tab(
+        "Labels",
+        LabelCleaner(table, ctx.labels, issues, journal=ctx.journal, backend=ctx.backend),
+    )
+
+
+FEATURE_TAB = FeatureTab(
+    "Labels",
+    applies=lambda ctx: ctx.labels is not None or ctx.pred_probs is not None,
+    build=build_tab,
+    order=40,
+)
