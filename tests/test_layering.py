@@ -155,7 +155,7 @@ def test_a_result_shows_through_the_viewer_the_widgets_layer_registers() -> None
     class Unshown:
         pass
 
-    with pytest.raises(ImportError, match="no panel is registered for .*Unshown"):
+    with pytest.raises(ImportError, match=r"no panel is registered for .*Unshown"):
         display.show(Unshown())
     seen: list[tuple[object, dict[str, object]]] = []
     display.register_viewer("Unshown", lambda obj, **kw: seen.append((obj, kw)) or "panel")

@@ -24,7 +24,7 @@ def add_viewer_source(source: Callable[[], None]) -> None:
 
 
 def register_viewer(class_name: str, viewer: Callable[..., Any]) -> None:
-    """Show objects of the class named ``class_name`` (``type(obj).__qualname__``) with
+    """Show objects of the class named ``class_name`` (``type(obj).__name__``) with
     ``viewer(obj, **options)``; registering a name again replaces its viewer."""
     _VIEWERS[class_name] = viewer
 
@@ -56,7 +56,7 @@ def show(obj: Any, **options: Any) -> Any:
 
 def _viewer_for(obj: Any) -> Callable[..., Any] | None:
     for cls in type(obj).__mro__:
-        viewer = _VIEWERS.get(cls.__qualname__)
+        viewer = _VIEWERS.get(cls.__name__)
         if viewer is not None:
             return viewer
     return None
