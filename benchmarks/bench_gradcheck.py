@@ -137,7 +137,8 @@ def main() -> None:
         jac_bytes += 2 * 8 * n_in * y.numel()
 
     print(
-        f"model: 4 x TransformerEncoderLayer(128, 4), batch {tuple(x.shape)}, rows={args.rows}, eval, 1 thread"
+        f"model: 4 x TransformerEncoderLayer(128, 4), batch {tuple(x.shape)}, "
+        f"rows={args.rows}, eval, 1 thread"
     )
     print(
         f"modules: {len(df)} ({len(checked)} checked, {n_skipped} skipped), "
@@ -152,18 +153,21 @@ def main() -> None:
         f"{t_ours_fast:.2f} s [{w_ours_fast:.2f} s]"
     )
     print(
-        f"torch.autograd.gradcheck(fast_mode=True, 1 projection), same {len(cases)} modules, inputs only: "
+        f"torch.autograd.gradcheck(fast_mode=True, 1 projection), same {len(cases)} "
+        f"modules, inputs only: "
         f"{t_plain_fast:.2f} s [{w_plain_fast:.2f} s] ({plain_ok}/{len(cases)} passed)"
     )
     print(
-        f"torch.autograd.gradcheck(fast_mode=False), same modules: not run, estimated {est:.0f} s and "
+        f"torch.autograd.gradcheck(fast_mode=False), same modules: not run, estimated "
+        f"{est:.0f} s and "
         f"{jac_bytes / 2**30:.0f} GiB of Jacobians"
     )
     print(f"ratio nbdebug elements / torch fast_mode: {t_ours / t_plain_fast:.1f}x")
     print(f"ratio nbdebug fast / torch fast_mode:     {t_ours_fast / t_plain_fast:.1f}x")
     print(f"ratio nbdebug elements / torch slow mode (estimated): {t_ours / est:.4f}x")
     print(
-        f"fast-mode sweep agrees with the element-wise one: {list(df_fast['passed']) == list(df['passed'])}"
+        f"fast-mode sweep agrees with the element-wise one: "
+        f"{list(df_fast['passed']) == list(df['passed'])}"
     )
 
 

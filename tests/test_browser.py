@@ -220,7 +220,8 @@ def test_debugger_in_jupyterlab(tmp_path):
 
                 page.locator(".nbdebug-debugger button", has_text="jump to origin").click()
                 page.wait_for_function(
-                    "() => document.querySelector('.nbdebug-debugger .nbdebug-detail').innerText.includes('Tensor.div')"
+                    "() => document.querySelector('.nbdebug-debugger "
+                    ".nbdebug-detail').innerText.includes('Tensor.div')"
                 )
                 at_origin = detail.inner_text()
                 assert (
@@ -234,7 +235,8 @@ def test_debugger_in_jupyterlab(tmp_path):
                     has_text=re.compile(r"^\s*next\s*$")
                 ).click()
                 page.wait_for_function(
-                    "() => document.querySelector('.nbdebug-debugger .nbdebug-detail').innerText.includes('#2 forward')"
+                    "() => document.querySelector('.nbdebug-debugger "
+                    ".nbdebug-detail').innerText.includes('#2 forward')"
                 )
                 page.wait_for_function(f"() => ({MARKER_JS})()[0][0] === 'body.0'")
                 assert detail.inner_text() != at_origin != detail_before

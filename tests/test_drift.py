@@ -125,7 +125,8 @@ def test_a_shortcut_equals_full_drift_for_trees(name):
     assert full.alarm == short.alarm
 
 
-# ---------------------------------------------------------------------------- (b) 2 shifted features
+# ---------------------------------------------------------------------------- (b) 2 shifted
+# features
 
 
 @pytest.mark.parametrize("name,kind", COMBOS)
@@ -183,7 +184,8 @@ def test_c_subpopulation_shift_moves_a_cluster_share(name, kind, capsys):
         capsys,
         f"(c) {name}/{kind}: class {cls} over-sampled; cluster shares significant "
         f"{significant}/{seeds}; grown cluster's share of class {cls}: "
-        f"{[round(p, 2) for p in purities]}; raw features flagged per seed {raw_flags} of {len(names)}",
+        f"{[round(p, 2) for p in purities]}; raw features flagged per seed {raw_flags} "
+        f"of {len(names)}",
     )
     assert significant / seeds > 0.5
     assert np.median(purities) >= 0.85  # the cluster that grew is the over-sampled class

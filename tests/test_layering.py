@@ -81,7 +81,8 @@ def test_imports_point_down_the_layers(path: Path) -> None:
 def test_importing_core_loads_no_ui_and_no_pandas() -> None:
     code = (
         "import sys, nbdebug.core.trace, nbdebug.core.guard, nbdebug.core.snapshot;"
-        "bad = [m for m in ('pandas', 'ipywidgets', 'plotly', 'IPython', 'nbdebug.analysis', 'nbdebug.widgets')"
+        "bad = [m for m in ('pandas', 'ipywidgets', 'plotly', 'IPython', "
+        "'nbdebug.analysis', 'nbdebug.widgets')"
         " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

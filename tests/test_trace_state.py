@@ -9,32 +9,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from models import scenarios
+from models import bn_dropout_model, scenarios
 from state import assert_unchanged, fingerprint, same_tensor
 from torch import nn
 
 import nbdebug
 
 
-def _bn_dropout_model() -> nn.Module:
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.BatchNorm2d(4),
-        nn.ReLU(inplace=True),
-        nn.Dropout(0.3),
-        nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 3),
-        nn.BatchNorm1d(3),
-    )
-    model.train()
-    model[6].eval()  # mixed modes must survive too
-    model[0].weight.requires_grad_(False)  # and a frozen weight
-    model(torch.randn(4, 3, 6, 6)).sum().backward()  # pre-existing .grad
-    return model
-
-
 def test_state_preserved_with_batchnorm_dropout_and_existing_grads() -> None:
-    model = _bn_dropout_model()
+    model = bn_dropout_model()
     user_hook_calls = []
     model[1].register_forward_hook(lambda m, i, o: user_hook_calls.append(1))
     np.random.seed(3)
@@ -49,7 +32,7 @@ def test_state_preserved_with_batchnorm_dropout_and_existing_grads() -> None:
 
 def test_state_preserved_on_failing_trace_with_replays() -> None:
     # a NaN makes the trace replay the step (exact pass, op-level replay): still no change
-    model = _bn_dropout_model()
+    model = bn_dropout_model()
     x = torch.randn(5, 3, 6, 6)
     x[2, 0, 1, 1] = float("nan")
     before = fingerprint(model)

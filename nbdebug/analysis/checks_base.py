@@ -223,7 +223,8 @@ class Findings(list[Finding]):
         return [f for f in self if f.code == code]
 
     def to_frame(self) -> Any:
-        """One row per finding: severity, code, where, advice, evidence, event, param, module, rows, step."""
+        """One row per finding: severity, code, where, advice, evidence, event, param,
+        module, rows, step."""
         import pandas as pd
 
         columns = [

@@ -49,7 +49,8 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
                     "error",
                     f"{rows}input {e.name}",
                     {"n_nan": s.n_nan, "n_inf": s.n_inf, "n_rows": len(e.samples), "threshold": 0},
-                    "the batch itself holds NaN/Inf: drop or repair these rows in the data pipeline "
+                    "the batch itself holds NaN/Inf: drop or repair these rows in the "
+                    "data pipeline "
                     "(torch.nan_to_num, or filter rows where ~torch.isfinite(x).all(1)).",
                     fix="keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]",
                     event=e.index,
@@ -65,8 +66,10 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
                         "warning",
                         f"input {e.name}",
                         {"min": s.min, "max": s.max, "range": spread, "threshold": UNSCALED_RANGE},
-                        f"inputs span {fmt_num(s.min)} .. {fmt_num(s.max)}: standardise them (subtract the mean, "
-                        "divide by the std, per feature) so the first layer's activations and gradients stay O(1).",
+                        f"inputs span {fmt_num(s.min)} .. {fmt_num(s.max)}: "
+                        f"standardise them (subtract the mean, "
+                        "divide by the std, per feature) so the first layer's "
+                        "activations and gradients stay O(1).",
                         fix="x = (x - mean) / (std + 1e-8)  # statistics of the training set",
                         event=e.index,
                     )
@@ -122,8 +125,10 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
                     "values": [float(mean[i]) for i in const[:10]],
                     "threshold": CONSTANT_STD,
                 },
-                f"{len(const)} of {x.shape[dim]} {which} do not vary across the {x.shape[0]} rows: a "
-                "standardisation divides them by a zero std (0/0), and they carry no signal; drop them "
+                f"{len(const)} of {x.shape[dim]} {which} do not vary across the "
+                f"{x.shape[0]} rows: a "
+                "standardisation divides them by a zero std (0/0), and they carry no "
+                "signal; drop them "
                 "or add an epsilon to the std.",
                 fix="x = (x - mu) / (sigma + 1e-8)",
                 position=0.5,
@@ -240,7 +245,8 @@ def label_findings(
                 "n_bad": int(bad.sum()),
                 "threshold": f"0 <= y < {n_classes}",
             },
-            f"labels {vals[:5]} fall outside the {n_classes} classes the model outputs (the loss raises, or "
+            f"labels {vals[:5]} fall outside the {n_classes} classes the model outputs "
+            f"(the loss raises, or "
             "on CUDA triggers a device-side assert): fix the label mapping or the output size.",
             fix=f"assert 0 <= y.min() and y.max() < {n_classes}",
             rows=rows,

@@ -65,16 +65,19 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
         parts = []
         if missing:
             parts.append(
-                f"{len(missing)} missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
+                f"{len(missing)} missing "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
             )
         if unexpected:
             parts.append(
-                f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})"
+                f"{len(unexpected)} unexpected "
+                f"({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})"
             )
         if shapes:
             k0 = next(iter(shapes))
             parts.append(
-                f"{len(shapes)} shape change(s) ({k0}: checkpoint {tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})"
+                f"{len(shapes)} shape change(s) ({k0}: checkpoint "
+                f"{tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})"
             )
         out.append(
             Finding(
@@ -91,8 +94,10 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                     "threshold": 0,
                 },
                 hint
-                or "the checkpoint does not fit this model: load it into the architecture it was saved "
-                "from, or load with strict=False only for keys you expect to differ (and re-initialise them).",
+                or "the checkpoint does not fit this model: load it into the architecture "
+                "it was saved "
+                "from, or load with strict=False only for keys you expect to differ "
+                "(and re-initialise them).",
                 fix=fix,
                 param=next(iter(missing or list(shapes)), None),
             )
@@ -116,7 +121,8 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                             "numel": v.numel(),
                             "threshold": 0,
                         },
-                        "the checkpoint stores NaN/Inf in this tensor: it was saved after the run diverged; "
+                        "the checkpoint stores NaN/Inf in this tensor: it was saved "
+                        "after the run diverged; "
                         "load an earlier checkpoint.",
                         param=k,
                     )
@@ -155,9 +161,12 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                 "warning",
                 f"{k}: {ev['checkpoint_dtype']} -> {ev['model_dtype']}",
                 ev,
-                f"these {ev['model_dtype']} weights come from a {ev['checkpoint_dtype']} checkpoint: up to "
-                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and {ev['n_subnormal']} values "
-                "near 0 lost their precision; save full-precision checkpoints (master weights) for training.",
+                f"these {ev['model_dtype']} weights come from a "
+                f"{ev['checkpoint_dtype']} checkpoint: up to "
+                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and "
+                f"{ev['n_subnormal']} values "
+                "near 0 lost their precision; save full-precision checkpoints (master "
+                "weights) for training.",
                 param=k,
             )
         )

@@ -416,7 +416,8 @@ def _check_options(*, eps: float, atol: float, rtol: float, wrt: str, max_elemen
 def _resolve_fn(fn: Any) -> tuple[torch.nn.Module | None, Any, str]:
     if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
         raise TypeError(
-            f"fn must be callable on tensors; got the autograd.Function class {fn.__name__}: pass {fn.__name__}.apply."
+            f"fn must be callable on tensors; got the autograd.Function class "
+            f"{fn.__name__}: pass {fn.__name__}.apply."
         )
     if isinstance(fn, torch.nn.Module):
         return fn, fn, type(fn).__name__
@@ -428,7 +429,8 @@ def _resolve_fn(fn: Any) -> tuple[torch.nn.Module | None, Any, str]:
         return owner, owner, type(owner).__name__
     if not callable(fn):
         raise TypeError(
-            f"fn must be a function, an autograd.Function.apply or an nn.Module; got {type(fn).__qualname__}."
+            f"fn must be a function, an autograd.Function.apply or an nn.Module; got "
+            f"{type(fn).__qualname__}."
         )
     owner_name = getattr(owner, "__name__", None)
     name = getattr(fn, "__name__", None) or type(fn).__name__
@@ -454,7 +456,8 @@ def _check_gradcheck_inputs(
         if wrt == "params":
             if not has_params:
                 raise ValueError(
-                    f"wrt='params' but {fn_name} has no floating-point parameter with requires_grad=True."
+                    f"wrt='params' but {fn_name} has no floating-point parameter with "
+                    f"requires_grad=True."
                 )
             return
         if has_params:
@@ -465,19 +468,24 @@ def _check_gradcheck_inputs(
     if not tensors:
         given = describe(template[0]) if template[0] else "no inputs"
         raise ValueError(
-            f"gradcheck needs at least one floating-point input tensor with requires_grad=True; got {given}{hint}."
+            f"gradcheck needs at least one floating-point input tensor with "
+            f"requires_grad=True; got {given}{hint}."
         )
     floats = [(n, t) for n, t in tensors if t.is_floating_point()]
     if not floats:
         kinds = ", ".join(f"{n}: {dtype_name(t.dtype)}" for n, t in tensors)
         raise TypeError(
-            f"gradcheck differentiates floating-point tensors, but the inputs are integer or boolean ({kinds}), "
-            f"which have no gradient; pass float inputs with requires_grad=True, e.g. x.double().requires_grad_(){hint}."
+            f"gradcheck differentiates floating-point tensors, but the inputs are "
+            f"integer or boolean ({kinds}), "
+            f"which have no gradient; pass float inputs with requires_grad=True, e.g. "
+            f"x.double().requires_grad_(){hint}."
         )
     names = ", ".join(n for n, _ in floats)
     raise ValueError(
-        f"no input requires grad: gradcheck checks the gradient with respect to inputs with requires_grad=True, "
-        f"and {names} {'has' if len(floats) == 1 else 'have'} requires_grad=False; call .requires_grad_() on the "
+        f"no input requires grad: gradcheck checks the gradient with respect to inputs "
+        f"with requires_grad=True, "
+        f"and {names} {'has' if len(floats) == 1 else 'have'} requires_grad=False; "
+        f"call .requires_grad_() on the "
         f"inputs to check{hint}."
     )
 
@@ -536,12 +544,14 @@ class _Problem:
         if self.out_names is None:
             if not named:
                 raise TypeError(
-                    f"{self.fn_name} must return a tensor or a tuple/list/dict of tensors; it returned {describe(raw)}."
+                    f"{self.fn_name} must return a tensor or a tuple/list/dict of "
+                    f"tensors; it returned {describe(raw)}."
                 )
             floats = [(n, t) for n, t in named if t.is_floating_point()]
             if not floats:
                 raise TypeError(
-                    f"{self.fn_name} returned no floating-point tensor to differentiate: {describe(raw)}."
+                    f"{self.fn_name} returned no floating-point tensor to "
+                    f"differentiate: {describe(raw)}."
                 )
             self.out_names = [n for n, _ in floats]
             self.out_shapes = [tuple(t.shape) for _, t in floats]
@@ -582,7 +592,8 @@ def _make_problem(
         for idx, (path, leaf) in enumerate(with_path):
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
                 continue
-            # the sweep differentiates every finite float input (an additive -inf mask is a constant)
+            # the sweep differentiates every finite float input (an additive -inf mask is a
+            # constant)
             if leaf.requires_grad if not all_float else bool(torch.isfinite(leaf).all()):
                 specs.append(("leaf", idx))
                 names.append(_leaf_name(path))
@@ -593,7 +604,8 @@ def _make_problem(
             mod = copy.deepcopy(module)
         except Exception as e:
             raise ValueError(
-                f"{fn_name} cannot be copied to check it without touching it ({type(e).__name__}: {_first_line(e)})."
+                f"{fn_name} cannot be copied to check it without touching it "
+                f"({type(e).__name__}: {_first_line(e)})."
             ) from e
         if dtype is not None:
             mod.to(dtype)
@@ -729,7 +741,8 @@ def _run_gradcheck(
         dtype_used = _dtype_name(native)
         notes.append(
             f"{fn_name} does not run on float64 copies ({e64}); the check ran in {dtype_used}, so "
-            "finite differences are limited by its precision (pass the module itself, not a function "
+            "finite differences are limited by its precision (pass the module itself, "
+            "not a function "
             "that closes over it, to check in float64)."
         )
     if not problem.diff:
@@ -754,7 +767,10 @@ def _run_gradcheck(
             q = _second_order_problem(problem, random_state)
             pairs2, notes2 = check(q, analyze=True, check_determinism=False)
         except _FnRaised as e:
-            second_error = f"backward is wrong: second order cannot be checked: {e}, so its own gradient is missing."
+            second_error = (
+                f"backward is wrong: second order cannot be checked: {e}, so its own "
+                f"gradient is missing."
+            )
         else:
             for p in pairs2:
                 p.order = 2
@@ -808,8 +824,10 @@ def _native_recheck(
         if p.close and not q.close:
             p.verdict = "float32 precision"
             p.message = (
-                f"float32 precision: {p.label} passes in float64 (max abs error {p.max_abs_error:.2g}) but "
-                f"fails in {name} (max abs error {q.max_abs_error:.2g}, eps={eps:g}): rounding in the "
+                f"float32 precision: {p.label} passes in float64 (max abs error "
+                f"{p.max_abs_error:.2g}) but "
+                f"fails in {name} (max abs error {q.max_abs_error:.2g}, eps={eps:g}): "
+                f"rounding in the "
                 f"{name} finite differences, not the backward."
             )
         elif p.close:
@@ -838,15 +856,18 @@ def _check(
             scale = float(a.abs().nan_to_num(0.0).max()) if a.numel() else 0.0
             if gap > 1e-9 * (1.0 + scale) or not torch.equal(a.isnan(), b.isnan()):
                 raise ValueError(
-                    f"{problem.fn_name} is not deterministic: two calls on the same inputs gave {name} values "
-                    f"differing by up to {gap:.3g} (dropout or another random op in train mode?); call "
+                    f"{problem.fn_name} is not deterministic: two calls on the same "
+                    f"inputs gave {name} values "
+                    f"differing by up to {gap:.3g} (dropout or another random op in "
+                    f"train mode?); call "
                     "model.eval() or remove the randomness before checking gradients."
                 )
     for name, a in zip(problem.out_names or [], f0):
         bad = int((~torch.isfinite(a)).sum())
         if bad:
             raise ValueError(
-                f"{problem.fn_name} returned {bad} non-finite value(s) in {name} at the given inputs; gradients "
+                f"{problem.fn_name} returned {bad} non-finite value(s) in {name} at "
+                f"the given inputs; gradients "
                 "cannot be checked at a point where the function is not finite."
             )
     layout = _Layout.build(problem, xs0, f0, eps=eps, max_elements=max_elements, fast=fast, rng=rng)
@@ -971,7 +992,8 @@ class _Layout:
             lay.rows.append(np.sort(np.fromiter(chosen, dtype=np.int64, count=len(chosen))))
             lay.sampled_out.append(True)
             lay.notes.append(
-                f"{name} has {n} elements: checked {len(chosen)} of them (elements the checked inputs move, plus random ones)."
+                f"{name} has {n} elements: checked {len(chosen)} of them (elements the "
+                f"checked inputs move, plus random ones)."
             )
         return lay
 
@@ -1155,7 +1177,8 @@ def _score(p: PairCheck) -> None:
     p.close = not bool(bad.any())
     p.verdict = "ok" if p.close else "backward is wrong"
     p.message = (
-        f"ok: {p.label}: backward and finite differences agree (max abs error {p.max_abs_error:.2g})."
+        f"ok: {p.label}: backward and finite differences agree (max abs error "
+        f"{p.max_abs_error:.2g})."
         if p.close
         else f"backward is wrong: {p.label} disagrees (max abs error {p.max_abs_error:.2g})."
     )
@@ -1317,29 +1340,35 @@ def _message(
     if kind == "wrong":
         hint = _wrong_hint(p, no_graph)
         return (
-            f"backward is wrong: d {where} is {a:.4g} from the backward but {n:.4g} by finite differences "
-            f"(max abs error {p.max_abs_error:.2g} over the pair); the finite differences are stable from "
-            f"eps={h_small:g} to {h_large:g}, so the function is smooth there and the backward is to blame"
-            + (f" — {hint}" if hint else "")
-            + "."
+            f"backward is wrong: d {where} is {a:.4g} from the backward but {n:.4g} by "
+            f"finite differences "
+            f"(max abs error {p.max_abs_error:.2g} over the pair); the finite "
+            f"differences are stable from "
+            f"eps={h_small:g} to {h_large:g}, so the function is smooth there and the "
+            f"backward is to blame" + (f" — {hint}" if hint else "") + "."
         )
     if kind == "precision":
         return (
             f"float32 precision: at {where} the finite-difference error shrinks as eps grows "
-            f"({info['e_s']:.2g} at eps={h_small:g}, {info['e_0']:.2g} at {eps:g}, {info['e_l']:.2g} at "
+            f"({info['e_s']:.2g} at eps={h_small:g}, {info['e_0']:.2g} at {eps:g}, "
+            f"{info['e_l']:.2g} at "
             f"{h_large:g}): rounding inside {p.output}'s computation, not the backward."
         )
     if kind == "near kink":
         return (
-            f"non-differentiable point: a kink lies within eps={eps:g} of {at}: with eps={h_small:g} the "
-            f"finite difference ({float(info['ns']):.4g}) agrees with the backward ({a:.4g}); re-checked with "
+            f"non-differentiable point: a kink lies within eps={eps:g} of {at}: with "
+            f"eps={h_small:g} the "
+            f"finite difference ({float(info['ns']):.4g}) agrees with the backward "
+            f"({a:.4g}); re-checked with "
             f"eps={h_small:g} and {h_large:g}."
         )
     if kind == "kink":
         return (
             f"non-differentiable point: at {at} the function has a kink (one-sided slopes "
-            f"{float(info['left']):.4g} and {float(info['right']):.4g} for d {where}); the backward's {a:.4g} "
-            f"is one of the one-sided values, the central difference {n:.4g} averages them; the same at "
+            f"{float(info['left']):.4g} and {float(info['right']):.4g} for d {where}); "
+            f"the backward's {a:.4g} "
+            f"is one of the one-sided values, the central difference {n:.4g} averages "
+            f"them; the same at "
             f"eps={h_small:g} and {h_large:g}."
         )
     return (
@@ -1350,7 +1379,10 @@ def _message(
 
 def _wrong_hint(p: PairCheck, no_graph: bool) -> str:
     if no_graph:
-        return "the output has no autograd graph at all (fn detaches it, or leaves torch via .item()/.numpy()/no_grad)"
+        return (
+            "the output has no autograd graph at all (fn detaches it, or leaves torch via "
+            ".item()/.numpy()/no_grad)"
+        )
     a, n = p.analytic, p.numerical
     tol = p.atol + p.rtol * np.abs(n)
     bad = ~(np.abs(a - n) <= tol)
@@ -1367,7 +1399,10 @@ def _wrong_hint(p: PairCheck, no_graph: bool) -> str:
             and np.all(np.abs(q - m) <= 1e-3 * abs(m) + 1e-9)
             and np.all(np.abs(a[~big]) <= tol[~big])
         ):
-            return f"the backward is {m:.4g} times the true gradient everywhere (a missing or extra constant factor)"
+            return (
+                f"the backward is {m:.4g} times the true gradient everywhere (a missing or "
+                f"extra constant factor)"
+            )
     return ""
 
 

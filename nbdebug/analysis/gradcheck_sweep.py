@@ -220,6 +220,7 @@ def _capture_module_inputs(
                 f" Executed modules up to: {last[0] or '(none)'}." if last[0] or captured else ""
             )
             raise ValueError(
-                f"the model raised {type(e).__name__} on the first {keep} batch rows: {_first_line(e)}.{where}"
+                f"the model raised {type(e).__name__} on the first {keep} batch rows: "
+                f"{_first_line(e)}.{where}"
             ) from e
     return names, captured

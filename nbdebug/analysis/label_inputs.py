@@ -61,7 +61,8 @@ def check_labels(labels: Any) -> np.ndarray:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
-                f"labels must be integer class indices 0..K-1; sample {i} has label {arr[i].item()!r}."
+                f"labels must be integer class indices 0..K-1; sample {i} has label "
+                f"{arr[i].item()!r}."
             )
     return arr.astype(np.int64, copy=True)
 

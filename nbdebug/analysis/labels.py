@@ -269,7 +269,8 @@ def find_label_issues(
                 stack_in = list(arr)
             if len(stack_in) < 2:
                 raise ValueError(
-                    f"method='ensemble' needs at least 2 models' probabilities; got {len(stack_in)}."
+                    f"method='ensemble' needs at least 2 models' probabilities; got "
+                    f"{len(stack_in)}."
                 )
             probs_list = [
                 check_pred_probs(p, n, name=f"pred_probs[{m}]") for m, p in enumerate(stack_in)

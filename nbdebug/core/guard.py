@@ -234,7 +234,8 @@ class NaNGuard:
         self.model = check_model(model)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}."
+                f"optimizer must be a torch.optim.Optimizer or None; got "
+                f"{type(optimizer).__qualname__}."
             )
         if scaler is not None and not (
             hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")
@@ -244,7 +245,8 @@ class NaNGuard:
             )
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError(
-                f"scheduler must have a state_dict() (an LR scheduler); got {type(scheduler).__qualname__}."
+                f"scheduler must have a state_dict() (an LR scheduler); got "
+                f"{type(scheduler).__qualname__}."
             )
         if on_nonfinite not in ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {ACTIONS}; got {on_nonfinite!r}.")
@@ -635,7 +637,8 @@ class NaNGuard:
                 text = f"{message}. Snapshot: {first_path}"
             else:
                 text = (
-                    f"{self.bad_streak} non-finite steps in a row (patience={self.patience}); the first, "
+                    f"{self.bad_streak} non-finite steps in a row "
+                    f"(patience={self.patience}); the first, "
                     f"step {first_step}: {first_reason['message']}. Snapshot: {first_path}"
                 )
             err = NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)
@@ -739,7 +742,8 @@ class NaNGuard:
         where = f"last step {last['step']} loss={_fmt(last['loss'])}" if last else "no step yet"
         return (
             f"NaNGuard({type(self.model).__qualname__}, on_nonfinite={self.on_nonfinite!r}, "
-            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in {self.directory})"
+            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in "
+            f"{self.directory})"
         )
 
 

@@ -13,7 +13,8 @@ one dictionary of tensors and plain Python values:
     The model's ``state_dict``, its class as ``"module:qualname"`` and its train flag.
 ``inputs``, ``target``
     The batch (tensors, tuples, lists, dicts of them).
-``optimizer``, ``optimizer_class``, ``optimizer_params``, ``scaler``, ``scheduler``, ``scheduler_class``
+``optimizer``, ``optimizer_class``, ``optimizer_params``, ``scaler``, ``scheduler``,
+``scheduler_class``
     ``state_dict()`` of each (or ``None``), and for the optimizer the model parameter
     name behind each of its parameter indices.
 ``rng``
@@ -369,7 +370,8 @@ def _build_model(
             raise SnapshotError(f"the recipe {spec!r} of {where} failed: {first_line(e)}") from e
         if not isinstance(built, torch.nn.Module):
             raise SnapshotError(
-                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, not an nn.Module."
+                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, "
+                f"not an nn.Module."
             )
         return built
     if isinstance(model, torch.nn.Module):
@@ -384,11 +386,13 @@ def _build_model(
         built = model()
         if not isinstance(built, torch.nn.Module):
             raise TypeError(
-                f"the model factory returned {type(built).__qualname__}; expected a torch.nn.Module."
+                f"the model factory returned {type(built).__qualname__}; expected a "
+                f"torch.nn.Module."
             )
         return built
     raise TypeError(
-        f"model must be a torch.nn.Module, a zero-argument factory returning one, or None; got {type(model).__qualname__}."
+        f"model must be a torch.nn.Module, a zero-argument factory returning one, or "
+        f"None; got {type(model).__qualname__}."
     )
 
 
@@ -558,9 +562,13 @@ class Snapshot:
             return self.model
         hint = ""
         if self.recipe is not None:
-            hint = f", or trust_recipe=True to build it with the recorded recipe {self.recipe['factory']!r}"
+            hint = (
+                f", or trust_recipe=True to build it with the recorded recipe "
+                f"{self.recipe['factory']!r}"
+            )
         raise SnapshotError(
-            f"this snapshot was loaded without a model: give load_snapshot(path, model=...) (a module or a "
+            f"this snapshot was loaded without a model: give load_snapshot(path, "
+            f"model=...) (a module or a "
             f"zero-argument factory for {self.model_class}){hint}."
         )
 
@@ -592,7 +600,8 @@ class Snapshot:
             raise SnapshotError("this snapshot holds no optimizer state.")
         if not _trusted(self.optimizer_class) and not self.trust_recipe:
             raise SnapshotError(
-                f"the optimizer class {self.optimizer_class!r} lies outside torch: load with trust_recipe=True."
+                f"the optimizer class {self.optimizer_class!r} lies outside torch: "
+                f"load with trust_recipe=True."
             )
         try:
             cls = import_object(self.optimizer_class)
@@ -631,7 +640,8 @@ class Snapshot:
             loss_fn = self.loss_fn()
         if loss_fn is None and self.target is not None:
             raise SnapshotError(
-                "this snapshot recorded no loss function but has a target: pass snap.trace(loss_fn=...)."
+                "this snapshot recorded no loss function but has a target: pass "
+                "snap.trace(loss_fn=...)."
             )
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         inputs = _to_device(self.inputs, device)

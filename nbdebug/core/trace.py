@@ -225,7 +225,8 @@ def _trace_error(
             msg = f"{type(e).__name__} in {where} ({mtype}) during the forward pass: {e}.{upto}"
     elif stage == "loss":
         msg = (
-            f"the loss function raised {err} (output {describe(output)}, target {describe(target)})."
+            f"the loss function raised {err} (output {describe(output)}, target "
+            f"{describe(target)})."
             f"{upto}"
         )
     else:

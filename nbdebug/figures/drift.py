@@ -111,7 +111,8 @@ def _index(report: DriftReport, feature: str) -> int:
         return report.feature_names.index(feature)
     except ValueError:
         raise ValueError(
-            f"unknown feature {feature!r}; expected one of the report's {len(report.feature_names)} "
+            f"unknown feature {feature!r}; expected one of the report's "
+            f"{len(report.feature_names)} "
             f"features, e.g. {report.feature_names[:3]}."
         ) from None
 

@@ -1,4 +1,5 @@
-"""Histogram of one event's log10|x| (the 32 fixed bins of :class:`~nbdebug.core.stats.Histogram`)."""
+"""Histogram of one event's log10|x| (the 32 fixed bins of
+:class:`~nbdebug.core.stats.Histogram`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ def histogram_title(ev: Event) -> str:
     """Title of :func:`histogram_figure`: what the counts cover, zeros and non-finite values."""
     h = ev.hist
     sampled = f" (every k-th of {ev.stats.numel})" if h.sampled else ""
-    return f"log10|x| of #{ev.index}: {h.total} values{sampled}, {h.n_zero} zeros, {h.n_nonfinite} NaN/Inf"
+    return (
+        f"log10|x| of #{ev.index}: {h.total} values{sampled}, {h.n_zero} zeros, "
+        f"{h.n_nonfinite} NaN/Inf"
+    )
 
 
 def histogram_bins(ev: Event) -> tuple[list[float], list[int]]:

@@ -73,7 +73,8 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
 
     if not isinstance(history, pd.DataFrame):
         raise TypeError(
-            f"history must be a pandas DataFrame (Snapshot.history_frame()); got {type(history).__qualname__}."
+            f"history must be a pandas DataFrame (Snapshot.history_frame()); got "
+            f"{type(history).__qualname__}."
         )
     if "step" not in history.columns:
         raise ValueError(f"history must have a 'step' column; got columns {list(history.columns)}.")

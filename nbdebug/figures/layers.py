@@ -67,24 +67,20 @@ def ratio_figure(trace: Trace) -> go.Figure:
         )
     )
     llo, lhi = math.log10(lo), math.log10(hi)
-    fig.add_hrect(
-        y0=lo,
-        y1=VANISHING,
-        fillcolor=PURPLE,
-        opacity=0.12,
-        line_width=0,
-        annotation_text=f"vanishing (< {VANISHING:g})",
-        annotation_position="bottom left",
+    bands = (
+        (lo, VANISHING, PURPLE, f"vanishing (< {VANISHING:g})", "bottom left"),
+        (EXPLODING, hi, RED, f"exploding (> {EXPLODING:g})", "top left"),
     )
-    fig.add_hrect(
-        y0=EXPLODING,
-        y1=hi,
-        fillcolor=RED,
-        opacity=0.12,
-        line_width=0,
-        annotation_text=f"exploding (> {EXPLODING:g})",
-        annotation_position="top left",
-    )
+    for y0, y1, color, label, where in bands:
+        fig.add_hrect(
+            y0=y0,
+            y1=y1,
+            fillcolor=color,
+            opacity=0.12,
+            line_width=0,
+            annotation_text=label,
+            annotation_position=where,
+        )
     fig.update_layout(
         title={"text": "Gradient / weight norm per parameter", "x": 0.01},
         yaxis={"type": "log", "title": "grad norm / weight norm", "range": [llo, lhi]},

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -60,7 +61,10 @@ class NormPoints:
     categories: list[str]
 
     def __repr__(self) -> str:
-        return f"NormPoints({len(self.x)} events, {len(self.categories)} categories, floor={self.floor:.3g})"
+        return (
+            f"NormPoints({len(self.x)} events, {len(self.categories)} categories, "
+            f"floor={self.floor:.3g})"
+        )
 
 
 def event_categories(trace: Trace) -> list[str]:
@@ -176,26 +180,23 @@ def norm_figure(
     }
     fig = go.Figure()
     hovers = [_hover(e) for e in trace.events]
-    for name, idx in groups.items():
-        fig.add_trace(
-            go.Scatter(
-                x=[pts.x[i] for i in idx],
-                y=[pts.y[i] for i in idx],
-                customdata=idx,
-                text=[hovers[i] for i in idx],
-                hovertemplate="%{text}<extra></extra>",
-                name=name,
-                **style[name],
-            )
+
+    def points(idx: list[int], **kw: Any) -> go.Scatter:
+        return go.Scatter(
+            x=[pts.x[i] for i in idx],
+            y=[pts.y[i] for i in idx],
+            customdata=idx,
+            text=[hovers[i] for i in idx],
+            hovertemplate="%{text}<extra></extra>",
+            **kw,
         )
+
+    for name, idx in groups.items():
+        fig.add_trace(points(idx, name=name, **style[name]))
     bad = [e.index for e in trace.events if not e.stats.finite]
     fig.add_trace(
-        go.Scatter(
-            x=[pts.x[i] for i in bad],
-            y=[pts.y[i] for i in bad],
-            customdata=bad,
-            text=[hovers[i] for i in bad],
-            hovertemplate="%{text}<extra></extra>",
+        points(
+            bad,
             mode="markers",
             marker={"color": RED, "size": 11, "symbol": "x"},
             name=NONFINITE_TRACE,

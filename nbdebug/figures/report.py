@@ -95,7 +95,8 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
         ("model", model),
         (
             "batch",
-            f"inputs {describe(snap.inputs)}; target {describe(snap.target) if snap.target is not None else '-'}",
+            f"inputs {describe(snap.inputs)}; target "
+            f"{describe(snap.target) if snap.target is not None else '-'}",
         ),
         (
             "loss",
@@ -153,7 +154,8 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
     if not items:
         return ""
     body = "".join(
-        f'<tr><td>{html.escape(n)}</td><td class="{"bad" if not math.isfinite(v) else ""}">{fmt_num(v)}</td></tr>'
+        f"<tr><td>{html.escape(n)}</td><td "
+        f'class="{"bad" if not math.isfinite(v) else ""}">{fmt_num(v)}</td></tr>'
         for n, v in items
     )
     return (
@@ -163,10 +165,16 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
 
 
 _CSS = f"""
-body {{ font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em auto; max-width: 1100px; color: {TEXT}; }}
-h1 {{ font-size: 1.5em; }} h2 {{ font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid {RULE}; }}
+body {{
+  font-family: system-ui, -apple-system, Segoe UI, sans-serif;
+  margin: 2em auto; max-width: 1100px; color: {TEXT};
+}}
+h1 {{ font-size: 1.5em; }}
+h2 {{ font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid {RULE}; }}
 table {{ border-collapse: collapse; margin: .5em 0; font-size: .9em; }}
-th, td {{ padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top; }}
+th, td {{
+  padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top;
+}}
 table.facts th {{ color: {MUTED_TEXT}; white-space: nowrap; }}
 .bad {{ color: {RED}; font-weight: 600; }}
 .note {{ color: #666; font-style: italic; }}

@@ -45,7 +45,8 @@ class DriftPanel:
 
         if not isinstance(report, DriftReport):
             raise TypeError(
-                f"DriftPanel needs a DriftReport (from nbdebug.drift); got {type(report).__qualname__}."
+                f"DriftPanel needs a DriftReport (from nbdebug.drift); got "
+                f"{type(report).__qualname__}."
             )
         self.report = report
         order = [str(f) for f in report.features.index]
@@ -108,7 +109,10 @@ class DriftPanel:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def __repr__(self) -> str:
-        return f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, features={len(self.report.feature_names)})"
+        return (
+            f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, "
+            f"features={len(self.report.feature_names)})"
+        )
 
 
 def build_tab(dbg: Any, ctx: TabContext) -> None:

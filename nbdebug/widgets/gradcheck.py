@@ -68,7 +68,8 @@ class GradcheckPanel:
     ) -> None:
         if result is not None and not isinstance(result, GradcheckResult):
             raise TypeError(
-                f"result must be a GradcheckResult (from nbdebug.gradcheck); got {type(result).__qualname__}."
+                f"result must be a GradcheckResult (from nbdebug.gradcheck); got "
+                f"{type(result).__qualname__}."
             )
         if model is not None:
             check_model(model)
@@ -160,7 +161,8 @@ class GradcheckPanel:
             self.title.value = (
                 f"<b>{html.escape(title or 'gradcheck of ' + result.fn_name)}</b> "
                 + html.escape(
-                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, rtol={result.rtol:g}, "
+                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, "
+                    f"rtol={result.rtol:g}, "
                     f"{result.seconds:.2f}s)"
                 )
             )

@@ -81,7 +81,8 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     vals = s.as_dict()
     bad = {"n_nan", "n_inf"} if not s.finite else set()
     stats = "".join(
-        f"<tr><th style='text-align:left'>{k}</th><td class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{fmt_num(vals[k])}</td></tr>"
+        f"<tr><th style='text-align:left'>{k}</th><td "
+        f"class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{fmt_num(vals[k])}</td></tr>"
         for k in names
     )
     if not s.finite:
@@ -94,7 +95,8 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     note = f"<div><i>{e(ev.note)}</i></div>" if ev.note else ""
     return (
         f"<div class='nbdebug-detail'><div>{head}</div>{nonfinite}{note}"
-        f"<div style='display:flex;gap:16px;align-items:flex-start'><table>{info}</table><table>{stats}</table></div></div>"
+        f"<div "
+        f"style='display:flex;gap:16px;align-items:flex-start'><table>{info}</table><table>{stats}</table></div></div>"
     )
 
 

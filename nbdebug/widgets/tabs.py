@@ -74,17 +74,7 @@ def _package_path() -> list[str]:
     return [os.path.dirname(__file__)]
 
 
-def add_feature_tabs(
-    dbg: Any,
-    *,
-    model: Any = None,
-    inputs: Any = None,
-    reference: Any = None,
-    labels: Any = None,
-    pred_probs: Any = None,
-    journal: str | os.PathLike[str] = "labels.journal.jsonl",
-    backend: str | None = None,
-) -> None:
+def add_feature_tabs(dbg: Any, ctx: TabContext) -> None:
     """Add the tabs that the given data allow (see each panel's ``FEATURE_TAB``).
 
     * Checks: always (the health checks of the trace shown, refreshed on re-run);
@@ -95,7 +85,6 @@ def add_feature_tabs(
     * Drift: when a ``reference`` batch is given (the current batch is ``inputs``).
     * Labels: when ``labels`` and ``pred_probs`` are given (the samples are ``inputs``).
     """
-    ctx = TabContext(model, inputs, reference, labels, pred_probs, journal, backend)
     for tab in feature_tabs():
         if tab.applies(ctx):
             tab.build(dbg, ctx)
