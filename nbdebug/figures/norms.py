@@ -181,7 +181,7 @@ def norm_figure(
     fig = go.Figure()
     hovers = [_hover(e) for e in trace.events]
 
-    def points(idx: list[int], **kw: Any) -> go.Scatter:
+    def scatter_of(idx: list[int], **kw: Any) -> go.Scatter:
         return go.Scatter(
             x=[pts.x[i] for i in idx],
             y=[pts.y[i] for i in idx],
@@ -192,10 +192,10 @@ def norm_figure(
         )
 
     for name, idx in groups.items():
-        fig.add_trace(points(idx, name=name, **style[name]))
+        fig.add_trace(scatter_of(idx, name=name, **style[name]))
     bad = [e.index for e in trace.events if not e.stats.finite]
     fig.add_trace(
-        points(
+        scatter_of(
             bad,
             mode="markers",
             marker={"color": RED, "size": 11, "symbol": "x"},
