@@ -125,8 +125,7 @@ def test_a_shortcut_equals_full_drift_for_trees(name):
     assert full.alarm == short.alarm
 
 
-# ---------------------------------------------------------------------------- (b) 2 shifted
-# features
+# ----------------------------------------------------------------- (b) 2 shifted features
 
 
 @pytest.mark.parametrize("name,kind", COMBOS)

@@ -496,8 +496,9 @@ def test_in_place_operations_in_fn():
 
 def test_module_passed_as_bound_forward_runs_on_a_copy():
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
+    x = torch.randn(4, 3, requires_grad=True)
     before = fingerprint(model)
-    res = gradcheck(model.forward, torch.randn(4, 3, requires_grad=True), native_check=False)
+    res = gradcheck(model.forward, x, native_check=False)
     assert res.ok and res.dtype == "float64"
     assert_unchanged(before, model)
 
@@ -601,11 +602,12 @@ def test_module_sweep_bad_input():
             return self.a(x)[:, 10]
 
     boom = Boom().train()
+    x = torch.randn(4, 3)
     before = fingerprint(boom)
     with pytest.raises(
         ValueError, match=r"the model raised IndexError .*Executed modules up to: a\."
     ) as e:
-        gradcheck_modules(boom, torch.randn(4, 3))
+        gradcheck_modules(boom, x)
     assert "\n" not in str(e.value)
     assert_unchanged(before, boom)  # no hook left behind, flags as before
 

@@ -259,8 +259,7 @@ def test_top_k_orders_classes():
     assert cls[1, 0] == 0
 
 
-# --------------------------------------------------------------------------- computing
-# probabilities
+# ----------------------------------------------------------------- computing probabilities
 
 
 def test_out_of_fold_from_sklearn_model_leaves_model_unfitted():
