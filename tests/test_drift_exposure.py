@@ -5,9 +5,10 @@ For each case a few features of the current batch are shifted. For each shifted 
 ``j`` the test measures what the shift alone does to the explained output: the mean
 ``|f(current with j shifted) - f(current)|`` over the current rows, divided by the
 spread (std) of ``f`` over the reference. A feature whose shift moves predictions by at
-least 0.10 of that spread (twice the materiality threshold) must be labelled "input+explanation" (the model acts on it); one
-that moves them by at most 0.02 must be "input only". The cases are built so that every
-shifted feature falls clearly on one side (asserted first).
+least 0.10 of that spread (twice the materiality threshold) must be labelled
+"input+explanation" (the model acts on it); one that moves them by at most 0.02 must be
+"input only". The cases are built so that every shifted feature falls clearly on one side
+(asserted first).
 """
 
 from __future__ import annotations

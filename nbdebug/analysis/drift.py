@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.display import show as show_result
 from . import drift_stats as st
 from .drift_data import prepare_batches
 from .drift_exposure import EXPOSURE_MIN, exposure_table, quadrant
@@ -62,7 +63,10 @@ class ClassifierTest:
     classifier: str
 
     def __repr__(self) -> str:
-        return f"ClassifierTest(auc={self.auc:.3f}, p={self.p_value:.4g}, p_adjusted={self.p_adjusted:.4g})"
+        return (
+            f"ClassifierTest(auc={self.auc:.3f}, p={self.p_value:.4g}, "
+            f"p_adjusted={self.p_adjusted:.4g})"
+        )
 
 
 @dataclass(repr=False)
@@ -197,9 +201,7 @@ class DriftReport:
 
     def show(self, **kwargs: Any) -> Any:
         """The interactive panel (:class:`nbdebug.widgets.drift.DriftPanel`)."""
-        from ..widgets.drift import DriftPanel
-
-        return DriftPanel(self, **kwargs)
+        return show_result(self, **kwargs)
 
     def __repr__(self) -> str:
         d = len(self.feature_names)
@@ -233,7 +235,10 @@ def _headline(feats: pd.DataFrame, *, alarm: bool, shift: float, unit: str) -> s
                 f"No single input drifted, but the batches differ jointly (see the cluster and "
                 f"classifier tests); {moved}."
             )
-        return f"Nothing drifted: no input changed distribution and the model's explanations did not move ({moved})."
+        return (
+            "Nothing drifted: no input changed distribution and the model's explanations "
+            f"did not move ({moved})."
+        )
     head = f"{len(inp)} of {d} inputs drifted" + (f" ({_names(inp, 3)})" if inp else "")
     if acted:
         parts = [f"the model acts on {_names(acted, 3)}"]
@@ -437,7 +442,8 @@ def drift_from_shap(
     ):
         if not np.isfinite(a).all():
             raise ValueError(
-                f"{name} holds {int((~np.isfinite(a)).sum())} NaN/inf values; expected finite numbers."
+                f"{name} holds {int((~np.isfinite(a)).sum())} NaN/inf values; expected "
+                f"finite numbers."
             )
     d = xr.shape[1]
     names = (

@@ -8,9 +8,10 @@ input tests run on every row, and each batch's SHAP values on at most
     m = ceil(ln(2 / delta) / (2 eps^2))
 
 rows (batches of at most :data:`FULL_BATCH_ROWS` rows are explained whole: there SHAP
-is cheap and a subsample would only lose power): by the Dvoretzky-Kiefer-Wolfowitz inequality the empirical distribution of any SHAP
-column on ``m`` rows drawn at random is within ``eps`` (sup-norm of the CDFs) of its
-distribution on the whole batch with probability ``1 - delta``. The default
+is cheap and a subsample would only lose power). By the Dvoretzky-Kiefer-Wolfowitz
+inequality the empirical distribution of any SHAP column on ``m`` rows drawn at random
+is within ``eps`` (sup-norm of the CDFs) of its distribution on the whole batch with
+probability ``1 - delta``. The default
 ``eps = 0.15``, ``delta = 0.05`` gives ``m = 82`` rows per batch. The subsample is
 stratified (proportional allocation) on quantiles of the model's output, computed on all
 rows, so the explained rows' predictions match the batch's, which a random draw of the

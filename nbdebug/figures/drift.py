@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -20,11 +20,14 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from ..core.text import fmt_num
+from .palette import BLUE, LIGHT_GREY, MUTED_TEXT, ORANGE
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
 
-REFERENCE_COLOR = "#1f77b4"
-CURRENT_COLOR = "#ff7f0e"
+REFERENCE_COLOR = BLUE
+CURRENT_COLOR = ORANGE
 REFERENCE_SYMBOL = "circle"
 CURRENT_SYMBOL = "x"
 # quadrant -> (r, g, b)
@@ -58,24 +61,16 @@ def cluster_color(c: int) -> str:
 
 
 TABLE_COLUMNS = {
-    "quadrant": ("quadrant", "{}"),
-    "exposure_share": ("share of prediction shift", "{:.0%}"),
-    "exposure": ("exposure", "{:.3g}"),
-    "exposure_noise": ("noise", "{:.2g}"),
-    "ks": ("KS input", "{:.3f}"),
-    "ks_p_adj": ("p adj input", "{:.2g}"),
-    "wasserstein": ("W / σ", "{:.2f}"),
-    "shap_ks": ("KS SHAP", "{:.3f}"),
-    "shap_importance": ("mean |SHAP|", "{:.3g}"),
+    "quadrant": ("quadrant", ""),
+    "exposure_share": ("share of prediction shift", ".0%"),
+    "exposure": ("exposure", ".3g"),
+    "exposure_noise": ("noise", ".2g"),
+    "ks": ("KS input", ".3f"),
+    "ks_p_adj": ("p adj input", ".2g"),
+    "wasserstein": ("W / σ", ".2f"),
+    "shap_ks": ("KS SHAP", ".3f"),
+    "shap_importance": ("mean |SHAP|", ".3g"),
 }
-
-
-def _cell(v: Any, spec: str) -> str:
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    if isinstance(v, float) and math.isnan(v):
-        return "–"
-    return spec.format(v)
 
 
 def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> str:
@@ -86,7 +81,10 @@ def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> s
     drops text with spaces in JupyterLab)."""
     f = report.features if max_rows is None else report.features.head(max_rows)
     shown = pd.DataFrame(
-        {label: [_cell(v, spec) for v in f[col]] for col, (label, spec) in TABLE_COLUMNS.items()},
+        {
+            label: [fmt_num(v, spec, nan="–") if spec else str(v) for v in f[col]]
+            for col, (label, spec) in TABLE_COLUMNS.items()
+        },
         index=pd.Index([str(i) for i in f.index], name="feature"),
     )
     quad = list(f["quadrant"])
@@ -115,7 +113,7 @@ def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> s
                 {"selector": "", "props": "border-collapse: collapse; font-size: 12px;"},
                 {"selector": "th, td", "props": "padding: 2px 8px; text-align: left;"},
                 {"selector": "caption", "props": "caption-side: top; font-weight: bold;"},
-                {"selector": "thead th", "props": "background-color: #e8e8e8;"},
+                {"selector": "thead th", "props": f"background-color: {LIGHT_GREY};"},
             ]
         )
     )
@@ -133,9 +131,9 @@ def exposure_bars(report: DriftReport, *, top: int = 12) -> go.Figure:
             y=[str(i) for i in f.index],
             orientation="h",
             marker_color=[
-                quadrant_color(q, 0.8) if q != "none" else "#bbbbbb" for q in f["quadrant"]
+                quadrant_color(q, 0.8) if q != "none" else LIGHT_GREY for q in f["quadrant"]
             ],
-            marker_line=dict(color="#555555", width=0.5),
+            marker_line=dict(color=MUTED_TEXT, width=0.5),
             text=[f"{v:.0%}" for v in f["exposure_share"]],
             textposition="outside",
             customdata=np.c_[f["exposure"].to_numpy(), f["exposure_noise"].to_numpy()],
@@ -162,7 +160,8 @@ def _index(report: DriftReport, feature: str) -> int:
         return report.feature_names.index(feature)
     except ValueError:
         raise ValueError(
-            f"unknown feature {feature!r}; expected one of the report's {len(report.feature_names)} "
+            f"unknown feature {feature!r}; expected one of the report's "
+            f"{len(report.feature_names)} "
             f"features, e.g. {report.feature_names[:3]}."
         ) from None
 
@@ -172,7 +171,8 @@ def overlay_titles(report: DriftReport, feature: str) -> tuple[str, str]:
     row = report.features.loc[feature]
     return (
         f"`{feature}` input<br>KS {row['ks']:.2f}, p adj {row['ks_p_adj']:.2g}",
-        f"`{feature}` SHAP<br>exposure {row['exposure']:.3g} ({row['exposure_share']:.0%} of shift)",
+        f"`{feature}` SHAP<br>exposure {row['exposure']:.3g} "
+        f"({row['exposure_share']:.0%} of shift)",
     )
 
 

@@ -4,8 +4,9 @@ Layout: the headline (what changed, does the model care) with the alarm and the 
 the exposure bars (each feature's share of the prediction shift), the feature table sorted
 by drift with quadrants coloured (HTML, so it renders in every front end), a feature
 selector driving the raw / SHAP overlay, the PCA map of SHAP space and the cluster share
-bars (stacked, full width: nothing is clipped). Wiring only: every number comes from the report, every figure from
-:mod:`nbdebug.figures.drift` through :class:`~nbdebug.widgets.plot.PlotView`.
+bars (stacked, full width: nothing is clipped). Wiring only: every number comes from the
+report, every figure from :mod:`nbdebug.figures.drift` through
+:class:`~nbdebug.widgets.plot.PlotView`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 
 from ..figures import drift as figs
+from ..figures.palette import GREEN, RED
 from .plot import PlotView
+from .tabs import FeatureTab, TabContext, as_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
@@ -47,7 +50,8 @@ class DriftPanel:
 
         if not isinstance(report, DriftReport):
             raise TypeError(
-                f"DriftPanel needs a DriftReport (from nbdebug.drift); got {type(report).__qualname__}."
+                f"DriftPanel needs a DriftReport (from nbdebug.drift); got "
+                f"{type(report).__qualname__}."
             )
         self.report = report
         order = [str(f) for f in report.features.index]
@@ -81,7 +85,7 @@ class DriftPanel:
 
     def _summary_html(self) -> str:
         r = self.report
-        color = "#d62728" if r.alarm else "#2ca02c"
+        color = RED if r.alarm else GREEN
         badge = "DRIFT" if r.alarm else "no drift"
         rest = (
             r.summary[len(r.headline) :].strip() if r.summary.startswith(r.headline) else r.summary
@@ -114,4 +118,25 @@ class DriftPanel:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def __repr__(self) -> str:
-        return f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, features={len(self.report.feature_names)})"
+        return (
+            f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, "
+            f"features={len(self.report.feature_names)})"
+        )
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Drift tab: the reference batch against the debugger's current batch."""
+    if ctx.model is None or ctx.inputs is None:
+        raise TypeError(
+            "reference= needs the model and its current batch "
+            "(debug(model, inputs, reference=...))."
+        )
+    from ..analysis.drift import drift
+
+    report = drift(ctx.model, ctx.reference, as_table(ctx.inputs))
+    dbg.add_tab("Drift", DriftPanel(report, backend=ctx.backend))
+
+
+FEATURE_TAB = FeatureTab(
+    "Drift", applies=lambda ctx: ctx.reference is not None, build=build_tab, order=30
+)
