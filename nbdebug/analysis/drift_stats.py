@@ -315,8 +315,8 @@ def most_shifted_clustering(
     chunk = max(1, min(n_permutations, 500_000 // max(n, 1)))
     while done < n_permutations:
         c = min(chunk, n_permutations - done)
-        perms = np.stack([rng.permutation(n)[:n_cur] for _ in range(c)])
-        counts = {k: np.stack([np.bincount(cands[k][r], minlength=k) for r in perms]) for k in ks}
+        perms = rng.permuted(np.broadcast_to(np.arange(n), (c, n)), axis=1)[:, :n_cur]
+        counts = {k: _row_counts(cands[k][perms], k) for k in ks}
         hits += int((min_p(counts) <= observed * (1 + 1e-9)).sum())
         done += c
     best_k = min(ks, key=lambda k: (p_each[k], k))
@@ -365,6 +365,13 @@ def _chi2_statistic(counts_current: np.ndarray, col: np.ndarray, n_cur: int, n: 
     return np.where(col > 0, t, 0.0).sum(axis=-1)
 
 
+def _row_counts(labels_rows: np.ndarray, k: int) -> np.ndarray:
+    """Cluster counts of each row of an int ``(c, m)`` array of labels: ``(c, k)``."""
+    c = labels_rows.shape[0]
+    flat = (np.arange(c)[:, None] * k + labels_rows).ravel()
+    return np.bincount(flat, minlength=c * k).reshape(c, k)
+
+
 def share_permutation_p(
     labels: np.ndarray, is_current: np.ndarray, k: int, n_permutations: int, random_state: int
 ) -> tuple[float, float]:
@@ -386,7 +393,7 @@ def share_permutation_p(
     while done < n_permutations:
         c = min(chunk, n_permutations - done)
         perm = rng.permuted(np.broadcast_to(labels, (c, n)), axis=1)[:, :n_cur]
-        counts = np.stack([np.bincount(r, minlength=k) for r in perm])
+        counts = _row_counts(perm, k)
         hits += int((_chi2_statistic(counts, col, n_cur, n) >= observed - 1e-9).sum())
         done += c
     return observed, (1 + hits) / (1 + n_permutations)
