@@ -18,11 +18,10 @@ stratified subsample of large ones, sized by the sampling error it allows
 
 The report's tests form four families: a KS test per input column, a KS test per SHAP
 column, the permutation test of cluster shares and the classifier two-sample test. They are
-corrected in two levels (Benjamini and Bogomolov, 2014): Bonferroni across the families on
-their global (Simes / Bonferroni) p-values, then, within the families that drifted,
-Benjamini-Hochberg by default or Bonferroni on request. ``alarm`` (some family drifted)
-fires at rate ``alpha`` or less when nothing drifted, whatever the dependence between the
-families, every flagged feature lies in a drifted
+corrected in two levels (Benjamini and Bogomolov, 2014; Benjamini-Hochberg by default,
+Bonferroni on request): across the families on their global (Simes / Bonferroni)
+p-values, then within the families that drifted. ``alarm`` (some family drifted) fires at
+rate ``alpha`` or less when nothing drifted (``benchmarks/bench_drift.py calibration``), every flagged feature lies in a drifted
 family, and the two multivariate tests are not drowned by the ``2 d`` per-feature tests.
 
 Choose a reference the model was *not* trained on (a validation split): SHAP values on
@@ -323,8 +322,8 @@ def _summary(
     )
     s.append(
         f"Tests: four families (a KS test per input column, a KS test per SHAP column, the "
-        f"permutation test of cluster shares, the classifier test), Bonferroni across families "
-        f"and then {correction} within the drifted ones (Benjamini-Bogomolov); exposure is "
+        f"permutation test of cluster shares, the classifier test), {correction} across families "
+        f"and then within the drifted ones (Benjamini-Bogomolov); exposure is "
         f"material from "
         f"{EXPOSURE_MIN:.0%} of the output's spread. SHAP: {explainer} on {output}; "
         f"{n_ref} reference vs {n_cur} current rows; {sampled}."
@@ -739,8 +738,8 @@ def drift(
     alpha : float
         Level of the tests, after correction.
     correction : {"fdr", "bonferroni"}
-        Benjamini-Hochberg (default) or Bonferroni within the test families that drifted
-        (across the four families: Bonferroni; see the module docstring).
+        Benjamini-Hochberg (default) or Bonferroni, applied across the four test families
+        and within the drifted ones (see the module docstring).
     random_state : int
         Seeds the subsample, the background, the clustering, the folds and the permutations.
     output : "auto", "predicted" or int

@@ -114,11 +114,10 @@ def hierarchical(
     1. Each family's p-values are corrected within the family (``method``); the smallest
        corrected value is the family's global p-value (Simes' test for BH, Bonferroni's
        for Bonferroni).
-    2. The families' global p-values are corrected across families by Bonferroni (the
-       families test the same rows, inputs and their SHAP values, so no independence is
-       assumed between them); the ``R`` families at or below ``alpha`` have drifted.
-       ``alarm = R > 0``: under no drift at all this fires with probability at most
-       ``alpha``, whatever the dependence between the families.
+    2. The families' global p-values are corrected across families (``method``); the ``R``
+       families at or below ``alpha`` have drifted. ``alarm = R > 0``: under no drift at
+       all this fires with probability at most ``alpha`` (for Benjamini-Hochberg, when the
+       families' p-values are positively dependent, as inputs and their SHAP values are).
     3. Inside the drifted families, a test is flagged when its within-family corrected
        p-value, scaled by ``m / R`` (``m`` families), is at or below ``alpha``; that scaled
        value is what is returned, so "adjusted p <= alpha" reads the same everywhere and
@@ -141,7 +140,7 @@ def hierarchical(
         [np.nanmin(w) if np.isfinite(w).any() else np.nan for w in within.values()],
         dtype=np.float64,
     )
-    top = correct(glob, "bonferroni")
+    top = correct(glob, method)
     m = int(np.isfinite(glob).sum())
     drifted = np.where(np.isfinite(top), top <= alpha, False)
     r = int(drifted.sum())
