@@ -21,7 +21,8 @@ column, the permutation test of cluster shares and the classifier two-sample tes
 corrected in two levels (Benjamini and Bogomolov, 2014; Benjamini-Hochberg by default,
 Bonferroni on request): across the families on their global (Simes / Bonferroni)
 p-values, then within the families that drifted. ``alarm`` (some family drifted) fires at
-rate ``alpha`` or less when nothing drifted (``benchmarks/bench_drift.py calibration``), every flagged feature lies in a drifted
+rate ``alpha`` or less when nothing drifted (``benchmarks/bench_drift.py calibration``),
+every flagged feature lies in a drifted
 family, and the two multivariate tests are not drowned by the ``2 d`` per-feature tests.
 
 Choose a reference the model was *not* trained on (a validation split): SHAP values on
