@@ -39,6 +39,8 @@ _EXPORTS: dict[str, str] = {
     "Finding": "nbdebug.analysis.checks",
     "drift": "nbdebug.analysis.drift",
     "DriftReport": "nbdebug.analysis.drift",
+    "diagnose": "nbdebug.analysis.diagnose",
+    "Diagnosis": "nbdebug.analysis.diagnose",
     "find_label_issues": "nbdebug.analysis.labels",
     "LabelCleaner": "nbdebug.widgets.labels",
     "debug": "nbdebug.widgets.app",
