@@ -32,6 +32,7 @@ SECTIONS: dict[str, str] = {
     "nbdebug.analysis.checks": "Health checks",
     "nbdebug.analysis.gradcheck": "Gradient checks",
     "nbdebug.analysis.drift": "SHAP drift",
+    "nbdebug.analysis.diagnose": "Verified fixes",
     "nbdebug.analysis.labels": "Label noise",
     "nbdebug.widgets.labels": "Label noise",
     "nbdebug.widgets.app": "The debugger and the notebook extension",

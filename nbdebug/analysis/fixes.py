@@ -220,6 +220,7 @@ _FAMILIES = {
     "div": "div",
     "truediv": "div",
     "rtruediv": "div",
+    "rdiv": "div",
     "true_divide": "div",
     "divide": "div",
     "div_": "div",
@@ -330,7 +331,7 @@ class RewriteMode(TorchFunctionMode):
         if fam == "div":
             if kwargs.get("rounding_mode") is not None:
                 return func(*args, **kwargs)
-            pos = 0 if name in ("__rtruediv__", "reciprocal", "reciprocal_") else 1
+            pos = 0 if name in ("__rtruediv__", "__rdiv__", "reciprocal", "reciprocal_") else 1
             if name in ("reciprocal", "reciprocal_"):
                 d = args[0]
                 if isinstance(d, torch.Tensor) and d.is_floating_point():
