@@ -431,3 +431,43 @@ def test_apply_changes_nothing_outside_the_block() -> None:
             assert torch.isfinite(out).all()
         assert r.inputs.shape[0] == 4
         assert_untouched(before, model, opt)
+
+
+# ---------------------------------------------------------------------- command line
+def test_cli_diagnose_prints_the_table_and_writes_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nbdebug.cli import main
+
+    kw = CASES[0].build(tmp_path)
+    path = kw["source"]
+    before = path.read_bytes()
+    out_html = tmp_path / "report.html"
+    argv = [
+        "diagnose",
+        str(path),
+        "--model",
+        "diagnose_scenarios:NormNet",
+        "--loss",
+        "torch.nn.functional:cross_entropy",
+        "-o",
+        str(out_html),
+    ]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith("nbdebug diagnose: step 6\n")
+    assert "cause: norm (Normalize) produces" in out
+    lines = out.splitlines()
+    header = next(
+        i for i, line in enumerate(lines) if line.split()[:3] == ["rank", "kind", "module"]
+    )
+    assert lines[header + 1].split()[:5] == ["1", "epsilon", "norm", "-", "True"]
+    page = out_html.read_text()
+    assert "Verified fixes" in page and "<b>Cause:</b>" in page
+    assert "/ (sd + 1e-06)" in page  # the snippet to paste
+    assert path.read_bytes() == before
+    # without a model: one line, status 2
+    assert main(["diagnose", str(path)]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("nbdebug: error: ") and len(err.strip().splitlines()) == 1

@@ -18,7 +18,6 @@ The algorithm:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -339,9 +338,7 @@ class Workbench:
         self.rng = rng if rng is not None else RngState.capture()
         self.params = unique_parameters(self.model)
         self._saved_params = [p.detach().clone() for p in self.params]
-        self._opt_state = (
-            copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        )
+        self._opt_saved = _OptimizerState.capture(self.optimizer)
         for p in self.params:
             p.grad = None
         self.rng.restore()
@@ -355,8 +352,8 @@ class Workbench:
                 else:
                     p.copy_(saved)
         self._state.restore()  # buffers, RNG, grads (None), requires_grad, train flags
-        if self.optimizer is not None and self._opt_state is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(self._opt_state))
+        if self._opt_saved is not None:
+            self._opt_saved.restore()
 
     def replay(self) -> Replay:
         return Replay(
@@ -401,9 +398,6 @@ class Workbench:
                             out.update = bool(out.update and step_out.update)
         except Exception as e:
             out.error = f"{type(e).__name__}: {_first_line(e)}"
-        finally:
-            with contextlib.suppress(Exception):  # the copies are ours; never mask the row
-                self.reset()
         out.seconds = time.perf_counter() - t0
         return out
 
@@ -438,6 +432,62 @@ class Workbench:
         finally:
             self.reset()
         return found
+
+
+_PLAIN = (int, float, bool, str, type(None), tuple)
+
+
+@dataclass
+class _OptimizerState:
+    """The optimizer's state and hyper-parameters, put back in place (no new tensors
+    unless a shape or dtype changed) before each replay."""
+
+    optimizer: Any
+    state: list[tuple[Any, dict[str, Any]]]
+    groups: list[dict[str, Any]]
+
+    @classmethod
+    def capture(cls, opt: Any) -> _OptimizerState | None:
+        if opt is None:
+            return None
+        state = [(p, {k: _keep(v) for k, v in st.items()}) for p, st in opt.state.items()]
+        groups = [{k: _keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return cls(opt, state, groups)
+
+    def restore(self) -> None:
+        opt = self.optimizer
+        saved = dict(self.state)
+        for p in [p for p in opt.state if p not in saved]:
+            del opt.state[p]
+        with torch.no_grad():
+            for p, st0 in self.state:
+                st = opt.state[p]
+                for k in [k for k in st if k not in st0]:
+                    del st[k]
+                for k, v in st0.items():
+                    st[k] = _put(st.get(k), v)
+            for g, g0 in zip(opt.param_groups, self.groups):
+                for k, v in g0.items():
+                    g[k] = _put(g.get(k), v)
+
+
+def _keep(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return v if isinstance(v, _PLAIN) else copy.deepcopy(v)
+
+
+def _put(cur: Any, saved: Any) -> Any:
+    if isinstance(saved, torch.Tensor):
+        if (
+            isinstance(cur, torch.Tensor)
+            and cur.shape == saved.shape
+            and cur.dtype == saved.dtype
+            and cur.device == saved.device
+        ):
+            return cur.copy_(saved)
+        return saved.clone()
+    return saved if isinstance(saved, _PLAIN) else copy.deepcopy(saved)
 
 
 class _ProbeMode(torch.overrides.TorchFunctionMode):
@@ -498,10 +548,21 @@ def _first_line(e: BaseException) -> str:
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of many tensors, one host read; NaN when one holds a NaN, inf when one
+    holds an Inf (a float32 sum that merely overflows is measured again in float64)."""
     if not tensors:
         return 0.0
-    norms = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors]
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
+    ts = [t.detach() for t in tensors]
+    norms: Sequence[torch.Tensor]
+    try:
+        norms = torch._foreach_norm([t.float() if t.element_size() < 4 else t for t in ts])
+    except (RuntimeError, TypeError):
+        norms = [torch.linalg.vector_norm(t.float()) for t in ts]
+    total = float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
+    if math.isinf(total):
+        per = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in ts]
+        total = float(torch.linalg.vector_norm(torch.stack(per)))
+    return total
 
 
 def _scale_lr(opt: Any, factor: float) -> None:
