@@ -962,7 +962,13 @@ def diagnose(
             notes.append(f"the trace of the step raised: {e}")
         ref = _reference(src.history)
         plain_fix = NotReproducible()
+        first = bench.run(plain_fix)  # also warms up (an optimizer's first step is slow)
         plain = bench.run(plain_fix)
+        if first.finite != plain.finite or first.loss != plain.loss and plain.loss == plain.loss:
+            notes.append(
+                "two identical replays of the step disagree (loss "
+                f"{_num(first.loss)} vs {_num(plain.loss)}): the step is not deterministic."
+            )
         ctx = _menu_context(tr, bench, src, ref)
         candidates: list[Fix] = []
         if chosen_kinds is None or chosen_kinds:
