@@ -471,3 +471,43 @@ def test_cli_diagnose_prints_the_table_and_writes_the_report(
     assert main(["diagnose", str(path)]) == 2
     _, err = capsys.readouterr()
     assert err.startswith("nbdebug: error: ") and len(err.strip().splitlines()) == 1
+
+
+class _FiniteButFar(DropRowsFix):
+    """Drops the row, and scales the logits by 1e4: finite, but far from the history."""
+
+    kind = "custom"
+    locality = -1.0  # claims to be the most local change there is
+
+    def __init__(self) -> None:
+        super().__init__([3])
+
+    @contextmanager
+    def apply(self, replay: Replay):
+        with super().apply(replay), torch.no_grad():
+            replay.model.fc.weight.mul_(1e4)  # the copy's weights (reset before each replay)
+            yield
+
+    def describe(self) -> str:
+        return "logits x1e4"
+
+
+def test_a_finite_fix_far_from_the_history_ranks_after_close_ones() -> None:
+    model, x, y, opt = _live_norm()
+    history = [{"step": i, "loss": 1.1, "grad_norm": 0.7} for i in range(10)]
+    d = nbdebug.diagnose(
+        model,
+        x,
+        y,
+        F.cross_entropy,
+        optimizer=opt,
+        history=history,
+        fixes=[_FiniteButFar(), "drop_rows"],
+        progress=False,
+    )
+    df = d.to_frame()
+    assert d.reference == {"loss": 1.1, "grad_norm": 0.7}
+    far = df[df["change"] == "logits x1e4"].iloc[0]
+    assert bool(far["finite"]) and far["rank"] == 2
+    assert "far from the healthy history" in far["note"]
+    assert d.cause.kind == "drop_rows"

@@ -1126,11 +1126,28 @@ def _deviation(o: StepOutcome, ref: dict[str, Any]) -> float:
     return d
 
 
+FAR = 100.0  # a finite fix whose loss or gradient norm is this many times off the history
+
+
+def far_from_history(o: StepOutcome, ref: dict[str, Any]) -> str:
+    """Why a finite replay is far from the healthy history ("loss 952 vs 0.067"), or ""."""
+    for key, label, v in (("loss", "loss", o.loss), ("grad_norm", "gradient norm", o.grad_norm)):
+        r = ref.get(key)
+        if r is None or v is None or not math.isfinite(v):
+            continue
+        if abs(v - r) > (FAR - 1.0) * (abs(r) + 1e-12):
+            return f"finite, but far from the healthy history: {label} {_num(v)} vs {_num(r)}"
+    return ""
+
+
 def _rank(
     results: list[FixResult], ref: dict[str, Any], plain: StepOutcome, ctx: MenuContext
 ) -> None:
     for r in results:
         r.deviation = _deviation(r.outcome, ref) if r.finite else None
+        far = far_from_history(r.outcome, ref) if r.finite else ""
+        if far:
+            r.note = "; ".join(x for x in (r.note, far) if x)
 
     def key(item: tuple[int, FixResult]) -> tuple[Any, ...]:
         i, r = item
@@ -1142,7 +1159,8 @@ def _rank(
         if kind == "weights_corrupted":
             return (1, 0.0, 0.0, i)
         if r.finite:
-            return (2, loc, r.deviation or 0.0, i)
+            # more than FAR times off the history: after the fixes that stay close to it
+            return (2 + 0.5 * bool(far_from_history(r.outcome, ref)), loc, r.deviation or 0.0, i)
         if not r.applies or r.outcome.skipped:
             return (5, loc, 0.0, i)
         if r.outcome.error:
