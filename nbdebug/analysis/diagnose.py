@@ -964,7 +964,10 @@ def diagnose(
         plain_fix = NotReproducible()
         first = bench.run(plain_fix)  # also warms up (an optimizer's first step is slow)
         plain = bench.run(plain_fix)
-        if first.finite != plain.finite or first.loss != plain.loss and plain.loss == plain.loss:
+        same_loss = first.loss == plain.loss or (
+            first.loss != first.loss and plain.loss != plain.loss
+        )
+        if first.finite != plain.finite or not same_loss:
             notes.append(
                 "two identical replays of the step disagree (loss "
                 f"{_num(first.loss)} vs {_num(plain.loss)}): the step is not deterministic."
