@@ -511,3 +511,17 @@ def test_a_finite_fix_far_from_the_history_ranks_after_close_ones() -> None:
     assert bool(far["finite"]) and far["rank"] == 2
     assert "far from the healthy history" in far["note"]
     assert d.cause.kind == "drop_rows"
+
+
+def test_a_corrupted_buffer_is_weights_corrupted() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).eval()
+    with torch.no_grad():
+        model[1].running_var[2] = float("nan")
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    before = fingerprint(model)
+    d = nbdebug.diagnose(model, x, y, F.cross_entropy, progress=False)
+    assert_untouched(before, model)
+    assert d.cause.kind == "weights_corrupted" and d.cause.module == "1" and not d.cause.finite
+    assert "1.running_var" in d.cause.statement
+    assert "no replay of this step can fix it" in d.cause.statement

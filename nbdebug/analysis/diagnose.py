@@ -1037,17 +1037,10 @@ def _menu_context(
         sc = src.scaler_state.get("scale")
         ctx.scaler_scale = float(sc) if isinstance(sc, (int, float, torch.Tensor)) else None
     ctx.grad_norm_ref = ref.get("grad_norm")
+    ctx.corrupted = _nonfinite_state(bench)
+    if ctx.corrupted:
+        ctx.earlier = _earlier_step(src.history, src.step)
     if tr is not None:
-        ctx.corrupted = sorted(p.name for p in tr.params if p.n_nan or p.n_inf)
-        if (
-            not ctx.corrupted
-            and tr.origin is not None
-            and tr.origin.param
-            and "already held" in (tr.origin.note or "")
-        ):
-            ctx.corrupted = [tr.origin.param]
-        if ctx.corrupted:
-            ctx.earlier = _earlier_step(src.history, src.step)
         o = tr.origin
         if o is not None and o.phase in ("forward", "loss", "backward"):
             module = None if o.phase == "loss" else o.module
@@ -1055,6 +1048,20 @@ def _menu_context(
             for fam, s, filename in bench.probe(module, families):
                 ctx.probed.append((module, fam, s, filename))
     return ctx
+
+
+def _nonfinite_state(bench: Workbench) -> list[str]:
+    """Parameters and floating buffers of the step's weights that hold NaN/Inf."""
+    bench.reset()
+    named = [
+        *bench.model.named_parameters(),
+        *((n, b) for n, b in bench.model.named_buffers() if b.is_floating_point()),
+    ]
+    if not named:
+        return []
+    with torch.no_grad():
+        flags = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
+    return [n for (n, _), ok in zip(named, flags) if not ok]
 
 
 def _run_all(
@@ -1073,7 +1080,8 @@ def _run_all(
     try:
         for fix in bar:
             try:
-                ok = bool(fix.applies(tr)) if tr is not None else True
+                applies = getattr(fix, "applies", None)
+                ok = bool(applies(tr)) if callable(applies) and tr is not None else True
             except Exception as e:
                 results.append(
                     FixResult(

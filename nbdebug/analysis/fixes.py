@@ -810,12 +810,12 @@ class ScalerFix(Fix):
         s = replay.scaler
         if s is None:
             raise ValueError("the step has no GradScaler: there is no scale to lower.")
-        old = s.get_scale()
-        s.update(self.scale)
+        old = s.state_dict()
+        s.load_state_dict({**old, "scale": self.scale})
         try:
             yield
         finally:
-            s.update(old)
+            s.load_state_dict(old)
 
     def describe(self) -> str:
         return f"GradScaler with a lower scale ({self.scale:.4g})"
