@@ -101,7 +101,8 @@ def main() -> None:
             ratios[case.name] = cost_ratio(d, args.rounds, clock, rows[0].fix)
             plain_ratios[case.name] = cost_ratio(d, args.rounds, clock, NotReproducible())
             print(
-                f"  {case.name:<55} rank1 {'yes' if ok1 else 'NO ':<3}  top3 {'yes' if ok3 else 'NO '}"
+                f"  {case.name:<55} rank1 {'yes' if ok1 else 'NO ':<3}  "
+                f"top3 {'yes' if ok3 else 'NO '}"
                 f"  top-fix replay {ratios[case.name]:.2f}x, plain replay "
                 f"{plain_ratios[case.name]:.2f}x a plain step; diagnose {seconds[case.name]:.2f} s"
                 f" ({len(rows)} rows)"

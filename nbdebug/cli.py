@@ -5,7 +5,7 @@
     nbdebug inspect snapshots/step-000048213.nbsnap --model mypkg.models:make_model
     nbdebug report  snapshots/step-000048213.nbsnap -o report.html --model mypkg.models:make_model
     nbdebug list    snapshots/
-    nbdebug diagnose snapshots/step-000048213.nbsnap --model mypkg.models:make_model [-o report.html]
+    nbdebug diagnose snapshots/step-000048213.nbsnap --model mypkg.models:make_model -o r.html
 
 ``--model package.module:factory`` names a zero-argument callable (or a class) that builds
 the architecture; the current directory is importable. Without it, ``--trust-recipe``

@@ -279,7 +279,8 @@ class Diagnosis:
         ref = self.reference
         if ref.get("loss") is not None or ref.get("grad_norm") is not None:
             lines.append(
-                f"healthy history: loss {_num(ref.get('loss'))}, grad norm {_num(ref.get('grad_norm'))}"
+                f"healthy history: loss {_num(ref.get('loss'))}, "
+                f"grad norm {_num(ref.get('grad_norm'))}"
             )
         lines.append(self.table())
         lines += [f"note: {n}" for n in self.notes]
@@ -659,7 +660,8 @@ def _resolve(
             model, inputs = inputs, None  # diagnose(path, factory)
         if inputs is not None:
             raise TypeError(
-                "diagnose(path, ...) takes the batch from the snapshot: pass the model as model=, not a batch."
+                "diagnose(path, ...) takes the batch from the snapshot: pass the model as "
+                "model=, not a batch."
             )
         p = Path(source)
         if p.is_dir():
@@ -688,7 +690,8 @@ def _resolve(
             loss_fn = snap.loss_fn()
         if loss_fn is None and snap.target is not None:
             raise SnapshotError(
-                "this snapshot recorded no loss function but has a target: pass diagnose(snapshot, loss_fn=...)."
+                "this snapshot recorded no loss function but has a target: pass "
+                "diagnose(snapshot, loss_fn=...)."
             )
         if optimizer is not None:
             raise TypeError(
@@ -762,7 +765,8 @@ def _resolve(
             notes=notes,
         )
     raise TypeError(
-        "diagnose() expects a Snapshot, a snapshot path (with model=...), or a model and its batch; "
+        "diagnose() expects a Snapshot, a snapshot path (with model=...), or a model and its "
+        "batch; "
         f"got {type(source).__qualname__}."
     )
 
@@ -829,7 +833,10 @@ def _earlier_step(history: list[dict[str, Any]], step: int | None) -> str:
     """Which earlier step to look at when the weights were already corrupted."""
     rows = [h for h in history if step is None or h.get("step") is None or h["step"] < step]
     if not rows:
-        return "the history holds no earlier step: the weights were corrupted before the guard's history began"
+        return (
+            "the history holds no earlier step: the weights were corrupted before the guard's "
+            "history began"
+        )
     bad = next(
         (h for h in rows if not _finite(h.get("param_norm")) and h.get("param_norm") is not None),
         None,
@@ -843,12 +850,14 @@ def _earlier_step(history: list[dict[str, Any]], step: int | None) -> str:
         prev = [h for h in rows if h.get("step") is not None and h["step"] < bad.get("step", 0)]
         at = prev[-1] if prev else bad
         return (
-            f"look at step {at.get('step')}: the weights went bad at or before step {bad.get('step')} "
+            f"look at step {at.get('step')}: the weights went bad at or before step "
+            f"{bad.get('step')} "
             f"(last healthy grad norm {_num(at.get('grad_norm'))}, lr {_num(at.get('lr'))})"
         )
     last = rows[-1]
     return (
-        f"look at step {last.get('step')}, the last step in the history: its update made the weights "
+        f"look at step {last.get('step')}, the last step in the history: its update made the "
+        "weights "
         f"non-finite (grad norm {_num(last.get('grad_norm'))}, lr {_num(last.get('lr'))})"
     )
 
@@ -1200,7 +1209,10 @@ def _origin_text(tr: Trace | None, plain: StepOutcome) -> str:
         if tr.first_nonfinite is not None:
             return f"the first non-finite value is at {tr.first_nonfinite.label}"
         if plain.update is False:
-            return "forward, loss and backward are finite; the optimizer step makes the weights non-finite"
+            return (
+                "forward, loss and backward are finite; the optimizer step makes the weights "
+                "non-finite"
+            )
         return "forward, loss and backward are finite"
     what = "NaN" if o.stats.n_nan else "Inf"
     if o.phase == "input":
@@ -1237,13 +1249,18 @@ def _cause(
     if kind == "not_reproducible" and top.finite:
         if src.recorded_failure:
             s = (
-                f"the step replayed bit for bit is finite, although the run recorded {src.recorded_failure}: "
-                "the failure is not reproducible (non-determinism, a module with state between calls, or hardware)."
+                "the step replayed bit for bit is finite, although the run recorded "
+                f"{src.recorded_failure}: the failure is not reproducible (non-determinism, a "
+                "module with state between calls, or hardware)."
             )
         else:
-            s = "the step is finite end to end when run as it is: there is nothing to fix (or the failure is not reproducible)."
+            s = (
+                "the step is finite end to end when run as it is: there is nothing to fix (or "
+                "the failure is not reproducible)."
+            )
     elif kind == "weights_corrupted":
-        s = f"{top.describe().replace('none possible: ', '')}: no replay of this step can fix it; {top.note or 'look at an earlier step'}."
+        what = top.describe().replace("none possible: ", "")
+        s = f"{what}: no replay of this step can fix it; {top.note or 'look at an earlier step'}."
     elif top.finite:
         others = [
             r

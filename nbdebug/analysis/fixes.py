@@ -583,7 +583,8 @@ class DropRowsFix(Fix):
         return bool(self.rows) and bs is not None and len(self.rows) < bs
 
     def why_not(self, trace: Any) -> str:
-        return f"dropping rows {self.rows} leaves no batch (batch size {getattr(trace, 'batch_size', None)})."
+        bs = getattr(trace, "batch_size", None)
+        return f"dropping rows {self.rows} leaves no batch (batch size {bs})."
 
     @contextmanager
     def apply(self, replay: Replay) -> Iterator[None]:
