@@ -525,3 +525,19 @@ def test_a_corrupted_buffer_is_weights_corrupted() -> None:
     assert d.cause.kind == "weights_corrupted" and d.cause.module == "1" and not d.cause.finite
     assert "1.running_var" in d.cause.statement
     assert "no replay of this step can fix it" in d.cause.statement
+
+
+def test_a_nonfinite_error_names_its_snapshot(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nbdebug.NaNGuard(
+        model, opt, directory=tmp_path, on_nonfinite="raise", loss_fn=F.cross_entropy
+    )
+    x, y = _constant_row()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with pytest.raises(nbdebug.NonFiniteError) as info:
+        guard.check(loss, inputs=x, target=y, step=7)
+    d = nbdebug.diagnose(info.value, model=NormNet, progress=False)
+    assert d.step == 7 and d.cause.kind == "epsilon" and d.cause.rows == [3]

@@ -712,7 +712,7 @@ def _resolve(
             finally:
                 caller.restore()
         device = next((p.device for p in m.parameters()), torch.device("cpu"))
-        hist = list(history) if history is not None else list(snap.history)
+        hist = _history_rows(history) if history is not None else list(snap.history)
         reason = _RECORDED.get(snap.kind) if snap.kind not in ("", "manual") else None
         if reason is not None and snap.step is not None:
             reason += f" at step {snap.step}"
