@@ -270,7 +270,7 @@ def _train_with_hook(
 
 
 # ---------------------------------------------------------------------- the cases
-def _constant_row() -> tuple[Any, Any]:
+def constant_row() -> tuple[Any, Any]:
     x, y = _xy()(99)
     x[3] = 0.7
     return x, y
@@ -415,7 +415,7 @@ CASES = [
         "epsilon",
         "norm",
         [3],
-        _snapshot_case(NormNet, _constant_row(), F.cross_entropy),
+        _snapshot_case(NormNet, constant_row(), F.cross_entropy),
     ),
     Case(
         "float16 overflow in one Linear",

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from diagnose_scenarios import CASES, MLP, Case, NormNet, _constant_row
+from diagnose_scenarios import CASES, MLP, Case, NormNet, constant_row
+from state import assert_unchanged, same_tensor
+from state import fingerprint as state_fingerprint
 from torch import nn
 
 import nbdebug
@@ -32,27 +32,6 @@ from nbdebug.analysis.fixes import (
 
 
 # ---------------------------------------------------------------------- fingerprint
-def _hooks(model: nn.Module) -> list[Any]:
-    out = []
-    for m in model.modules():
-        for attr in (
-            "_forward_hooks",
-            "_forward_pre_hooks",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_pre_hooks_with_kwargs",
-            "_state_dict_hooks",
-        ):
-            d = getattr(m, attr, None)
-            out.append((attr, None if d is None else dict(d)))
-        out.append(("forward", "forward" in m.__dict__))
-    for p in model.parameters():
-        out.append(("p._backward_hooks", p._backward_hooks))
-        out.append(("p._post_acc", getattr(p, "_post_accumulate_grad_hooks", None)))
-    return out
-
-
 def _tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(obj, torch.Tensor):
@@ -69,48 +48,32 @@ def _tensors_of(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def fingerprint(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """tests/state.py's fingerprint (with version counters: not even a write-back), plus
+    the optimizer's state and hyper-parameters and the modules' forward attributes."""
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "model": state_fingerprint(model, versions=True),
         "dtypes": {n: p.dtype for n, p in model.named_parameters()},
-        "ids": {n: id(p) for n, p in model.named_parameters()},
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-        "grads": {
-            n: None if p.grad is None else (id(p.grad), p.grad.clone())
-            for n, p in model.named_parameters()
-        },
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": _hooks(model),
+        "forward": [("forward" in m.__dict__) for m in model.modules()],
         "optimizer": None if optimizer is None else _tensors_of(optimizer.state_dict()),
-        "torch_rng": torch.get_rng_state().clone(),
-        "np_rng": np.random.get_state()[1].copy(),
-        "py_rng": random.getstate(),
     }
 
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
-            and bool(torch.equal(a.isnan(), b.isnan()))
-        )
+        return isinstance(b, torch.Tensor) and same_tensor(a, b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
     return bool(a == b)
 
 
 def assert_untouched(before: dict[str, Any], model: nn.Module, optimizer: Any = None) -> None:
+    assert_unchanged(before["model"], model)
     after = fingerprint(model, optimizer)
-    for key in before:
+    for key in ("dtypes", "forward", "optimizer"):
         assert _same(before[key], after[key]), f"diagnose changed the user's {key}"
 
 
@@ -145,7 +108,7 @@ def test_scenario_ranks_the_right_cause_first(case: Case, tmp_path: Path) -> Non
         assert f"step {earlier}" in c.statement
 
 
-def test_constant_row_diagnosis_reads_as_the_issue_says(tmp_path: Path) -> None:
+def testconstant_row_diagnosis_reads_as_the_issue_says(tmp_path: Path) -> None:
     kw = CASES[0].build(tmp_path)
     for k in ("user_model", "user_optimizer"):
         kw.pop(k)
@@ -223,7 +186,7 @@ class _NeverApplies(Fix):
 def _live_norm() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = NormNet()
-    x, y = _constant_row()
+    x, y = constant_row()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     # some optimizer state and a user's .grad and hook, which must all survive
     F.cross_entropy(model(torch.randn(8, 8)), y).backward()
@@ -274,7 +237,7 @@ def test_live_model_batch_optimizer_untouched_and_menu() -> None:
 def test_snapshot_without_optimizer_state_still_diagnoses(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = NormNet()
-    x, y = _constant_row()
+    x, y = constant_row()
     path = nbdebug.save_snapshot(
         tmp_path / "s.nbsnap", model, x, y, reason="by hand", loss_fn=F.cross_entropy
     )
@@ -287,7 +250,7 @@ def test_snapshot_without_optimizer_state_still_diagnoses(tmp_path: Path) -> Non
 
 def test_a_factory_of_another_architecture_is_one_clear_error(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    x, y = _constant_row()
+    x, y = constant_row()
     path = nbdebug.save_snapshot(tmp_path / "s.nbsnap", NormNet(), x, y, loss_fn=F.cross_entropy)
     with pytest.raises(nbdebug.SnapshotError, match="does not fit the given MLP"):
         nbdebug.diagnose(path, model=MLP, progress=False)
@@ -534,7 +497,7 @@ def test_a_nonfinite_error_names_its_snapshot(tmp_path: Path) -> None:
     guard = nbdebug.NaNGuard(
         model, opt, directory=tmp_path, on_nonfinite="raise", loss_fn=F.cross_entropy
     )
-    x, y = _constant_row()
+    x, y = constant_row()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     with pytest.raises(nbdebug.NonFiniteError) as info:

@@ -41,7 +41,9 @@ from ..core.batch import (
 )
 from ..core.result import Trace, TraceError
 from ..core.snapshot import Snapshot, SnapshotError, list_snapshots, load_snapshot
+from ..core.snapshot_data import to_device
 from ..core.state import PreservedState, RngState, unique_parameters
+from ..core.text import first_line, fmt_num, rows_text
 from ..core.trace import trace as run_trace
 from .fixes import (
     KINDS,
@@ -252,8 +254,8 @@ class Diagnosis:
             max_colwidth=70,
             formatters={
                 "rows": lambda v: ",".join(map(str, v)) if v else "-",
-                "loss": _num,
-                "grad_norm": _num,
+                "loss": fmt_num,
+                "grad_norm": fmt_num,
                 "cost": lambda v: "-" if v is None or v != v else f"{v:.2f}x",
             },
         )
@@ -279,20 +281,12 @@ class Diagnosis:
         ref = self.reference
         if ref.get("loss") is not None or ref.get("grad_norm") is not None:
             lines.append(
-                f"healthy history: loss {_num(ref.get('loss'))}, "
-                f"grad norm {_num(ref.get('grad_norm'))}"
+                f"healthy history: loss {fmt_num(ref.get('loss'))}, "
+                f"grad norm {fmt_num(ref.get('grad_norm'))}"
             )
         lines.append(self.table())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _num(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v) and False):
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
 
 
 def _module_label(module: str | None) -> str:
@@ -398,7 +392,7 @@ class Workbench:
                         if out.update is not None:
                             out.update = bool(out.update and step_out.update)
         except Exception as e:
-            out.error = f"{type(e).__name__}: {_first_line(e)}"
+            out.error = first_line(e, 300)
         out.seconds = time.perf_counter() - t0
         return out
 
@@ -541,11 +535,6 @@ def _detached(obj: Any) -> Any:
         items = [_detached(v) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> float:
@@ -718,8 +707,8 @@ def _resolve(
             reason += f" at step {snap.step}"
         return _Source(
             model=m,
-            inputs=_to_device(snap.inputs, device),
-            target=_to_device(snap.target, device),
+            inputs=to_device(snap.inputs, device),
+            target=to_device(snap.target, device),
             loss_fn=loss_fn,
             optimizer=opt,
             scaler_state=snap.scaler_state if scaler is None else scaler.state_dict(),
@@ -777,17 +766,6 @@ _RECORDED = {
     "weights": "non-finite weights",
     "scale": "a collapsed GradScaler scale",
 }
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        items = [_to_device(v, device) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
 
 
 def _history_rows(history: Any) -> list[dict[str, Any]]:
@@ -852,13 +830,13 @@ def _earlier_step(history: list[dict[str, Any]], step: int | None) -> str:
         return (
             f"look at step {at.get('step')}: the weights went bad at or before step "
             f"{bad.get('step')} "
-            f"(last healthy grad norm {_num(at.get('grad_norm'))}, lr {_num(at.get('lr'))})"
+            f"(last healthy grad norm {fmt_num(at.get('grad_norm'))}, lr {fmt_num(at.get('lr'))})"
         )
     last = rows[-1]
     return (
         f"look at step {last.get('step')}, the last step in the history: its update made the "
         "weights "
-        f"non-finite (grad norm {_num(last.get('grad_norm'))}, lr {_num(last.get('lr'))})"
+        f"non-finite (grad norm {fmt_num(last.get('grad_norm'))}, lr {fmt_num(last.get('lr'))})"
     )
 
 
@@ -979,7 +957,7 @@ def diagnose(
         if first.finite != plain.finite or not same_loss:
             notes.append(
                 "two identical replays of the step disagree (loss "
-                f"{_num(first.loss)} vs {_num(plain.loss)}): the step is not deterministic."
+                f"{fmt_num(first.loss)} vs {fmt_num(plain.loss)}): the step is not deterministic."
             )
         ctx = _menu_context(tr, bench, src, ref)
         candidates: list[Fix] = []
@@ -1156,7 +1134,7 @@ def far_from_history(o: StepOutcome, ref: dict[str, Any]) -> str:
         if r is None or v is None or not math.isfinite(v):
             continue
         if abs(v - r) > (FAR - 1.0) * (abs(r) + 1e-12):
-            return f"finite, but far from the healthy history: {label} {_num(v)} vs {_num(r)}"
+            return f"finite, but far from the healthy history: {label} {fmt_num(v)} vs {fmt_num(r)}"
     return ""
 
 
@@ -1225,12 +1203,7 @@ def _origin_text(tr: Trace | None, plain: StepOutcome) -> str:
         where = f"{o.module or '<model>'}{mt} produces {what} in the {stage} pass"
     op = f" at {o.op}" if o.op else ""
     src = f" ({o.source})" if o.source else ""
-    rows = ""
-    if o.samples:
-        rows = (
-            f", batch row{'s' if len(o.samples) > 1 else ''} {', '.join(map(str, o.samples[:8]))}"
-        )
-        rows += " ..." if len(o.samples) > 8 else ""
+    rows = f", batch {rows_text(o.samples)}" if o.samples else ""
     param = f"; parameter {o.param}" if o.param else ""
     return f"{where}{op}{src}{rows}{param}"
 

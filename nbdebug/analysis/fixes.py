@@ -34,6 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..core.batch import named_tensors
+from ..core.text import rows_text
 
 #: The documented fix kinds.
 KINDS = (
@@ -601,8 +602,7 @@ class DropRowsFix(Fix):
             replay.inputs, replay.target = old
 
     def describe(self) -> str:
-        word = "row" if len(self.rows) == 1 else "rows"
-        return f"drop batch {word} {', '.join(map(str, self.rows))}"
+        return f"drop batch {rows_text(self.rows, None)}"
 
     def snippet(self) -> str:
         return (

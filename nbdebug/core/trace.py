@@ -30,11 +30,13 @@ from .batch import (
 )
 from .events import Event, ParamInfo
 from .hooks import HookSet, hookable_modules
+from .norms import fused_norms
 from .origin import Located, OpFinding, locate, replay_backward, replay_forward, replay_loss
 from .recorder import Recorder, clone_structure
 from .result import Trace, TraceError
 from .state import PreservedState, RngState, preserved
 from .stats import finalize_many, quick_is_complete, tensor_stats
+from .text import dtype_name, qualified_name
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -224,7 +226,8 @@ def _trace_error(
             msg = f"{type(e).__name__} in {where} ({mtype}) during the forward pass: {e}.{upto}"
     elif stage == "loss":
         msg = (
-            f"the loss function raised {err} (output {describe(output)}, target {describe(target)})."
+            f"the loss function raised {err} (output {describe(output)}, target "
+            f"{describe(target)})."
             f"{upto}"
         )
     else:
@@ -406,16 +409,16 @@ class _ParamHealth:
         tensors: list[tuple[str, str, torch.Tensor, bool]] = []
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
-                tensors.append((mname, f"{mname}.{pname}" if mname else pname, p, True))
+                tensors.append((mname, qualified_name(mname, pname), p, True))
             for bname, b in m.named_buffers(recurse=False):
                 if b is not None and (b.is_floating_point() or b.is_complex()):
-                    tensors.append((mname, f"{mname}.{bname}" if mname else bname, b, False))
+                    tensors.append((mname, qualified_name(mname, bname), b, False))
         norms: dict[int, float] = {}
         counts: dict[int, tuple[int, int]] = {}
         bad: dict[str, list[str]] = {}
         if not tensors:
             return cls(norms, counts, bad)
-        values = _norms([t.detach() for _, _, t, _ in tensors])
+        values = fused_norms([t.detach() for _, _, t, _ in tensors])
         for (mname, qual, t, _), n in zip(tensors, values):
             norms[id(t)] = float(n)
             if not np.isfinite(n):
@@ -424,24 +427,6 @@ class _ParamHealth:
                 if s.n_nan or s.n_inf:
                     bad.setdefault(mname, []).append(qual)
         return cls(norms, counts, bad)
-
-
-def _norms(tensors: list[torch.Tensor]) -> np.ndarray:
-    """L2 norms of many tensors with one fused kernel per device and one transfer."""
-    out = np.empty(len(tensors))
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for idx in groups.values():
-        ts = [tensors[i] for i in idx]
-        ns: list[torch.Tensor]
-        try:
-            ns = list(torch._foreach_norm(ts))
-        except (RuntimeError, TypeError):
-            ns = [torch.linalg.vector_norm(t.double()) for t in ts]
-        host = torch.stack([n.double() for n in ns]).cpu().numpy()
-        out[idx] = host
-    return out
 
 
 def _result(
@@ -458,7 +443,7 @@ def _result(
     seen: set[int] = set()
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
-            qual = f"{mname}.{pname}" if mname else pname
+            qual = qualified_name(mname, pname)
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -469,7 +454,7 @@ def _result(
                     name=qual,
                     module=mname,
                     shape=tuple(p.shape),
-                    dtype=str(p.dtype).replace("torch.", ""),
+                    dtype=dtype_name(p.dtype),
                     requires_grad=p.requires_grad,
                     norm=health.norms.get(id(p), float("nan")),
                     grad_norm=None if g is None else g.stats.norm,
