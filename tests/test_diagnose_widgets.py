@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from diagnose_scenarios import CASES, NormNet
+from diagnose_scenarios import CASES, NormNet, constant_row
+from state import assert_unchanged, fingerprint
 
 import nbdebug
 from nbdebug.widgets.fixes import FixesPanel
@@ -59,3 +60,51 @@ def test_fixes_panel_bad_arguments() -> None:
         FixesPanel()
     with pytest.raises(TypeError, match="must be an nbdebug Diagnosis"):
         FixesPanel(diagnosis="no")
+
+
+def test_the_debugger_has_a_fixes_tab_whose_try_shows_the_fixed_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = NormNet()
+    x, y = constant_row()
+    before = fingerprint(model, versions=True)
+    dbg = nbdebug.debug(model, x, y, torch.nn.functional.cross_entropy)
+    try:
+        assert "Fixes" in dbg.tabs.titles
+        panel = dbg.panel("Fixes")
+        assert isinstance(panel, FixesPanel) and panel.diagnosis is None  # on request only
+        assert dbg.trace.origin is not None and dbg.trace.origin.module == "norm"
+        panel.button.click()
+        assert panel.diagnosis is not None and panel.diagnosis.cause.kind == "epsilon"
+        panel.tries.children[0].children[0].click()  # try #1
+        assert dbg.trace.healthy and dbg.trace is panel.tried
+        assert dbg.tabs.titles[dbg.tabs.selected_index] == "Step"
+        assert "with fix #1 applied: an epsilon" in dbg.header.value
+        assert dbg.step.cursor.event is not None
+        # re-run goes back to the step as it is
+        dbg.rerun()
+        assert dbg.trace.origin is not None and "with fix" not in dbg.header.value
+    finally:
+        dbg.close()
+    assert_unchanged(before, model)
+
+
+def test_a_snapshot_debugger_diagnoses_the_snapshot(tmp_path: Path) -> None:
+    path = _snapshot(tmp_path)
+    dbg = nbdebug.debug(path, model=NormNet, loss_fn=torch.nn.functional.cross_entropy)
+    try:
+        d = dbg.panel("Fixes").run()
+        assert d.step == 6 and d.cause.kind == "epsilon" and d.cause.module == "norm"
+        assert d.reference["loss"] is not None  # the snapshot's history
+    finally:
+        dbg.close()
+
+
+def test_a_recorded_trace_has_no_fixes_tab() -> None:
+    torch.manual_seed(0)
+    x, y = constant_row()
+    tr = nbdebug.trace(NormNet(), x, y, torch.nn.functional.cross_entropy)
+    dbg = nbdebug.debug(tr)
+    try:
+        assert "Fixes" not in dbg.tabs.titles
+    finally:
+        dbg.close()

@@ -158,6 +158,7 @@ class Debugger:
                 + (f" of step {failing_step}" if failing_step is not None else "")
                 + (f": {reason}" if reason else "")
             )
+        self._label: str | None = None
         self._extra: list[tuple[str, widgets.Widget]] = []
         self._header_extra = ""
         self._panels: dict[str, Any] = {}
@@ -198,8 +199,9 @@ class Debugger:
         self._layout_tabs()
 
     def _render_header(self) -> None:
+        line = " · ".join(x for x in (self._snapshot_line, self._label) if x) or None
         self.header.value = header_html(
-            self.trace, error=self.error, snapshot=self._snapshot_line, extra=self._header_extra
+            self.trace, error=self.error, snapshot=line, extra=self._header_extra
         )
 
     def set_header_extra(self, html_text: str) -> None:
@@ -273,16 +275,26 @@ class Debugger:
         self.rerun_button.disabled = True
         try:
             trace, error = _run(self._source, self.trace.model_name)
-            old = (self.step.widget, self.layers.widget)
-            self.trace, self.error = trace, error
-            self._build_panels()
-            for w in old:
-                close_widgets(w)
         finally:
             self.rerun_button.disabled = False
+        self.show_trace(trace, error=error)
+        return self.trace
+
+    def show_trace(
+        self, trace: Trace, *, error: str | None = None, label: str | None = None
+    ) -> None:
+        """Show ``trace`` in the Step and Layers tabs (e.g. the step with a fix applied,
+        from the Fixes tab), with ``label`` under the header; re-run goes back to the
+        source. The tabs that follow re-runs are refreshed too."""
+        if not isinstance(trace, Trace):
+            raise TypeError(f"show_trace expects an nbdebug Trace; got {type(trace).__qualname__}.")
+        old = (self.step.widget, self.layers.widget)
+        self.trace, self.error, self._label = trace, error, label
+        self._build_panels()
+        for w in old:
+            close_widgets(w)
         for cb in self._callbacks:
             cb(self)
-        return self.trace
 
     def close(self) -> None:
         """Close every widget of the debugger (they stop using kernel memory)."""
@@ -376,7 +388,9 @@ def debug(
         # bad arguments (not a module, empty batch, no loss) raise here, before any widget
         tr, err = _run(source, type(net).__name__)
         dbg = Debugger(tr, error=err, source=source, backend=backend)
-        add_feature_tabs(dbg, replace(tabs, model=net, inputs=inputs))
+        add_feature_tabs(
+            dbg, replace(tabs, model=net, inputs=inputs, target=target, loss_fn=loss_fn)
+        )
         return dbg
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
@@ -405,7 +419,9 @@ def debug(
             reason=reason,
             backend=backend,
         )
-        add_feature_tabs(dbg, replace(tabs, model=snap.model, inputs=snap.inputs))
+        add_feature_tabs(
+            dbg, replace(tabs, model=snap.model, inputs=snap.inputs, loss_fn=loss_fn, snapshot=snap)
+        )
         return dbg
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "

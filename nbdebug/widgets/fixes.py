@@ -20,18 +20,11 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.diagnose import Diagnosis
+from ..analysis.diagnose import Diagnosis, diagnose
 from ..core.result import Trace
 from ..figures.report import diagnosis_table
-
-STYLE = """<style>
-.nbdebug-fixes table.fixes { border-collapse: collapse; font-size: 12px; }
-.nbdebug-fixes table.fixes th, .nbdebug-fixes table.fixes td { padding: 2px 8px; text-align: left;
-  border-bottom: 1px solid #eee; vertical-align: top; }
-.nbdebug-fixes table.fixes pre { margin: 0; font-size: 11px; white-space: pre-wrap; }
-.nbdebug-fixes .bad { color: #d62728; font-weight: 600; }
-.nbdebug-fixes .note { color: #666; font-style: italic; }
-</style>"""
+from .style import STYLE
+from .tabs import FeatureTab, TabContext
 
 
 class FixesPanel:
@@ -178,3 +171,29 @@ class FixesPanel:
         if self.diagnosis is None:
             return "FixesPanel(not diagnosed yet)"
         return f"FixesPanel({len(self.diagnosis.results)} fixes; cause {self.diagnosis.cause.kind})"
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Fixes tab: :func:`nbdebug.diagnose` of the debugger's snapshot (or model and
+    batch) on request; *try* shows the step with that fix in the Step tab."""
+
+    def run() -> Diagnosis:
+        if ctx.snapshot is not None:
+            return diagnose(ctx.snapshot, loss_fn=ctx.loss_fn, progress=False)
+        return diagnose(ctx.model, ctx.inputs, ctx.target, ctx.loss_fn, progress=False)
+
+    def on_try(tr: Trace, row: Any) -> None:
+        dbg.show_trace(tr, label=f"with fix #{row.rank} applied: {row.describe()}")
+        dbg.select_tab("Step")
+
+    dbg.add_tab("Fixes", FixesPanel(run, on_try=on_try))
+
+
+FEATURE_TAB = FeatureTab(
+    "Fixes",
+    applies=lambda ctx: (
+        ctx.model is not None and (ctx.snapshot is not None or ctx.inputs is not None)
+    ),
+    build=build_tab,
+    order=15,
+)
