@@ -57,6 +57,13 @@ from typing import Any
 import torch
 
 from .batch import check_model
+from .distributed import (
+    KIND_BITS,
+    REMOTE_KIND,
+    RankAgreement,
+    local_tensor,
+    unwrap_data_parallel,
+)
 from .snapshot import save_snapshot
 from .snapshot_format import parse_recipe, unique_path
 from .state import RngState, unique_parameters
@@ -199,6 +206,22 @@ class NaNGuard:
         other history rows hold ``None``. Reading all weights is a pass over memory as
         long as the gradient check itself: every 10th step keeps the guard near 1 % of a
         step. ``1``: every step.
+    process_group : torch.distributed.ProcessGroup, None or False
+        Distributed training (see :mod:`nbdebug.core.distributed`): every rank's ``check()``
+        joins one tiny ``all_reduce`` so that all ranks skip a step that any rank found
+        non-finite, and each writes its own snapshot (``step-000000003-rank1.nbsnap``).
+        ``None``: a DDP model's group, else the default group when ``torch.distributed`` is
+        initialised; ``False``: no agreement (this rank decides alone). A DDP/DataParallel
+        wrapper is unwrapped: snapshots hold the inner module's state.
+    check_replicas_every : int or None
+        Distributed: every this many steps compare a fingerprint of every parameter across
+        the ranks (one ``all_gather``); the first that differs is a
+        :class:`~nbdebug.core.distributed.ReplicaMismatch` finding (a warning, the history
+        row's ``"replicas"``, :attr:`replica_findings`). ``None``: off.
+    timeout : float, optional
+        Distributed: seconds every collective of the agreement waits for the other ranks
+        (default 300) before raising :class:`~nbdebug.core.distributed.RankError` naming the
+        rank(s) that did not answer.
 
     Attributes
     ----------
@@ -230,8 +253,14 @@ class NaNGuard:
         max_snapshots: int | None = 20,
         checks: bool | int | dict[str, Any] = False,
         param_norm_every: int = 10,
+        process_group: Any = None,
+        check_replicas_every: int | None = None,
+        timeout: float | None = None,
     ):
-        self.model = check_model(model)
+        wrapper = model
+        self.model = check_model(
+            unwrap_data_parallel(model) if isinstance(model, torch.nn.Module) else model
+        )
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}."
@@ -310,6 +339,18 @@ class NaNGuard:
         self._one_device = len(devices) <= 1
         self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
         self._rng_cuda = self._cuda_rng()
+        self.agreement = RankAgreement.create(
+            wrapper,
+            list(self.model.named_parameters()),
+            process_group,
+            timeout=timeout,
+            check_replicas_every=check_replicas_every,
+        )
+
+    @property
+    def replica_findings(self) -> list[Any]:
+        """The replica check's findings so far (empty when it is off)."""
+        return self.agreement.replica_findings if self.agreement is not None else []
 
     # ------------------------------------------------------------------ checking
     @staticmethod
@@ -412,7 +453,7 @@ class NaNGuard:
                 f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}."
             )
 
-        grads = [g for g in (p.grad for p in self._params) if g is not None]
+        grads = [local_tensor(g) for g in (p.grad for p in self._params) if g is not None]
         if any(g.is_sparse for g in grads):  # nn.Embedding(sparse=True)
             grads = [g.coalesce()._values() if g.is_sparse else g for g in grads]
         scale, scaled = self._scale_info()
@@ -421,7 +462,7 @@ class NaNGuard:
         with torch.no_grad():
             parts = [loss_t, self._norm_total(grads)]
             if measure_params:
-                parts.append(self._norm_total(self._params))
+                parts.append(self._norm_total([local_tensor(p) for p in self._params]))
         if isinstance(scale, torch.Tensor):
             parts.append(scale.detach().reshape(()).to(self._device, torch.float32))
         lr: Any = None
@@ -442,7 +483,7 @@ class NaNGuard:
         if math.isinf(gnorm):
             gnorm = self._exact_norm(grads)
         if pnorm is not None and math.isinf(pnorm):
-            pnorm = self._exact_norm(self._params)
+            pnorm = self._exact_norm([local_tensor(p) for p in self._params])
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
 
@@ -483,6 +524,11 @@ class NaNGuard:
                 f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
             )
 
+        if self.agreement is not None:
+            kind, detail = self._agree(step, kind, detail, row, gnorm, pnorm, scale)
+            if kind is not None and pnorm is None:
+                pnorm = row["param_norm"]
+
         if self.checks:  # health checks every N steps, recorded in row["checks"]
             _health_checks()[1](self, row, failing=kind is not None)
 
@@ -494,6 +540,39 @@ class NaNGuard:
             self.ok = True
             return True
         return self._fail(kind, detail, row, step, loss_v, gnorm, pnorm, scale, inputs, target)
+
+    def _agree(
+        self,
+        step: int,
+        kind: str | None,
+        detail: dict[str, Any],
+        row: dict[str, Any],
+        gnorm: float,
+        pnorm: float | None,
+        scale: Any,
+    ) -> tuple[str | None, dict[str, Any]]:
+        """Combine this rank's verdict with every other rank's (one all-reduce), and run
+        the replica check when it is due."""
+        assert self.agreement is not None
+        agreement = self.agreement.agree(step, KIND_BITS.get(kind, 0) if kind else 0)
+        if self.agreement.due(step):
+            found = self.agreement.compare_replicas(step, list(self.model.named_parameters()))
+            row["replicas"] = found.parameter if found is not None else "equal"
+            if found is not None:
+                import warnings
+
+                warnings.warn(found.message, RuntimeWarning, stacklevel=4)
+        row["rank"] = agreement.rank
+        if not agreement.any_bad:
+            return kind, detail
+        if kind is None:
+            kind = REMOTE_KIND
+            detail = self._diagnose(False, gnorm, pnorm, scale)[1]
+            detail["message_extra"] = agreement.message(step)
+            if row["param_norm"] is None:
+                row["param_norm"] = math.sqrt(sum(v * v for v in detail["param_norms"].values()))
+        detail["distributed"] = agreement.record()
+        return kind, detail
 
     @torch.no_grad()
     def _diagnose(
@@ -513,8 +592,14 @@ class NaNGuard:
 
         weights = {}
         if pnorm is None or not math.isfinite(pnorm):
-            weights = bad_of([(names.get(id(p), "?"), p.detach()) for p in self._params])
-        with_grad = [(names.get(id(p), "?"), p.grad) for p in self._params if p.grad is not None]
+            weights = bad_of(
+                [(names.get(id(p), "?"), local_tensor(p).detach()) for p in self._params]
+            )
+        with_grad = [
+            (names.get(id(p), "?"), local_tensor(p.grad))
+            for p in self._params
+            if p.grad is not None
+        ]
         bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
         grad_norms = {}
         if with_grad:
@@ -534,7 +619,9 @@ class NaNGuard:
                     [names.get(id(p), "?") for p in self._params],
                     torch.stack(
                         torch._foreach_norm(
-                            [p.detach() for p in self._params], 2, dtype=torch.float64
+                            [local_tensor(p).detach() for p in self._params],
+                            2,
+                            dtype=torch.float64,
                         )
                     ).tolist()
                     if self._params
@@ -569,6 +656,8 @@ class NaNGuard:
                 f"non-finite gradients at step {step} with a finite loss ({_fmt(loss)}): "
                 f"{listing(detail['nonfinite_grads'])}"
             )
+        if kind == REMOTE_KIND:
+            return str(detail.get("message_extra", ""))
         return f"GradScaler scale collapsing at step {step}: {detail.get('message_extra', '')}"
 
     def _fail(
@@ -604,8 +693,9 @@ class NaNGuard:
             rng = RngState.capture()
             rng.torch_cpu = self._rng_torch
             rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
+            dist_info = detail.get("distributed")
             path = save_snapshot(
-                unique_path(self.directory, step),
+                unique_path(self.directory, step, rank=dist_info["rank"] if dist_info else None),
                 self.model,
                 inputs,
                 target,

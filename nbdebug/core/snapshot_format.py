@@ -346,17 +346,26 @@ def environment(model: torch.nn.Module | None = None) -> dict[str, Any]:
     return env
 
 
-def snapshot_name(step: int | None) -> str:
-    """File name of the snapshot of ``step``: ``step-000048213.nbsnap``."""
+def snapshot_name(step: int | None, rank: int | None = None) -> str:
+    """File name of the snapshot of ``step``: ``step-000048213.nbsnap``; of one rank of a
+    distributed run: ``step-000048213-rank1.nbsnap``."""
+    tail = f"-rank{rank}{SUFFIX}" if rank is not None else SUFFIX
     if step is None:
-        return "snapshot-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + SUFFIX
-    return f"step-{step:09d}{SUFFIX}" if step >= 0 else f"step-m{-step:09d}{SUFFIX}"
+        return "snapshot-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + tail
+    return f"step-{step:09d}{tail}" if step >= 0 else f"step-m{-step:09d}{tail}"
 
 
-def unique_path(directory: str | os.PathLike[str], step: int | None) -> Path:
-    """A path in ``directory`` for the snapshot of ``step`` that no file holds yet."""
+#: ``...-rankN.nbsnap``: the rank of a distributed run's snapshot file, from its name.
+RANK_NAME = re.compile(r"-rank(\d+)(?:-\d+)?\.nbsnap$")
+
+
+def unique_path(
+    directory: str | os.PathLike[str], step: int | None, *, rank: int | None = None
+) -> Path:
+    """A path in ``directory`` for the snapshot of ``step`` (of ``rank``) that no file
+    holds yet."""
     d = Path(directory)
-    base = d / snapshot_name(step)
+    base = d / snapshot_name(step, rank)
     path, n = base, 1
     while path.exists():
         path = base.with_name(f"{base.stem}-{n}{SUFFIX}")
