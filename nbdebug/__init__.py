@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "DriftReport": "nbdebug.analysis.drift",
     "find_label_issues": "nbdebug.analysis.labels",
     "LabelCleaner": "nbdebug.widgets.labels",
+    "compare_ranks": "nbdebug.analysis.ranks",
+    "RanksReport": "nbdebug.analysis.ranks",
     "debug": "nbdebug.widgets.app",
     "Debugger": "nbdebug.widgets.app",
 }

@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -62,7 +63,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
             "ranks": getattr(e, "ranks", None),
             "traceback": traceback.format_exc(),
         }
-    q.put((rank, out))
+    # plain pickle: tensors travel by value, not as shared memory tied to this process
+    q.put((rank, pickle.dumps(out)))
     q.close()
     q.join_thread()
     os._exit(0)  # no atexit handler waits on a peer that is gone
@@ -88,7 +90,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0
         while len(results) < world and time.monotonic() < deadline:
             try:
                 rank, out = q.get(timeout=0.2)
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             except queue.Empty:
                 if not any(p.is_alive() for p in procs) and q.empty():
                     break

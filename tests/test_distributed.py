@@ -201,3 +201,71 @@ def test_rank_error_pickles():
 
     e = pickle.loads(pickle.dumps(RankError("x", ranks=[1], step=3)))
     assert (str(e), e.ranks, e.step) == ("x", [1], 3)
+
+
+# --------------------------------------------------------------------------- compare_ranks
+
+
+@pytest.mark.timeout(120)
+def test_compare_ranks_replays_each_ranks_batch_and_names_the_culprit(batch_nan_2):
+    directory, _ = batch_nan_2
+    report = nbdebug.compare_ranks(directory, model=h.make_model)
+    assert (report.step, report.world_size, report.missing_ranks) == (3, 2, [])
+    assert report.culprit_ranks == [1] and report.replayed_culprits == [1]
+    assert report.params_agree is True and report.first_differing_param is None
+    r0, r1 = report.rows
+    assert (r0.kind, r0.local_first, r0.culprit, r0.origin_phase) == ("grad", True, False, None)
+    assert r0.where == "finite on replay"  # rank 0's own batch is fine: DDP spread the NaN
+    assert (r1.kind, r1.culprit, r1.origin_phase, r1.origin_rows) == ("loss", True, "input", [2])
+    df = report.to_frame()
+    assert list(df["rank"]) == [0, 1] and list(df["culprit"]) == [False, True]
+    assert df.loc[1, "first_nonfinite"].startswith("input")
+    text = repr(report)
+    assert "culprit rank(s) [1]" in text and "parameters equal on every rank" in text
+    assert "rank 1 *: loss (local)" in text
+
+
+@pytest.mark.timeout(120)
+def test_compare_ranks_without_a_model_reads_the_records(loss_nan_2):
+    directory, _ = loss_nan_2
+    report = nbdebug.compare_ranks(sorted(directory.glob("*.nbsnap")))
+    assert report.culprit_ranks == [1] and report.replayed_culprits == []
+    assert [r.local_first for r in report.rows] == [False, True]
+    assert [r.kind for r in report.rows] == ["rank", "loss"]
+    assert all(r.where == "not replayed" for r in report.rows)
+    assert report.params_agree is True
+
+
+def test_compare_ranks_finds_the_first_differing_parameter(tmp_path):
+    for rank in range(3):
+        model = h.make_model()
+        if rank == 2:
+            with torch.no_grad():
+                model[2].bias += 1.0
+        nbdebug.save_snapshot(
+            tmp_path / f"step-000000005-rank{rank}.nbsnap",
+            model,
+            torch.zeros(2, 8),
+            step=5,
+            reason={"kind": "grad", "message": "x", "distributed": {"rank": rank}},
+        )
+    report = nbdebug.compare_ranks(tmp_path)
+    assert report.params_agree is False and report.first_differing_param == "2.bias"
+    assert [r.params_agree for r in report.rows] == [True, True, False]
+    assert report.rows[2].first_differing_param == "2.bias"
+    assert report.rows[0].local_first is None  # no guard record in these files
+    with pytest.raises(ValueError, match="no snapshot of step 4; the files hold steps"):
+        nbdebug.compare_ranks(tmp_path, step=4)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="holds no per-rank snapshots"):
+        nbdebug.compare_ranks(tmp_path / "other")
+    with pytest.raises(TypeError, match="expects a directory or a non-empty list"):
+        nbdebug.compare_ranks(3)
+    nbdebug.save_snapshot(
+        tmp_path / "step-000000005-rank1-1.nbsnap",
+        h.make_model(),
+        step=5,
+        reason={"kind": "grad", "message": "x", "distributed": {"rank": 1}},
+    )
+    with pytest.raises(ValueError, match="two snapshots of step 5 claim rank 1"):
+        nbdebug.compare_ranks(tmp_path)

@@ -211,25 +211,43 @@ class ReplicaMismatch:
         return f"ReplicaMismatch({self.message})"
 
 
+def replica_differences(
+    names: Sequence[str], prints: Sequence[torch.Tensor]
+) -> list[tuple[str, list[int]]]:
+    """Per parameter whose copies differ: ``(name, ranks)``, the ranks (positions in
+    ``prints``, one ``(n, 2)`` :func:`fingerprint` per rank) whose copy differs from the
+    majority's (ties: from the lowest rank's), in parameter order."""
+    if len(prints) < 2:
+        return []
+    stacked = torch.stack([p.reshape(len(names), 2) for p in prints])  # (ranks, n, 2)
+    differs = (stacked != stacked[:1]).any(dim=2).any(dim=0)
+    out = []
+    for i in differs.nonzero().reshape(-1).tolist():
+        rows = [tuple(stacked[r, i].tolist()) for r in range(len(prints))]
+        counts: dict[tuple[int, ...], int] = {}
+        for v in rows:
+            counts[v] = counts.get(v, 0) + 1
+        majority = max(counts, key=lambda v: (counts[v], -rows.index(v)))
+        out.append((names[i], [r for r, v in enumerate(rows) if v != majority]))
+    return out
+
+
 def first_mismatch(
     step: int, names: Sequence[str], prints: Sequence[torch.Tensor]
 ) -> ReplicaMismatch | None:
     """Compare the ranks' fingerprints (one ``(n, 2)`` tensor per rank, in rank order)."""
-    if len(prints) < 2:
+    diffs = replica_differences(names, prints)
+    if not diffs:
         return None
-    stacked = torch.stack([p.reshape(len(names), 2) for p in prints])  # (ranks, n, 2)
-    differs = (stacked != stacked[:1]).any(dim=2).any(dim=0)
-    bad = differs.nonzero().reshape(-1).tolist()
-    if not bad:
-        return None
-    i = bad[0]
-    rows = [tuple(stacked[r, i].tolist()) for r in range(len(prints))]
-    counts: dict[tuple[int, ...], int] = {}
-    for v in rows:
-        counts[v] = counts.get(v, 0) + 1
-    majority = max(counts, key=lambda v: (counts[v], -rows.index(v)))
-    ranks = [r for r, v in enumerate(rows) if v != majority]
-    return ReplicaMismatch(step=step, parameter=names[i], ranks=ranks, n_differing=len(bad))
+    name, ranks = diffs[0]
+    return ReplicaMismatch(step=step, parameter=name, ranks=ranks, n_differing=len(diffs))
+
+
+def replicated_parameters(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """The parameters every rank holds whole (FSDP2 shards left out)."""
+    return [(n, p) for n, p in named if is_replicated(p)]
 
 
 @dataclass
@@ -262,14 +280,20 @@ class Agreement:
     def culprits(self) -> list[int]:
         return culprit_ranks(self.bits)
 
-    def record(self) -> dict[str, Any]:
-        """What the snapshot stores (plain values)."""
+    def record(self, named: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, Any]:
+        """What the snapshot stores: plain values, and the :func:`fingerprint` of the
+        replicated parameters ``named`` (``fingerprint_names``, an ``(n, 2)`` int64
+        ``fingerprints`` tensor) so that :func:`nbdebug.compare_ranks` compares replicas
+        without their tensors."""
+        pairs = replicated_parameters(named)
         return {
             "rank": self.rank,
             "world_size": self.world_size,
             "local_first": self.local_first,
             "culprit_ranks": self.culprits,
             "rank_kinds": {str(r): kinds_of(b) for r, b in enumerate(self.bits)},
+            "fingerprint_names": [n for n, _ in pairs],
+            "fingerprints": fingerprint([p for _, p in pairs]),
         }
 
     def message(self, step: int) -> str:
@@ -504,7 +528,7 @@ class RankAgreement:
         that differs as a finding (also kept in :attr:`replica_findings`)."""
         import torch.distributed as dist
 
-        pairs = [(n, p) for n, p in named if is_replicated(p)]
+        pairs = replicated_parameters(named)
         mine = fingerprint([p for _, p in pairs]).to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         started = time.monotonic()
@@ -576,6 +600,8 @@ __all__ = [
     "culprit_ranks",
     "fingerprint",
     "first_mismatch",
+    "replica_differences",
+    "replicated_parameters",
     "local_tensor",
     "unwrap_data_parallel",
 ]

@@ -571,7 +571,7 @@ class NaNGuard:
             detail["message_extra"] = agreement.message(step)
             if row["param_norm"] is None:
                 row["param_norm"] = math.sqrt(sum(v * v for v in detail["param_norms"].values()))
-        detail["distributed"] = agreement.record()
+        detail["distributed"] = agreement.record(list(self.model.named_parameters()))
         return kind, detail
 
     @torch.no_grad()
