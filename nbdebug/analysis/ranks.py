@@ -168,9 +168,12 @@ class RanksReport:
         lines = [f"RanksReport({self.summary})"]
         for r in self.rows:
             seen = {True: "local", False: "via agreement", None: "?"}[r.local_first]
-            agree = {True: "params equal", False: f"differs at {r.first_differing_param!r}"}.get(
-                r.params_agree, "params not compared"
-            )
+            if r.params_agree is None:
+                agree = "params not compared"
+            else:
+                agree = (
+                    "params equal" if r.params_agree else f"differs at {r.first_differing_param!r}"
+                )
             mark = " *" if r.culprit else ""
             lines.append(f"  rank {r.rank}{mark}: {r.kind} ({seen}); {r.where}; {agree}")
         return "\n".join(lines)

@@ -600,8 +600,8 @@ __all__ = [
     "culprit_ranks",
     "fingerprint",
     "first_mismatch",
+    "local_tensor",
     "replica_differences",
     "replicated_parameters",
-    "local_tensor",
     "unwrap_data_parallel",
 ]
