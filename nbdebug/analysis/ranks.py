@@ -194,8 +194,9 @@ def _paths(paths_or_directory: Any) -> list[Path]:
             found = sorted(p for p in d.glob(f"*{SUFFIX}") if RANK_NAME.search(p.name))
             if not found:
                 raise ValueError(
-                    f"{d} holds no per-rank snapshots (step-...-rankN{SUFFIX}): a distributed "
-                    "run's NaNGuard writes them."
+                    f"the directory {d} holds no per-rank snapshots (step-...-rankN{SUFFIX}, "
+                    "written by a distributed run's NaNGuard); open one snapshot file instead "
+                    "(nbdebug.list_snapshots lists them)."
                 )
             return found
         if not d.exists():

@@ -310,7 +310,10 @@ def debug(
     ----------
     obj : torch.nn.Module, Snapshot, str or os.PathLike, or Trace
         A model (then ``inputs`` is its batch: a tensor, tuple/list or dict, as for
-        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, or a recorded trace.
+        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, a directory of a
+        distributed run's per-rank snapshots (``step-...-rankN.nbsnap``: a
+        :class:`~nbdebug.widgets.ranks.RanksDebugger` with a rank selector and the
+        :func:`nbdebug.compare_ranks` table in its header), or a recorded trace.
     inputs, target, loss_fn
         As for :func:`nbdebug.trace` (model only; a snapshot takes ``loss_fn`` to override
         the recorded loss function).
@@ -372,6 +375,12 @@ def debug(
             backend=backend,
         )
         return dbg
+    if isinstance(obj, (str, os.PathLike)) and os.path.isdir(obj):
+        from .ranks import RanksDebugger  # a distributed run's per-rank snapshots
+
+        if inputs is not None or target is not None:
+            raise TypeError("debug(directory) takes no inputs or target: the snapshots hold them.")
+        return RanksDebugger(obj, model=model, loss_fn=loss_fn, backend=backend)
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
 
