@@ -16,7 +16,7 @@ import html
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
@@ -27,6 +27,9 @@ from .history import HistoryPanel
 from .layers import LayersPanel
 from .step import STYLE, StepPanel
 from .tabs import add_feature_tabs
+
+if TYPE_CHECKING:
+    from .ranks import RanksDebugger
 
 TraceSource = Callable[[], Trace]
 
@@ -303,7 +306,7 @@ def debug(
     pred_probs: Any = None,
     journal: str | os.PathLike[str] = "labels.journal.jsonl",
     backend: str | None = None,
-) -> Debugger:
+) -> Debugger | RanksDebugger:
     """Open the debugger.
 
     Parameters
@@ -335,8 +338,8 @@ def debug(
 
     Returns
     -------
-    Debugger
-        A model that raises gives a debugger showing the ``TraceError`` message and the
+    Debugger or RanksDebugger
+        A directory gives a :class:`~nbdebug.widgets.ranks.RanksDebugger`. A model that raises gives a debugger showing the ``TraceError`` message and the
         partial trace.
     """
     import torch
