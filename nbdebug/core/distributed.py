@@ -113,10 +113,28 @@ def unwrap_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor`` (FSDP2 parameters and gradients), else ``t``:
     measuring it needs no collective."""
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local) and hasattr(t, "placements"):
-        return to_local()
-    return t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
+    return isinstance(t, torch.Tensor) and hasattr(t, "placements") and hasattr(t, "full_tensor")
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` (a state dict, nested dicts/lists) with every ``DTensor`` replaced by the
+    whole tensor (``full_tensor()``, an all-gather: every rank of the mesh must call this
+    together, on the same structure) on the CPU, so that a snapshot of a sharded model
+    holds the whole model, replayable without a process group."""
+    if is_dtensor(obj):
+        return obj.full_tensor().detach().cpu()
+    if isinstance(obj, dict):
+        return {k: full_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [full_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(full_tensors(v) for v in obj)
+    return obj
 
 
 def is_replicated(t: torch.Tensor) -> bool:
@@ -363,10 +381,18 @@ class RankAgreement:
             return None
         import torch.distributed as dist
 
+        if not dist.is_available():  # a torch built without distributed support
+            if process_group is not None or check_replicas_every is not None:
+                raise RuntimeError(
+                    "process_group= / check_replicas_every= need torch.distributed, which this "
+                    "torch build does not include."
+                )
+            return None
+
         if process_group is None:
             process_group = getattr(model, "process_group", None)  # a DDP wrapper's group
             if process_group is None:
-                if not (dist.is_available() and dist.is_initialized()):
+                if not dist.is_initialized():
                     if check_replicas_every is not None:
                         raise ValueError(
                             "check_replicas_every needs a distributed run: torch.distributed is "
@@ -374,13 +400,13 @@ class RankAgreement:
                         )
                     return None
                 process_group = dist.group.WORLD
-        elif dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        elif process_group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError(
                 f"this process (global rank {dist.get_rank()}) is not a member of the given "
                 "process_group (dist.new_group() returned NON_GROUP_MEMBER here): create the "
                 "guard with the group this rank belongs to, or process_group=False."
             )
-        elif not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        elif not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 "process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD "
                 f"or dist.new_group(...)), None or False; got {type(process_group).__qualname__}."
@@ -600,6 +626,8 @@ __all__ = [
     "culprit_ranks",
     "fingerprint",
     "first_mismatch",
+    "full_tensors",
+    "is_dtensor",
     "local_tensor",
     "replica_differences",
     "replicated_parameters",
