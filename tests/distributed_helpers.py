@@ -135,7 +135,13 @@ def _outcome(guard: Any, model: nn.Module, oks: list[bool]) -> dict[str, Any]:
             {
                 "name": Path(path).name,
                 "kind": snap.kind,
-                "distributed": snap.reason.get("distributed"),
+                "distributed": {
+                    "rank": snap.rank,
+                    "world_size": snap.world_size,
+                    "local_first": snap.local_first,
+                    "culprit_ranks": snap.culprit_ranks,
+                    "rank_kinds": snap.rank_kinds,
+                },
                 "inputs_finite": bool(torch.isfinite(snap.inputs).all()),
             }
         )

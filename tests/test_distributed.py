@@ -71,7 +71,7 @@ def test_nan_in_one_ranks_batch_every_rank_skips_that_step_only(batch_nan_2):
         assert dist["rank"] == r and dist["world_size"] == 2
         assert dist["local_first"] is True
         assert dist["culprit_ranks"] == [1]
-        assert dist["rank_kinds"] == {"0": ["grad"], "1": ["loss"]}
+        assert dist["rank_kinds"] == {"0": ["grad"], "1": ["loss", "grad"]}
     assert values[1]["snapshots"][0]["kind"] == "loss"
     assert values[0]["snapshots"][0]["kind"] == "grad"
     # each rank's snapshot holds its own batch: only rank 1's is not finite
@@ -247,7 +247,8 @@ def test_compare_ranks_finds_the_first_differing_parameter(tmp_path):
             model,
             torch.zeros(2, 8),
             step=5,
-            reason={"kind": "grad", "message": "x", "distributed": {"rank": rank}},
+            reason={"kind": "grad", "message": "x"},
+            rank=rank,
         )
     report = nbdebug.compare_ranks(tmp_path)
     assert report.params_agree is False and report.first_differing_param == "2.bias"
@@ -265,7 +266,8 @@ def test_compare_ranks_finds_the_first_differing_parameter(tmp_path):
         tmp_path / "step-000000005-rank1-1.nbsnap",
         h.make_model(),
         step=5,
-        reason={"kind": "grad", "message": "x", "distributed": {"rank": 1}},
+        reason={"kind": "grad", "message": "x"},
+        rank=1,
     )
     with pytest.raises(ValueError, match="two snapshots of step 5 claim rank 1"):
         nbdebug.compare_ranks(tmp_path)

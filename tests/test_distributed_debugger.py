@@ -21,15 +21,18 @@ def rank_dir(tmp_path):
         x, y = h.batch(rank, 3)
         if rank == 1:
             x[2, 1] = float("nan")
-        record = {"rank": rank, "world_size": 2, "local_first": True, "culprit_ranks": [1]}
         nbdebug.save_snapshot(
             tmp_path / f"step-000000003-rank{rank}.nbsnap",
             h.make_model(),
             x,
             y,
             step=3,
-            reason={"kind": "loss" if rank else "grad", "message": "m", "distributed": record},
+            reason={"kind": "loss" if rank else "grad", "message": "m"},
             loss_fn=F.mse_loss,
+            rank=rank,
+            world_size=2,
+            local_first=True,
+            culprit_ranks=[1],
         )
     return tmp_path
 

@@ -92,10 +92,31 @@ def test_importing_core_loads_no_ui_and_no_pandas() -> None:
 
 
 def test_public_guard_brings_its_health_checks_in_a_fresh_process(tmp_path: Path) -> None:
-    # core never imports analysis; the public name wires the checks in
+    # core never imports analysis; the public name is core's guard that reads checks=True
     code = (
         "import torch, nbdebug; m = torch.nn.Linear(2, 1);"
         f"g = nbdebug.NaNGuard(m, directory={str(tmp_path)!r}, checks=True); print(g.checks)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "GuardChecks(every=50, clip_norm=None)", r.stdout
+
+
+def test_core_guard_runs_the_checks_it_is_given_in_a_fresh_process(tmp_path: Path) -> None:
+    # the core import path with a checks object; importing analysis registers nothing in core
+    code = (
+        "import torch\n"
+        "import nbdebug.core.guard as core\n"
+        "before = {k: v for k, v in vars(core).items() if not k.startswith('__')}\n"
+        "cls = dict(vars(core.NaNGuard))\n"
+        "from nbdebug.analysis.checks_guard import GuardChecks\n"
+        "import nbdebug.analysis.checks\n"
+        "after = {k: v for k, v in vars(core).items() if not k.startswith('__')}\n"
+        "assert before == after and cls == dict(vars(core.NaNGuard)), 'import changed core'\n"
+        "m = torch.nn.Linear(2, 1); m(torch.randn(3, 2)).sum().backward()\n"
+        f"g = core.NaNGuard(m, directory={str(tmp_path)!r}, checks=GuardChecks(every=1))\n"
+        "assert g.check(torch.tensor(1.0))\n"
+        "print(g.history[-1]['checks'], g.checks.calls)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[] 1", r.stdout + r.stderr

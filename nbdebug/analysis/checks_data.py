@@ -15,9 +15,13 @@ from .checks_base import (
     CONSTANT_MIN_ROWS,
     CONSTANT_STD,
     UNSCALED_RANGE,
+    Band,
+    CheckContext,
+    CheckFamily,
     Finding,
     TraceView,
     fmt,
+    position,
     rows_text,
     skipped,
 )
@@ -127,7 +131,7 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
                 "standardisation divides them by a zero std (0/0), and they carry no signal; drop them "
                 "or add an epsilon to the std.",
                 fix="x = (x - mu) / (sigma + 1e-8)",
-                position=0.5,
+                position=position(Band.TRACE, 0.5),  # after the batch, before the model
             )
         )
     if not checked:
@@ -158,7 +162,11 @@ def label_findings(
     name = loss_name(loss_fn)
     binary = "binary_cross_entropy" in name or name in ("bceloss", "bcewithlogitsloss")
     y = target.detach()
-    position = float(view.loss_event) if view is not None and view.loss_event is not None else 1e9
+    at = (
+        position(Band.TRACE, view.loss_event)
+        if view is not None and view.loss_event is not None
+        else position(Band.STEP)
+    )
     if binary:
         if not y.is_floating_point():
             return []
@@ -179,7 +187,7 @@ def label_findings(
                 },
                 "binary cross-entropy targets must lie in [0, 1]: fix the labels of these rows.",
                 rows=rows,
-                position=position,
+                position=at,
             )
         ]
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
@@ -245,7 +253,7 @@ def label_findings(
             "on CUDA triggers a device-side assert): fix the label mapping or the output size.",
             fix=f"assert 0 <= y.min() and y.max() < {n_classes}",
             rows=rows,
-            position=position,
+            position=at,
         )
     ]
 
@@ -280,3 +288,21 @@ def _rows(bad: torch.Tensor) -> list[int]:
     if bad.ndim == 0:
         return [0]
     return torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten().tolist()
+
+
+def _labels(ctx: CheckContext) -> list[Finding]:
+    return label_findings(ctx.view, ctx.inputs, ctx.target, ctx.loss_fn)
+
+
+#: The data checks, for :func:`nbdebug.check` (see :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        ("nonfinite_input", "unscaled_input"),
+        ("trace",),
+        lambda ctx: trace_input_findings(ctx.view),  # type: ignore[arg-type]
+    ),
+    CheckFamily(
+        ("constant_feature",), ("inputs",), lambda ctx: constant_feature_findings(ctx.inputs)
+    ),
+    CheckFamily(("label_out_of_range",), (), _labels),
+)

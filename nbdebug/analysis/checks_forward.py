@@ -18,6 +18,8 @@ from .checks_base import (
     FP16_RISK_FRACTION,
     SATURATION_EPS,
     SATURATION_SHARE,
+    CheckContext,
+    CheckFamily,
     Finding,
     TraceView,
     fmt,
@@ -510,3 +512,32 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _forward(ctx: CheckContext) -> list[Finding]:
+    assert ctx.view is not None
+    return forward_findings(ctx.view, loss_fn=ctx.loss_fn, mixed_precision=ctx.mixed_precision)
+
+
+#: The forward checks, for :func:`nbdebug.check` (see :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        (
+            "log_of_nonpositive",
+            "exp_overflow_risk",
+            "fp16_overflow_risk",
+            "division_by_zero",
+            "nonfinite_origin",
+        ),
+        ("trace",),
+        lambda ctx: origin_findings(ctx.view),  # type: ignore[arg-type]
+    ),
+    CheckFamily(
+        ("nonfinite_weight",), ("trace",), lambda ctx: weight_findings(ctx.trace.params, ctx.view)
+    ),
+    CheckFamily(
+        ("exp_overflow_risk", "fp16_overflow_risk", "dead_relu", "saturated_activation"),
+        ("trace",),
+        _forward,
+    ),
+)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.trace import _norms
+from ..core.norms import fused_norms
 from .checks_base import (
     ADAM_SIGMA,
     CLIP_ALWAYS_SHARE,
@@ -36,8 +36,12 @@ from .checks_base import (
     SCALER_MIN_SCALE,
     SCALER_SKIPS,
     SCALER_WINDOW,
+    Band,
+    CheckContext,
+    CheckFamily,
     Finding,
     fmt,
+    position,
 )
 
 #: A recorded log10 moment series steadier than this (in decades) counts as this steady.
@@ -116,7 +120,7 @@ def adam_moments(params: Sequence[OptimParam]) -> dict[str, list[float]]:
     for p in rows:
         tensors += [_real(p.state["exp_avg"]), _real(p.state["exp_avg_sq"])]
     with torch.no_grad():
-        norms = _norms(tensors)
+        norms = fused_norms(tensors)
     out = {}
     for i, p in enumerate(rows):
         n = max(p.state["exp_avg"].numel(), 1)
@@ -261,7 +265,7 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
                     f"the learning rate jumped {cur / prev:.3g}x at step {steps[k]}: check the scheduler "
                     "(a restart, a wrong step count, scheduler.step() called per batch instead of per epoch).",
                     step=_int(steps[k]),
-                    position=1e12 + k,
+                    position=position(Band.HISTORY, k),
                 )
             )
     # boundaries: where the sign of the change switches; a one-step jump (step decay)
@@ -300,7 +304,7 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
                     ev,
                     advice,
                     step=_int(steps[min(at + 1, len(steps) - 1)]),
-                    position=1e12 + at,
+                    position=position(Band.HISTORY, at),
                 )
             )
             k += 2 if k + 1 < len(sign) and sign[k + 1] != sign[k] else 1
@@ -484,3 +488,33 @@ def _int(v: Any) -> int | None:
         return int(v)
     except (TypeError, ValueError):
         return None
+
+
+def _scaler(ctx: CheckContext) -> list[Finding]:
+    rows = ctx.history or []
+    if ctx.scale is None and not any(r.get("scale") is not None for r in rows):
+        return []
+    return scaler_findings(rows, ctx.scale)
+
+
+#: The optimizer and schedule checks, for :func:`nbdebug.check` (see
+#: :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        ("adam_state_outlier",),
+        ("optimizer",),
+        lambda ctx: adam_findings(ctx.optimizer_params or [], ctx.history or []),
+    ),
+    CheckFamily(
+        ("lr_spike", "lr_schedule_boundary"),
+        ("history",),
+        lambda ctx: lr_findings(ctx.history or []),
+    ),
+    CheckFamily(
+        ("grad_clip_always_on", "grad_clip_never_on"),
+        ("history",),
+        lambda ctx: clip_findings(ctx.history or [], ctx.clip_norm),
+    ),
+    # without a history the current scale is still judged (below SCALER_MIN_SCALE)
+    CheckFamily(("grad_scaler_collapse",), ("history",), _scaler, fallback=_scaler),
+)

@@ -11,7 +11,8 @@ Three methods, all working on out-of-fold predicted probabilities:
 
 The result is a :class:`pandas.DataFrame`, one row per sample, most suspicious first; the
 estimates behind it (confident joint, noise matrix, estimated number of issues next to the
-number flagged) are in ``df.attrs["label_noise"]``, also reachable as ``df.label_issues``.
+number flagged) are in ``df.attrs["label_noise"]``, also reachable as ``df.label_issues``
+(a pandas accessor that the first :func:`find_label_issues` call registers).
 """
 
 from __future__ import annotations
@@ -118,7 +119,6 @@ class LabelNoise:
         )
 
 
-@pd.api.extensions.register_dataframe_accessor("label_issues")
 class _LabelIssuesAccessor:
     """``df.label_issues``: the :class:`LabelNoise` behind a :func:`find_label_issues` frame."""
 
@@ -136,6 +136,13 @@ class _LabelIssuesAccessor:
 
     def __repr__(self) -> str:
         return repr(self._est)
+
+
+def register_accessor() -> None:
+    """Make ``df.label_issues`` available on pandas DataFrames (once; later calls do
+    nothing). :func:`find_label_issues` calls it: importing this module registers nothing."""
+    if not hasattr(pd.DataFrame, "label_issues"):
+        pd.api.extensions.register_dataframe_accessor("label_issues")(_LabelIssuesAccessor)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -240,6 +247,7 @@ def find_label_issues(
         Labels outside ``0..K-1``, lengths that differ, non-finite or negative
         probabilities, an unknown method, missing inputs.
     """
+    register_accessor()  # df.label_issues, on first use (no import-time side effect)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}.")
     if prune not in PRUNE:

@@ -180,9 +180,8 @@ class RanksReport:
 
 
 def _rank_of(snap: Snapshot) -> int | None:
-    rec = snap.reason.get("distributed")
-    if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
-        return int(rec["rank"])
+    if snap.rank is not None:
+        return snap.rank
     m = RANK_NAME.search(snap.path.name) if snap.path is not None else None
     return int(m.group(1)) if m else None
 
@@ -275,22 +274,21 @@ def compare_ranks(
             )
         chosen[r] = s
     ranks = sorted(chosen)
-    records = {r: chosen[r].reason.get("distributed") or {} for r in ranks}
-    world = max([int(rec.get("world_size", 0)) for rec in records.values()] + [ranks[-1] + 1])
-    culprits = sorted({int(c) for rec in records.values() for c in rec.get("culprit_ranks", [])})
+    world = max([chosen[r].world_size or 0 for r in ranks] + [ranks[-1] + 1])
+    culprits = sorted({int(c) for r in ranks for c in chosen[r].culprit_ranks})
 
-    names, prints = _fingerprints([chosen[r] for r in ranks], [records[r] for r in ranks])
+    names, prints = _fingerprints([chosen[r] for r in ranks])
     diffs = replica_differences(names, prints) if names is not None else []
     rows = []
     for i, r in enumerate(ranks):
-        s, rec = chosen[r], records[r]
+        s = chosen[r]
         loss = s.reason.get("loss")
         mine = [name for name, bad in diffs if i in bad]
         row = RankRow(
             rank=r,
             path=Path(s.path) if s.path is not None else Path(),
             kind=s.kind,
-            local_first=rec.get("local_first") if rec else None,
+            local_first=s.local_first,
             culprit=r in culprits,
             loss=float(loss) if isinstance(loss, (int, float)) else None,
             params_agree=None if names is None else not mine,
@@ -311,17 +309,17 @@ def compare_ranks(
     )
 
 
-def _fingerprints(
-    snaps: list[Snapshot], records: list[dict[str, Any]]
-) -> tuple[list[str] | None, list[torch.Tensor]]:
-    """The names and per-rank fingerprints to compare: the guard's recorded ones, else
-    the stored states' floating tensors (buffers included)."""
+def _fingerprints(snaps: list[Snapshot]) -> tuple[list[str] | None, list[torch.Tensor]]:
+    """The names and per-rank fingerprints to compare: the guard's recorded ones (of the
+    replicated parameters), else those of the stored states' floating tensors (buffers
+    included)."""
     if len(snaps) < 2:
         return None, []
-    if all(isinstance(rec.get("fingerprints"), torch.Tensor) for rec in records):
-        names = [list(rec.get("fingerprint_names") or []) for rec in records]
+    recorded = [s.fingerprints for s in snaps]
+    if all(isinstance(f, dict) and isinstance(f.get("values"), torch.Tensor) for f in recorded):
+        names = [list(f["names"]) for f in recorded if f is not None]
         if all(n == names[0] for n in names):
-            return names[0], [rec["fingerprints"] for rec in records]
+            return names[0], [f["values"] for f in recorded if f is not None]
 
     def floating(s: Snapshot) -> list[str]:
         return [k for k, v in s.model_state.items() if v.is_floating_point() or v.is_complex()]

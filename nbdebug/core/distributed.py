@@ -2,10 +2,14 @@
 
 :class:`NaNGuard` builds a :class:`RankAgreement` when ``torch.distributed`` is initialised
 (or ``process_group=`` is given). Its :meth:`RankAgreement.agree` is one tiny
-``all_reduce(MAX)`` per step: each rank writes the kind of non-finite value it saw *locally*
-(a bit set: loss, gradients, weights, scale) and its step number into its own slot of a
+``all_reduce(MAX)`` per step: each rank writes what it read as non-finite *locally* (a bit
+set: loss, gradients, weights) and its step number into its own slot of a
 ``2 * world_size`` float64 tensor, so after the reduction every rank knows every rank's
 verdict, the step of every rank, and skips when any rank saw a non-finite value.
+
+With a GradScaler, inf/NaN gradients under a finite loss stay the scaler's business and are
+not agreed: under DDP every rank's scaler sees the same all-reduced gradients and skips the
+same step (under FSDP2 use ``ShardedGradScaler``, which all-reduces its overflow flag).
 
 The rule for a NaN that appears before versus after DDP's gradient all-reduce
 ------------------------------------------------------------------------------
@@ -54,11 +58,22 @@ from typing import Any
 import torch
 
 #: Bits of the local verdict that each rank contributes to the agreement.
-KIND_BITS: dict[str, int] = {"loss": 1, "grad": 2, "weights": 4, "scale": 8}
+KIND_BITS: dict[str, int] = {"loss": 1, "grad": 2, "weights": 4}
 #: The kind of a step that another rank found non-finite (this rank's values were finite).
 REMOTE_KIND = "rank"
 #: Seconds the agreement waits for the other ranks when the guard is given none.
 DEFAULT_TIMEOUT = 300.0
+
+#: The snapshot fields (rows of :data:`nbdebug.core.snapshot_format.FIELDS`) a rank's
+#: snapshot of a failing step fills from :meth:`Agreement.record`.
+SNAPSHOT_FIELDS = (
+    "rank",
+    "world_size",
+    "local_first",
+    "culprit_ranks",
+    "rank_kinds",
+    "fingerprints",
+)
 
 _SEQUENCE: dict[tuple[int, ...], int] = {}  # guards created per process group in this process
 
@@ -95,7 +110,7 @@ def kinds_of(bits: int) -> list[str]:
 def culprit_ranks(bits: Sequence[int]) -> list[int]:
     """The ranks that caused a bad step, from every rank's verdict bits: those whose loss or
     weights were non-finite (not all-reduced by DDP, so they point at the rank); when there
-    are none, every rank whose gradients (or scale) were non-finite."""
+    are none, every rank whose gradients were non-finite."""
     own = [r for r, b in enumerate(bits) if b & (KIND_BITS["loss"] | KIND_BITS["weights"])]
     return own or [r for r, b in enumerate(bits) if b]
 
@@ -299,10 +314,10 @@ class Agreement:
         return culprit_ranks(self.bits)
 
     def record(self, named: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, Any]:
-        """What the snapshot stores: plain values, and the :func:`fingerprint` of the
-        replicated parameters ``named`` (``fingerprint_names``, an ``(n, 2)`` int64
-        ``fingerprints`` tensor) so that :func:`nbdebug.compare_ranks` compares replicas
-        without their tensors."""
+        """What the snapshot stores (its :data:`SNAPSHOT_FIELDS`): plain values, and the
+        :func:`fingerprint` of the replicated parameters ``named`` (``{"names": [...],
+        "values": (n, 2) int64 tensor}``) so that :func:`nbdebug.compare_ranks` compares
+        replicas without their tensors."""
         pairs = replicated_parameters(named)
         return {
             "rank": self.rank,
@@ -310,8 +325,10 @@ class Agreement:
             "local_first": self.local_first,
             "culprit_ranks": self.culprits,
             "rank_kinds": {str(r): kinds_of(b) for r, b in enumerate(self.bits)},
-            "fingerprint_names": [n for n, _ in pairs],
-            "fingerprints": fingerprint([p for _, p in pairs]),
+            "fingerprints": {
+                "names": [n for n, _ in pairs],
+                "values": fingerprint([p for _, p in pairs]),
+            },
         }
 
     def message(self, step: int) -> str:
@@ -619,6 +636,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "KIND_BITS",
     "REMOTE_KIND",
+    "SNAPSHOT_FIELDS",
     "Agreement",
     "RankAgreement",
     "RankError",

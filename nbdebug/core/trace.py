@@ -30,6 +30,7 @@ from .batch import (
 )
 from .events import Event, ParamInfo
 from .hooks import HookSet, hookable_modules
+from .norms import fused_norms
 from .origin import Located, OpFinding, locate, replay_backward, replay_forward, replay_loss
 from .recorder import Recorder, clone_structure
 from .result import Trace, TraceError
@@ -415,7 +416,7 @@ class _ParamHealth:
         bad: dict[str, list[str]] = {}
         if not tensors:
             return cls(norms, counts, bad)
-        values = _norms([t.detach() for _, _, t, _ in tensors])
+        values = fused_norms([t.detach() for _, _, t, _ in tensors])
         for (mname, qual, t, _), n in zip(tensors, values):
             norms[id(t)] = float(n)
             if not np.isfinite(n):
@@ -424,24 +425,6 @@ class _ParamHealth:
                 if s.n_nan or s.n_inf:
                     bad.setdefault(mname, []).append(qual)
         return cls(norms, counts, bad)
-
-
-def _norms(tensors: list[torch.Tensor]) -> np.ndarray:
-    """L2 norms of many tensors with one fused kernel per device and one transfer."""
-    out = np.empty(len(tensors))
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for idx in groups.values():
-        ts = [tensors[i] for i in idx]
-        ns: list[torch.Tensor]
-        try:
-            ns = list(torch._foreach_norm(ts))
-        except (RuntimeError, TypeError):
-            ns = [torch.linalg.vector_norm(t.double()) for t in ts]
-        host = torch.stack([n.double() for n in ns]).cpu().numpy()
-        out[idx] = host
-    return out
 
 
 def _result(

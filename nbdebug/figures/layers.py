@@ -9,10 +9,11 @@ import plotly.graph_objects as go
 
 from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
 from ..analysis.checks_base import VANISHING_RATIO as VANISHING
+from ..analysis.checks_grad import ratio_verdict
 from ..core.result import Trace
 
 # grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
-# explodes. One threshold for the plot and the health checks.
+# explodes. One judgement (analysis's ratio_verdict) for the plot and the health checks.
 
 
 def ratio_figure(trace: Trace) -> go.Figure:
@@ -46,7 +47,7 @@ def ratio_figure(trace: Trace) -> go.Figure:
             y, color = (hi if r == math.inf and not bad_grad else lo), "#d62728"
         else:
             y = r
-            color = "#d62728" if r < VANISHING or r > EXPLODING else "#1f77b4"
+            color = "#1f77b4" if ratio_verdict(r) == "ok" else "#d62728"
         note = f"grad NaN {p.grad_n_nan}, Inf {p.grad_n_inf}" if bad_grad else f"ratio {r:.3g}"
         names.append(p.name)
         ys.append(y)

@@ -18,7 +18,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.checks_base import SEVERITIES, Finding
+from ..analysis.checks_base import SEVERITIES, Finding, Findings
 
 COLORS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 _BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
@@ -33,8 +33,8 @@ STYLE = """<style>
 
 def counts_summary(findings: Sequence[Finding]) -> str:
     """``"2 errors, 1 warning"`` (``"no errors or warnings"`` when there are none)."""
-    n_err = sum(1 for f in findings if f.severity == "error")
-    n_warn = sum(1 for f in findings if f.severity == "warning")
+    counts = Findings(findings).counts
+    n_err, n_warn = counts["error"], counts["warning"]
     parts = []
     if n_err:
         parts.append(f"{n_err} error{'s' if n_err != 1 else ''}")
@@ -135,13 +135,9 @@ class ChecksPanel:
             b.close()
 
     def _header_html(self) -> str:
-        n_info = sum(1 for f in self.findings if f.severity == "info")
-        info = f" · {n_info} info" if n_info else ""
-        sev = (
-            "error"
-            if any(f.severity == "error" for f in self.findings)
-            else ("warning" if any(f.severity == "warning" for f in self.findings) else "ok")
-        )
+        counts = self.counts
+        info = f" · {counts['info']} info" if counts["info"] else ""
+        sev = "error" if counts["error"] else ("warning" if counts["warning"] else "ok")
         color = "#2ca02c" if sev == "ok" else COLORS[sev]
         return (
             f"<b>Health checks</b> <span class='nbdebug-badge' style='background:{color}'>"
@@ -155,7 +151,8 @@ class ChecksPanel:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
+        """The number of findings per severity (:attr:`Findings.counts`)."""
+        return Findings(self.findings).counts
 
     # ------------------------------------------------------------------ selection
     def select(self, index: int) -> Finding:

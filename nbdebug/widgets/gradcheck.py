@@ -18,25 +18,21 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.gradcheck import GradcheckResult
+from ..analysis.gradcheck_result import GradcheckResult
 from ..analysis.gradcheck_sweep import gradcheck_modules
+from ..analysis.gradcheck_verdicts import SKIPPED
 from ..core.batch import check_inputs, check_model
-from ..figures.gradcheck import gradcheck_figure
+from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
 from .plot import PlotView
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
-_COLOR = {
-    "ok": "#2ca02c",
-    "float32 precision": "#1f77b4",
-    "non-differentiable point": "#ff7f0e",
-    "backward is wrong": "#d62728",
-    "skipped": "#7f7f7f",
-}
 STYLE = """<style>
 .nbdebug-gc-table select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px; white-space: pre; }
-.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
+.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px;
+  white-space: pre; }
+.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white;
+  font-weight: bold; }
 </style>"""
 
 
@@ -70,7 +66,8 @@ class GradcheckPanel:
     ) -> None:
         if result is not None and not isinstance(result, GradcheckResult):
             raise TypeError(
-                f"result must be a GradcheckResult (from nbdebug.gradcheck); got {type(result).__qualname__}."
+                "result must be a GradcheckResult (from nbdebug.gradcheck); got "
+                f"{type(result).__qualname__}."
             )
         if model is not None:
             check_model(model)
@@ -162,7 +159,8 @@ class GradcheckPanel:
             self.title.value = (
                 f"<b>{html.escape(title or 'gradcheck of ' + result.fn_name)}</b> "
                 + html.escape(
-                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, rtol={result.rtol:g}, "
+                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, "
+                    f"rtol={result.rtol:g}, "
                     f"{result.seconds:.2f}s)"
                 )
             )
@@ -293,7 +291,7 @@ class GradcheckPanel:
             self.result = None
             self.pair_select.options = []
             self.title.value = f"<b>module {html.escape(name or '(model)')}</b>"
-            self.verdict.value = _badge("skipped") + " " + html.escape(str(rec["reason"]))
+            self.verdict.value = _badge(SKIPPED) + " " + html.escape(str(rec["reason"]))
         self._show_figure(gradcheck_figure(None))
 
     # ------------------------------------------------------------------ display
@@ -308,7 +306,7 @@ class GradcheckPanel:
 
 
 def _badge(verdict: str) -> str:
-    color = _COLOR.get(verdict, "#7f7f7f")
+    color = VERDICT_COLOR.get(verdict, VERDICT_COLOR[SKIPPED])
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(verdict)}</span>"
 
 

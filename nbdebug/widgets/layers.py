@@ -8,6 +8,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from ..analysis.checks_grad import ratio_verdict
 from ..core.result import Trace
 from ..figures.layers import EXPLODING, VANISHING, ratio_figure
 from .plot import PlotView
@@ -55,11 +56,7 @@ def params_table_html(frame: Any, selected: str | None = None) -> str:
     for name, row in frame.iterrows():
         bad = row["n_nan"] or row["n_inf"] or row["grad_n_nan"] or row["grad_n_inf"]
         r = row["ratio"]
-        off = (
-            r is not None
-            and not (isinstance(r, float) and math.isnan(r))
-            and (r < VANISHING or r > EXPLODING)
-        )
+        off = ratio_verdict(r) in ("vanishing", "exploding")
         cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
         if name == selected:
             cls += " nbdebug-selected"
