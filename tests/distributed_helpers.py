@@ -296,7 +296,9 @@ def fsdp2(rank: int, world: int, directory: str) -> dict[str, Any]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = nbdebug.NaNGuard(model, opt, directory=directory, timeout=20, max_snapshots=None)
+    guard = nbdebug.NaNGuard(
+        model, opt, directory=directory, loss_fn=F.mse_loss, timeout=20, max_snapshots=None
+    )
     oks = []
     for step in range(4):
         x, y = batch(rank, step)

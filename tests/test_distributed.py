@@ -146,6 +146,30 @@ def test_fsdp2_sharded_gradients_agree(tmp_path):
         assert v["oks"] == [True, True, False, True]
         assert v["snapshots"] == [f"step-000000002-rank{r}.nbsnap"]
         assert v["finite"]
+    # each rank's snapshot holds the whole model (gathered from the shards) and its own batch
+    report = nbdebug.compare_ranks(tmp_path, model=h.make_model)
+    assert report.culprit_ranks == [1] and report.replayed_culprits == [1]
+    assert report.rank(1).origin_phase == "input" and report.rank(1).origin_rows == [0]
+    assert report.params_agree is True
+    snap = nbdebug.load_snapshot(tmp_path / "step-000000002-rank0.nbsnap", model=h.make_model)
+    assert snap.model_state["0.weight"].shape == (16, 8)
+
+
+def test_a_single_process_snapshot_of_format_1_reads_the_distributed_defaults(tmp_path):
+    path = nbdebug.save_snapshot(tmp_path / "s.nbsnap", h.make_model(), torch.zeros(2, 8))
+    raw = torch.load(path, weights_only=True)
+    assert (raw["rank"], raw["world_size"], raw["culprit_ranks"]) == (None, None, [])
+    for key in ("rank", "world_size", "local_first", "culprit_ranks", "rank_kinds", "fingerprints"):
+        del raw[key]
+    raw["version"] = 1
+    torch.save(raw, path)
+    snap = nbdebug.load_snapshot(path)
+    assert (snap.rank, snap.local_first, snap.culprit_ranks, snap.fingerprints) == (
+        None,
+        None,
+        [],
+        None,
+    )
 
 
 # --------------------------------------------------------------------------- one process
