@@ -46,11 +46,12 @@ def test_debug_directory_opens_the_culprit_rank_with_the_table(rank_dir):
         assert dbg.rank == 1  # the culprit first
         assert dbg.debugger.trace.origin.phase == "input"
         assert dbg.body.children == (dbg.debugger.widget,)
-        html = dbg.header.value
+        html = dbg.debugger.header.value  # the table sits in the rank's debugger header
         assert "culprit rank(s) [1]" in html and "first_nonfinite" in html
         assert html.count("</tr>") == 3  # header row + one per rank
         dbg.selector.value = 0
         assert dbg.rank == 0 and dbg.debugger.trace.origin is None  # rank 0's batch is finite
+        assert "culprit rank(s) [1]" in dbg.debugger.header.value
         assert dbg.body.children == (dbg.debugger.widget,)
         with pytest.raises(ValueError, match="no snapshot of rank 5"):
             dbg.select(5)

@@ -40,11 +40,13 @@ class RanksDebugger:
         :func:`nbdebug.compare_ranks` of the directory (replayed when a model is given).
     selector : ipywidgets.ToggleButtons
         The rank shown (a culprit rank first; its label is marked ``*``).
-    header : ipywidgets.HTML
-        The report's summary and table.
+    table_html : str
+        The report's summary and table, shown in every rank's debugger header
+        (:meth:`Debugger.set_header_extra`).
     debugger : Debugger
         The selected rank's debugger (built when the rank is first selected).
     widget : ipywidgets.VBox
+        The selector above the selected rank's debugger.
     """
 
     def __init__(
@@ -63,8 +65,8 @@ class RanksDebugger:
         self._debuggers: dict[int, Any] = {}
         rows = self.report.rows
         first = next((r.rank for r in rows if r.culprit), rows[0].rank)
-        self.header = widgets.HTML(
-            f"<b>{html.escape(self.report.summary)}</b>{ranks_table_html(self.report)}"
+        self.table_html = (
+            f"<div><b>{html.escape(self.report.summary)}</b>{ranks_table_html(self.report)}</div>"
         )
         self.selector = widgets.ToggleButtons(
             options=[(f"rank {r.rank}{' *' if r.culprit else ''}", r.rank) for r in rows],
@@ -72,7 +74,7 @@ class RanksDebugger:
             description="rank",
         )
         self.body = widgets.VBox([])
-        self.widget = widgets.VBox([self.header, self.selector, self.body])
+        self.widget = widgets.VBox([self.selector, self.body])
         self.selector.observe(self._on_select, names="value")
         self._show(first)
 
@@ -99,9 +101,9 @@ class RanksDebugger:
 
         if rank not in self._debuggers:
             path = self.report.rank(rank).path
-            self._debuggers[rank] = debug(
-                path, model=self._model, loss_fn=self._loss_fn, backend=self._backend
-            )
+            dbg = debug(path, model=self._model, loss_fn=self._loss_fn, backend=self._backend)
+            dbg.set_header_extra(self.table_html)  # the compare-ranks table in its header
+            self._debuggers[rank] = dbg
         self.body.children = (self._debuggers[rank].widget,)
 
     def close(self) -> None:
