@@ -97,11 +97,12 @@ class RanksDebugger:
         self._show(int(change["new"]))
 
     def _show(self, rank: int) -> None:
-        from .app import debug
+        from .app import Debugger, debug
 
         if rank not in self._debuggers:
             path = self.report.rank(rank).path
             dbg = debug(path, model=self._model, loss_fn=self._loss_fn, backend=self._backend)
+            assert isinstance(dbg, Debugger)  # a file path gives one snapshot's debugger
             dbg.set_header_extra(self.table_html)  # the compare-ranks table in its header
             self._debuggers[rank] = dbg
         self.body.children = (self._debuggers[rank].widget,)
