@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
+from .core.display import add_viewer_source
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -51,6 +52,10 @@ _EXPORTS: dict[str, str] = {
     "debug": "nbdebug.widgets.app",
     "Debugger": "nbdebug.widgets.app",
 }
+
+# result objects of core and analysis show themselves through the panels that the widgets
+# layer registers: on the first show(), not before (``import nbdebug`` stays UI-free)
+add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.display").register_viewers())
 
 __all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import by_name, scenarios
-from test_trace_state import _assert_same, _snapshot
+from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
@@ -37,7 +37,7 @@ def _mlp(n_in: int = 4, n_out: int = 3) -> nn.Sequential:
 # --------------------------------------------------------------------------- scenarios
 EXPECTED_TOP = {
     # scenario: (code, module, param, rows, where-substring)
-    "nan_in_batch": ("nonfinite_input", None, None, [3], "rows [3]"),
+    "nan_in_batch": ("nonfinite_input", None, None, [3], "row 3"),
     "zero_over_zero_norm": ("division_by_zero", "0", None, [2, 4], "Normalize"),
     "exp_overflow": ("exp_overflow_risk", "1", None, [1], "ExpScore"),
     "fp16_linear_overflow": ("fp16_overflow_risk", "0", None, [2], "Linear"),
@@ -47,7 +47,7 @@ EXPECTED_TOP = {
     "param_grad_only": ("log_of_nonpositive", "1", "1.w", None, "SqrtGate"),
     "deep_nested": ("division_by_zero", "1.1.1", None, list(range(7)), "Normalize"),
     "parent_code": ("division_by_zero", "", None, [0, 1, 2], "<model>"),
-    "dict_batch_own_loss": ("nonfinite_input", None, None, [5], "rows [5]"),
+    "dict_batch_own_loss": ("nonfinite_input", None, None, [5], "row 5"),
     "corrupted_weight": ("nonfinite_weight", "2", "2.weight", None, "2.weight"),
 }
 
@@ -276,9 +276,9 @@ def test_labels_checked_before_tracing_off_the_cpu() -> None:
 
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0])
-    before = _snapshot(model)
+    before = fingerprint(model)
     f = labels_before_trace(model, x, y, F.cross_entropy, on_cpu=True)
-    _assert_same(before, model)  # the forward it ran left BatchNorm's statistics alone
+    assert_unchanged(before, model)  # the forward it ran left BatchNorm's statistics alone
     assert [(g.code, g.rows) for g in f] == [("label_out_of_range", [3])]
     assert labels_before_trace(model, x, y, F.cross_entropy) == []  # CPU: left to the trace
     assert labels_before_trace(model, x, y.clamp(max=2), F.cross_entropy, on_cpu=True) == []
@@ -858,9 +858,9 @@ ODD = {
 def test_odd_models_never_raise_and_say_what_was_skipped(name: str) -> None:
     build, batch, target, loss_fn, why = ODD[name]
     model, x = build(), batch()
-    before = _snapshot(model)
+    before = fingerprint(model)
     found = nbdebug.check((model, x), target=target, loss_fn=loss_fn)
-    _assert_same(before, model)
+    assert_unchanged(before, model)
     assert isinstance(found, Findings)
     if why is not None:
         assert any(why in f.advice for f in found if f.severity == "info"), found
@@ -897,11 +897,11 @@ def test_bad_input_raises_one_clear_sentence() -> None:
 def test_check_changes_nothing(name: str) -> None:
     s = by_name(name)
     opt = torch.optim.Adam(s.model.parameters(), 1e-3)
-    before = _snapshot(s.model)
+    before = fingerprint(s.model)
     opt_before = {k: v for k, v in opt.state_dict().items()}
     inputs_before = [t.clone() for t in _tensors(s.inputs)]
     nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn, optimizer=opt)
-    _assert_same(before, s.model)
+    assert_unchanged(before, s.model)
     assert opt.state_dict()["param_groups"] == opt_before["param_groups"] and not opt.state
     for a, b in zip(inputs_before, _tensors(s.inputs)):
         assert torch.allclose(a, b, equal_nan=True, rtol=0, atol=0) and b.grad is None
@@ -917,11 +917,11 @@ def test_guard_checks_change_nothing_but_the_history() -> None:
         opt.step()
     model(x).pow(2).mean().backward()  # fresh .grad for the checks to read
     guard = NaNGuard(model, opt, directory="unused", checks=1)
-    before = _snapshot(model)
+    before = fingerprint(model)
     w0 = model.get_parameter("0.weight")
     state = {k: v.clone() for k, v in opt.state[w0].items()}
     assert guard.check(torch.tensor(1.0), step=0)
-    _assert_same(before, model)
+    assert_unchanged(before, model)
     assert all(torch.equal(state[k], opt.state[w0][k]) for k in state)
     assert guard.history[-1]["checks"] == [] and set(guard.history[-1]["adam"]) == {
         "0.weight",

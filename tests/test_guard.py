@@ -244,7 +244,8 @@ def test_patience_raise_and_continue(tmp_path):
     guard = NaNGuard(model, directory=tmp_path / "b", on_nonfinite="raise")
     with pytest.raises(
         NonFiniteError,
-        match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap",
+        match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 "
+        r"NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap",
     ) as info:
         _bad_step(model, guard, 3)
     assert info.value.path == tmp_path / "b" / "step-000000003.nbsnap" and info.value.path.is_file()  # type: ignore[union-attr]

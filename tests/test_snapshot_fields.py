@@ -27,7 +27,6 @@ from nbdebug.core.snapshot_format import (
     NO_DEFAULT,
     Field,
     NoneType,
-    error_line,
     read_payload,
     validate_payload,
 )
@@ -226,6 +225,8 @@ def test_bad_field_rows_are_refused():
 
 
 def test_error_line():
+    from nbdebug.core.text import first_line as error_line
+
     assert error_line(ValueError("first\nsecond")) == "ValueError: first"
     assert error_line(RuntimeError()) == "RuntimeError"
     assert error_line(OSError("  ")) == "OSError"

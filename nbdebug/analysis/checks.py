@@ -237,8 +237,8 @@ def _resolve_source(ctx: CheckContext, source: Any) -> torch.nn.Module | None:
             )
     else:
         raise TypeError(
-            "source must be a Trace, a Snapshot, a NaNGuard, a (model, inputs) tuple or a model with "
-            f"inputs=...; got {type(source).__qualname__}."
+            "source must be a Trace, a Snapshot, a NaNGuard, a (model, inputs) tuple or a "
+            f"model with inputs=...; got {type(source).__qualname__}."
         )
     check_model(model)
     check_inputs(ctx.inputs)
@@ -357,7 +357,8 @@ def _trace_error(message: str) -> Finding:
         "error",
         "the traced step",
         {"message": message[:500]},
-        "the model or the loss raised; the findings above come from the partial trace (fix them first).",
+        "the model or the loss raised; the findings above come from the partial trace "
+        "(fix them first).",
         position=position(Band.TRACE_ERROR),
     )
 
@@ -375,7 +376,8 @@ def _history_rows(history: Any) -> list[dict[str, Any]] | None:
             )
         return [dict(r) for r in rows]
     raise TypeError(
-        f"history must be a list of dicts, a DataFrame or a NaNGuard; got {type(history).__qualname__}."
+        f"history must be a list of dicts, a DataFrame or a NaNGuard; got "
+        f"{type(history).__qualname__}."
     )
 
 

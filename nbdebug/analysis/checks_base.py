@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from ..core.text import fmt_num
+
 SEVERITIES = ("error", "warning", "info")
 _SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
@@ -251,7 +253,8 @@ class Findings(list[Finding]):
         return [f for f in self if f.code == code]
 
     def to_frame(self) -> Any:
-        """One row per finding: severity, code, where, advice, evidence, event, param, module, rows, step."""
+        """One row per finding: severity, code, where, advice, evidence, event, param,
+        module, rows, step."""
         import pandas as pd
 
         columns = [
@@ -316,21 +319,10 @@ def module_label(module: str | None, module_type: str = "") -> str:
     return f"{name} ({module_type})" if module_type else name
 
 
-def rows_text(rows: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(r) for r in rows[:most])
-    return f"[{shown}{', ...' if len(rows) > most else ''}]"
-
-
-def fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
-
-
 def _short(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_short(x) for x in list(v)[:4]) + (", ...]" if len(v) > 4 else "]")
-    return fmt(v)
+    return fmt_num(v)
 
 
 def _plain(v: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 from ..core.events import ParamInfo
 from ..core.norms import fused_norms
 from ..core.state import unique_parameters
+from ..core.text import dtype_name, fmt_num
 from .checks_base import (
     EXPLODING_HISTORY_FACTOR,
     EXPLODING_RATIO,
@@ -24,7 +25,6 @@ from .checks_base import (
     CheckContext,
     CheckFamily,
     Finding,
-    fmt,
     skipped,
 )
 
@@ -95,7 +95,7 @@ def live_param_infos(model: torch.nn.Module) -> list[ParamInfo]:
                 name=name,
                 module=name.rsplit(".", 1)[0] if "." in name else "",
                 shape=tuple(p.shape),
-                dtype=str(p.dtype).replace("torch.", ""),
+                dtype=dtype_name(p.dtype),
                 requires_grad=p.requires_grad,
                 norm=float(n),
                 grad_norm=g_norm,
@@ -199,7 +199,8 @@ def grad_findings(
                 "error",
                 f"gradients of {names}",
                 ev,
-                "these gradients hold NaN/Inf: skip the step (NaNGuard does), and look at the first "
+                "these gradients hold NaN/Inf: skip the step (NaNGuard does), and look "
+                "at the first "
                 "backward event that is not finite for the cause.",
                 event=None,
                 param=first.name,
@@ -227,8 +228,10 @@ def grad_findings(
                     "warning",
                     where,
                     {**ev, "threshold": VANISHING_RATIO},
-                    f"grad/weight norm ratio {fmt(ratio)}: this layer barely learns; add normalisation or "
-                    "residual connections, check for saturated or dead activations before it, or raise "
+                    f"grad/weight norm ratio {fmt_num(ratio)}: this layer barely "
+                    f"learns; add normalisation or "
+                    "residual connections, check for saturated or dead activations "
+                    "before it, or raise "
                     "its learning rate.",
                     param=p.name,
                     module=p.module,
@@ -242,7 +245,8 @@ def grad_findings(
                     "warning",
                     where,
                     {**ev, "threshold": EXPLODING_RATIO},
-                    f"grad/weight norm ratio {fmt(ratio)}: one step would move this weight far beyond its "
+                    f"grad/weight norm ratio {fmt_num(ratio)}: one step would move "
+                    f"this weight far beyond its "
                     "size; clip the gradient norm and lower the learning rate.",
                     fix="torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
                     param=p.name,
@@ -280,7 +284,8 @@ def history_grad_findings(
                 "threshold": EXPLODING_HISTORY_FACTOR,
                 "history_rows": len(norms),
             },
-            f"the gradient norm is {current / med:.3g}x its recent median ({fmt(med)}): a loss spike or a bad "
+            f"the gradient norm is {current / med:.3g}x its recent median "
+            f"({fmt_num(med)}): a loss spike or a bad "
             "batch; clip the gradient norm (e.g. at a few times the median) and check this batch.",
             fix=f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={3 * med:.3g})",
         )

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from ..core.state import RngState
+from ..core.text import dtype_name, first_line
 from .gradcheck_inputs import GradcheckOptions, check_gradcheck_inputs, resolve_fn
 from .gradcheck_layout import Layout
 from .gradcheck_problem import (
     FnRaised,
     Problem,
-    first_line,
     make_problem,
     native_dtype,
     second_order_problem,
@@ -241,7 +241,7 @@ def _native_recheck(
             make_native(), options, analyze=False, check_determinism=False
         )
     except (FnRaised, TypeError, ValueError, RuntimeError) as e:
-        notes.append(f"the check in {name} could not run ({first_line(e)}).")
+        notes.append(f"the check in {name} could not run ({first_line(e, with_type=False)}).")
         return
     by_key = {(p.output, p.input): p for p in native_pairs}
     for p in first:
@@ -319,4 +319,4 @@ def check_pairs(
 
 
 def _dtype_name(d: torch.dtype | None) -> str:
-    return str(d).replace("torch.", "") if d is not None else "unknown"
+    return dtype_name(d) if d is not None else "unknown"

@@ -15,17 +15,12 @@ import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from ..core.batch import describe, named_tensors
+from ..core.text import first_line
 from .gradcheck_inputs import GradcheckOptions, leaf_name
 
 
 class FnRaised(Exception):
     """``fn`` (or its backward) raised; carries the sentence to show."""
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's text (its type name when it has none)."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def sentence(e: BaseException) -> str:
@@ -36,7 +31,7 @@ def sentence(e: BaseException) -> str:
 
 def raised(what: str, e: BaseException) -> FnRaised:
     """``FnRaised("<what> raised KeyError: <first line>")``."""
-    return FnRaised(f"{what} raised {type(e).__name__}: {first_line(e)}")
+    return FnRaised(f"{what} raised {first_line(e)}")
 
 
 def leaf_tensors(obj: Any) -> list[torch.Tensor]:
@@ -182,8 +177,7 @@ def make_problem(
             mod = copy.deepcopy(module)
         except Exception as e:
             raise ValueError(
-                f"{fn_name} cannot be copied to check it without touching it "
-                f"({type(e).__name__}: {first_line(e)})."
+                f"{fn_name} cannot be copied to check it without touching it ({first_line(e)})."
             ) from e
         if dtype is not None:
             mod.to(dtype)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.display import show as show_result
 from .gradcheck_verdicts import BACKWARD_WRONG, OK, SEVERITY
 
 
@@ -238,9 +239,7 @@ class GradcheckResult:
 
     def show(self, *, backend: str | None = None) -> Any:
         """The gradcheck panel for this result (an ``ipywidgets`` widget)."""
-        from ..widgets.gradcheck import GradcheckPanel
-
-        return GradcheckPanel(self, backend=backend).widget
+        return show_result(self, backend=backend)
 
     def __repr__(self) -> str:
         n1 = sum(p.order == 1 for p in self.pairs)

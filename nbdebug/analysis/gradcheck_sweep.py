@@ -12,11 +12,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..core.batch import batch_size, call_model, check_inputs, check_model
-from ..core.hooks import HookSet
+from ..core.hooks import HookSet, hookable_named_modules
+from ..core.recorder import clone_structure
 from ..core.state import RngState, preserved
+from ..core.text import first_line
 from .gradcheck import run_gradcheck
 from .gradcheck_inputs import GradcheckOptions
-from .gradcheck_problem import first_line, leaf_tensors
+from .gradcheck_problem import leaf_tensors
 from .gradcheck_result import GradcheckResult
 from .gradcheck_verdicts import SKIPPED
 
@@ -171,9 +173,7 @@ def capture_module_inputs(
 
     sliced = tree_map(head, inputs) if not isinstance(inputs, torch.Tensor) else head(inputs)
     names = []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.jit.ScriptModule):
-            continue  # TorchScript modules take no Python hooks
+    for name, m in hookable_named_modules(model):
         if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False)):
             names.append(name)
     modules = dict(model.named_modules())
@@ -187,10 +187,7 @@ def capture_module_inputs(
                 call, count = captured[name]
                 captured[name] = (call, count + 1)
                 return
-            clone = tree_map(
-                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
-            )
-            captured[name] = (clone, 1)
+            captured[name] = (clone_structure((args, kwargs)), 1)
 
         return hook
 
@@ -207,6 +204,6 @@ def capture_module_inputs(
             )
             raise ValueError(
                 f"the model raised {type(e).__name__} on the first {keep} batch rows: "
-                f"{first_line(e)}.{where}"
+                f"{first_line(e, with_type=False)}.{where}"
             ) from e
     return names, captured

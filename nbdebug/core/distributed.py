@@ -388,7 +388,8 @@ class RankAgreement:
             or check_replicas_every < 1
         ):
             raise ValueError(
-                f"check_replicas_every must be a positive int or None; got {check_replicas_every!r}."
+                "check_replicas_every must be a positive int or None; got "
+                f"{check_replicas_every!r}."
             )
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
@@ -585,7 +586,8 @@ class RankAgreement:
     def _no_answer(self, step: int, what: str, err: BaseException, started: float) -> RankError:
         """Name the ranks that did not join a collective: each rank that waited in vain
         posts itself in the store; the ranks missing there after the timeout are named."""
-        cause = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+        text = str(err).strip()
+        cause = f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
         if self.store is None:
             return RankError(
                 f"NaNGuard.check() at step {step}: a rank did not answer {what} within "

@@ -76,6 +76,7 @@ from .guard_step import (
 from .norms import fused_norms, total_norm
 from .snapshot_format import parse_recipe
 from .state import RngState, unique_parameters
+from .text import fmt_num
 
 _last: NonFiniteError | None = None
 
@@ -126,7 +127,8 @@ def last_error() -> NonFiniteError | None:
 def _training_objects(optimizer: Any, scaler: Any, scheduler: Any) -> tuple[Any, Any, Any]:
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}."
+            "optimizer must be a torch.optim.Optimizer or None; got "
+            f"{type(optimizer).__qualname__}."
         )
     if scaler is not None and not (hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")):
         raise TypeError(
@@ -134,7 +136,8 @@ def _training_objects(optimizer: Any, scaler: Any, scheduler: Any) -> tuple[Any,
         )
     if scheduler is not None and not hasattr(scheduler, "state_dict"):
         raise TypeError(
-            f"scheduler must have a state_dict() (an LR scheduler); got {type(scheduler).__qualname__}."
+            "scheduler must have a state_dict() (an LR scheduler); got "
+            f"{type(scheduler).__qualname__}."
         )
     return optimizer, scaler, scheduler
 
@@ -144,12 +147,6 @@ def _option(owner: str, name: str) -> Any:
     return property(
         lambda self: getattr(getattr(self, owner), name), doc=f"``{owner}.{name}`` (read-only)."
     )
-
-
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "None"
-    return f"{v:.4g}" if math.isfinite(v) else str(v)
 
 
 class GuardedStep:
@@ -613,7 +610,7 @@ class NaNGuard:
         if verdict.kind is None and scale is not None and scale < opts.min_scale:
             verdict.kind = "scale"
             verdict.detail["message_extra"] = (
-                f"the scale fell to {_fmt(scale)} (< min_scale={opts.min_scale:g})"
+                f"the scale fell to {fmt_num(scale, none='None')} (< min_scale={opts.min_scale:g})"
             )
         ranks = reading.ranks
         if ranks is not None and ranks.any_bad:  # another rank (or this one) was not finite
@@ -687,10 +684,11 @@ class NaNGuard:
         if kind == "loss":
             grads = detail["nonfinite_grads"]
             tail = f"; non-finite gradients in {listing(grads)}" if grads else ""
-            return f"non-finite loss ({_fmt(loss)}) at step {step}{tail}"
+            return f"non-finite loss ({fmt_num(loss, none='None')}) at step {step}{tail}"
         if kind == "grad":
             return (
-                f"non-finite gradients at step {step} with a finite loss ({_fmt(loss)}): "
+                f"non-finite gradients at step {step} with a finite loss "
+                f"({fmt_num(loss, none='None')}): "
                 f"{listing(detail['nonfinite_grads'])}"
             )
         if kind == REMOTE_KIND:
@@ -751,7 +749,8 @@ class NaNGuard:
                 text = f"{message}. Snapshot: {first_path}"
             else:
                 text = (
-                    f"{self.bad_streak} non-finite steps in a row (patience={self.patience}); the first, "
+                    f"{self.bad_streak} non-finite steps in a row "
+                    f"(patience={self.patience}); the first, "
                     f"step {first_step}: {first_reason['message']}. Snapshot: {first_path}"
                 )
             err = NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)
@@ -852,10 +851,15 @@ class NaNGuard:
 
     def __repr__(self) -> str:
         last = self.history[-1] if self.history else None
-        where = f"last step {last['step']} loss={_fmt(last['loss'])}" if last else "no step yet"
+        where = (
+            f"last step {last['step']} loss={fmt_num(last['loss'], none='None')}"
+            if last
+            else "no step yet"
+        )
         return (
             f"NaNGuard({type(self.model).__qualname__}, on_nonfinite={self.on_nonfinite!r}, "
-            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in {self.directory})"
+            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in "
+            f"{self.directory})"
         )
 
 

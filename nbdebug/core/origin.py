@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from .batch import named_tensors
 from .recorder import Recorder, clone_structure
-from .stats import row_dim, vector_is_finite
+from .stats import IDX_NNAN, row_dim, vector_is_finite
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -41,7 +41,7 @@ class Located:
 
 
 def _kind(v: Any) -> str:
-    return "nan" if v[6] > 0 else "inf"
+    return "nan" if v[IDX_NNAN] > 0 else "inf"
 
 
 def locate(rec: Recorder, bad_params: dict[str, list[str]]) -> Located:

@@ -24,7 +24,16 @@ import torch
 
 from .batch import named_tensors
 from .hooks import HookSet, hookable_modules
-from .stats import assemble_quick, exact_vector, quick_parts, row_dim, row_flags, vector_is_finite
+from .stats import (
+    IDX_NNAN,
+    assemble_quick,
+    exact_vector,
+    quick_parts,
+    row_dim,
+    row_flags,
+    vector_is_finite,
+)
+from .text import dtype_name, qualified_name
 
 
 @dataclass
@@ -74,7 +83,7 @@ class Slot:
 
 
 def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+    return dtype_name(t.dtype)
 
 
 def clone_structure(obj: Any) -> Any:
@@ -124,7 +133,7 @@ class Recorder:
         self.param_names: dict[int, tuple[str, str, str]] = {}
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
-                qual = f"{mname}.{pname}" if mname else pname
+                qual = qualified_name(mname, pname)
                 self.param_names.setdefault(id(p), (mname, pname, qual))
         self.origin_call: int = -1  # exact mode: the forward origin found on the fly
         self.recomputing = False  # set once the backward starts (activation checkpointing)
@@ -208,7 +217,7 @@ class Recorder:
             i = self._record("input", "input", "", name, t, -1, 0)
             if self.exact:
                 fin = vector_is_finite(self.raw[i].vector)
-                self.raw[i].slot = self.new_slot(t, -1, fin, bool(self.raw[i].vector[6] > 0))
+                self.raw[i].slot = self.new_slot(t, -1, fin, bool(self.raw[i].vector[IDX_NNAN] > 0))
 
     def record_loss(self, loss: torch.Tensor) -> int:
         return self._record("loss", "loss", "", "loss", loss, -1, 0)
@@ -289,7 +298,7 @@ class Recorder:
                     if s >= 0:
                         self.slots[s].producer = call
                     else:
-                        s = self.new_slot(t, call, fin, bool(vector[6] > 0))
+                        s = self.new_slot(t, call, fin, bool(vector[IDX_NNAN] > 0))
                     self.raw[i].slot = s
                     rec.output_slots.append(s)
                 if t.requires_grad:

@@ -46,7 +46,6 @@ from .snapshot_format import (
     SnapshotError,
     atomic_save,
     build_payload,
-    error_line,
     parse_recipe,
     read_archive,
     read_payload,
@@ -57,6 +56,7 @@ from .snapshot_format import (
     validate_payload,
 )
 from .state import RngState
+from .text import first_line
 
 # --------------------------------------------------------------------------- saving
 
@@ -246,10 +246,11 @@ def _build_model(
             factory = import_object(spec)
             built = factory(**recipe["kwargs"])
         except Exception as e:
-            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {error_line(e)}") from e
+            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {first_line(e)}") from e
         if not isinstance(built, torch.nn.Module):
             raise SnapshotError(
-                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, not an nn.Module."
+                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, "
+                f"not an nn.Module."
             )
         return built
     if isinstance(model, torch.nn.Module):
@@ -257,18 +258,20 @@ def _build_model(
             return copy.deepcopy(model)  # the caller's model stays as it is
         except Exception as e:
             raise TypeError(
-                f"cannot copy the given {type(model).__qualname__} ({error_line(e)}); pass a "
+                f"cannot copy the given {type(model).__qualname__} ({first_line(e)}); pass a "
                 "zero-argument factory instead: load_snapshot(path, model=lambda: MyNet())."
             ) from e
     if callable(model):
         built = model()
         if not isinstance(built, torch.nn.Module):
             raise TypeError(
-                f"the model factory returned {type(built).__qualname__}; expected a torch.nn.Module."
+                f"the model factory returned {type(built).__qualname__}; expected a "
+                f"torch.nn.Module."
             )
         return built
     raise TypeError(
-        f"model must be a torch.nn.Module, a zero-argument factory returning one, or None; got {type(model).__qualname__}."
+        f"model must be a torch.nn.Module, a zero-argument factory returning one, or "
+        f"None; got {type(model).__qualname__}."
     )
 
 
@@ -495,9 +498,13 @@ class Snapshot:
             return self.model
         hint = ""
         if self.recipe is not None:
-            hint = f", or trust_recipe=True to build it with the recorded recipe {self.recipe['factory']!r}"
+            hint = (
+                f", or trust_recipe=True to build it with the recorded recipe "
+                f"{self.recipe['factory']!r}"
+            )
         raise SnapshotError(
-            f"this snapshot was loaded without a model: give load_snapshot(path, model=...) (a module or a "
+            f"this snapshot was loaded without a model: give load_snapshot(path, "
+            f"model=...) (a module or a "
             f"zero-argument factory for {self.model_class}){hint}."
         )
 
@@ -529,7 +536,8 @@ class Snapshot:
             raise SnapshotError("this snapshot holds no optimizer state.")
         if not is_trusted(self.optimizer_class) and not self.trust_recipe:
             raise SnapshotError(
-                f"the optimizer class {self.optimizer_class!r} lies outside torch: load with trust_recipe=True."
+                f"the optimizer class {self.optimizer_class!r} lies outside torch: "
+                f"load with trust_recipe=True."
             )
         try:
             cls = import_object(self.optimizer_class)
@@ -544,7 +552,7 @@ class Snapshot:
             return opt
         except Exception as e:
             raise SnapshotError(
-                f"cannot rebuild the optimizer {self.optimizer_class!r}: {error_line(e)}"
+                f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
             ) from e
 
     def trace(self, loss_fn: Any = None) -> Any:
@@ -568,7 +576,8 @@ class Snapshot:
             loss_fn = self.loss_fn()
         if loss_fn is None and self.target is not None:
             raise SnapshotError(
-                "this snapshot recorded no loss function but has a target: pass snap.trace(loss_fn=...)."
+                "this snapshot recorded no loss function but has a target: pass "
+                "snap.trace(loss_fn=...)."
             )
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         inputs = to_device(self.inputs, device)

@@ -22,6 +22,7 @@ import torch
 
 from .._version import __version__
 from .snapshot_format import IMPORT_PATH, SnapshotError
+from .text import dtype_name
 
 #: module prefixes whose objects may be imported by name without ``trust_recipe``
 TRUSTED_MODULES = ("torch",)
@@ -113,12 +114,12 @@ def environment(model: torch.nn.Module | None = None) -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "num_threads": torch.get_num_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "default_dtype": str(torch.get_default_dtype()).replace("torch.", ""),
+        "default_dtype": dtype_name(torch.get_default_dtype()),
     }
     if model is not None:
         tensors = [*model.parameters(), *model.buffers()]
         env["devices"] = sorted({str(t.device) for t in tensors})
-        env["dtypes"] = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+        env["dtypes"] = sorted({dtype_name(t.dtype) for t in tensors})
         cuda = [d for d in env["devices"] if d.startswith("cuda")]
         if cuda and torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name(torch.device(cuda[0]))

@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from .state import RngState
+from .text import first_line
 
 FORMAT = "nbdebug-snapshot"
 SUFFIX = ".nbsnap"
@@ -87,13 +88,6 @@ class SnapshotError(Exception):
     ... except nbdebug.SnapshotError as e:
     ...     print(e)   # e.g. "... does not fit the model: missing keys ['head.bias'] ..."
     """
-
-
-def error_line(e: BaseException) -> str:
-    """``"TypeName: first line of the message"`` of an exception (the line cut at 200
-    characters; the type name alone for an empty message), for one-sentence errors."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 # --------------------------------------------------------------------------- the table
@@ -232,7 +226,7 @@ def _check_rng(value: dict[str, Any] | None) -> None:
         finally:
             caller.restore()
     except Exception as e:
-        raise ValueError(f"its RNG state cannot be read ({error_line(e)})") from e
+        raise ValueError(f"its RNG state cannot be read ({first_line(e)})") from e
 
 
 def _check_history(value: list[Any]) -> None:
@@ -488,7 +482,7 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
             raise SnapshotError(f"{path} is corrupt: {e}.") from e
         except Exception as e:
             raise SnapshotError(
-                f"{path} is corrupt: its {f.key!r} field cannot be checked ({error_line(e)})."
+                f"{path} is corrupt: its {f.key!r} field cannot be checked ({first_line(e)})."
             ) from e
     return out
 
@@ -523,7 +517,7 @@ def read_archive(
             f"{p} is a directory, not a snapshot file (list_snapshots() lists one)."
         ) from e
     except OSError as e:
-        raise SnapshotError(f"{p}: cannot read it ({error_line(e)}).") from e
+        raise SnapshotError(f"{p}: cannot read it ({first_line(e)}).") from e
     if not head:
         raise SnapshotError(f"{p} is empty (0 bytes): not a snapshot.")
     if head != _ZIP_MAGIC:
@@ -549,7 +543,7 @@ def read_archive(
             raise SnapshotError(
                 f"{p} is truncated or corrupt: its zip archive cannot be read."
             ) from e
-        raise SnapshotError(f"{p} is corrupt: torch.load failed ({error_line(e)}).") from e
+        raise SnapshotError(f"{p} is corrupt: torch.load failed ({first_line(e)}).") from e
 
 
 def read_payload(

@@ -36,6 +36,7 @@ from .recorder import Recorder, clone_structure
 from .result import Trace, TraceError
 from .state import PreservedState, RngState, preserved
 from .stats import finalize_many, quick_is_complete, tensor_stats
+from .text import dtype_name, qualified_name
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -225,7 +226,8 @@ def _trace_error(
             msg = f"{type(e).__name__} in {where} ({mtype}) during the forward pass: {e}.{upto}"
     elif stage == "loss":
         msg = (
-            f"the loss function raised {err} (output {describe(output)}, target {describe(target)})."
+            f"the loss function raised {err} (output {describe(output)}, target "
+            f"{describe(target)})."
             f"{upto}"
         )
     else:
@@ -407,10 +409,10 @@ class _ParamHealth:
         tensors: list[tuple[str, str, torch.Tensor, bool]] = []
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
-                tensors.append((mname, f"{mname}.{pname}" if mname else pname, p, True))
+                tensors.append((mname, qualified_name(mname, pname), p, True))
             for bname, b in m.named_buffers(recurse=False):
                 if b is not None and (b.is_floating_point() or b.is_complex()):
-                    tensors.append((mname, f"{mname}.{bname}" if mname else bname, b, False))
+                    tensors.append((mname, qualified_name(mname, bname), b, False))
         norms: dict[int, float] = {}
         counts: dict[int, tuple[int, int]] = {}
         bad: dict[str, list[str]] = {}
@@ -441,7 +443,7 @@ def _result(
     seen: set[int] = set()
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
-            qual = f"{mname}.{pname}" if mname else pname
+            qual = qualified_name(mname, pname)
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -452,7 +454,7 @@ def _result(
                     name=qual,
                     module=mname,
                     shape=tuple(p.shape),
-                    dtype=str(p.dtype).replace("torch.", ""),
+                    dtype=dtype_name(p.dtype),
                     requires_grad=p.requires_grad,
                     norm=health.norms.get(id(p), float("nan")),
                     grad_norm=None if g is None else g.stats.norm,

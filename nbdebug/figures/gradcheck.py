@@ -23,17 +23,18 @@ from ..analysis.gradcheck_verdicts import (
     SKIPPED,
     index_text,
 )
+from .palette import BLUE, GREEN, GREY, ORANGE, RED
 
 PANELS = ("analytic", "numerical", "|difference|")
 #: names of the three marker traces (after the three heatmaps)
 WORST_TRACE = "worst element"
 #: the colour of each verdict (and of a module the sweep skipped), in titles and badges
 VERDICT_COLOR = {
-    OK: "#2ca02c",
-    FLOAT32_PRECISION: "#1f77b4",
-    NON_DIFFERENTIABLE: "#ff7f0e",
-    BACKWARD_WRONG: "#d62728",
-    SKIPPED: "#7f7f7f",
+    OK: GREEN,
+    FLOAT32_PRECISION: BLUE,
+    NON_DIFFERENTIABLE: ORANGE,
+    BACKWARD_WRONG: RED,
+    SKIPPED: GREY,
 }
 
 

@@ -23,17 +23,13 @@ from ..analysis.gradcheck_sweep import gradcheck_modules
 from ..analysis.gradcheck_verdicts import SKIPPED
 from ..core.batch import check_inputs, check_model
 from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
+from ..figures.palette import RED
 from .plot import PlotView
+from .style import STYLE
+from .tabs import FeatureTab, TabContext
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
-STYLE = """<style>
-.nbdebug-gc-table select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px;
-  white-space: pre; }
-.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white;
-  font-weight: bold; }
-</style>"""
 
 
 class GradcheckPanel:
@@ -236,7 +232,7 @@ class GradcheckPanel:
                 self.model, self.inputs, rows=self.rows, progress=progress, **self.sweep_options
             )
         except (TypeError, ValueError) as e:
-            self.status.value = f"<span style='color:#d62728'>{html.escape(str(e))}</span>"
+            self.status.value = f"<span style='color:{RED}'>{html.escape(str(e))}</span>"
             return None
         finally:
             self.sweep_button.disabled = False
@@ -313,3 +309,18 @@ def _badge(verdict: str) -> str:
 def _row_text(mark: str, module: str, verdict: str, err: str, seconds: str) -> str:
     text = f"{mark:<2}{module[:40]:<41}{verdict:<26}{err:>10} {seconds:>8}"
     return text.replace(" ", _NBSP)
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Gradcheck tab: the module sweep of the debugger's model and batch, on request."""
+    dbg.add_tab(
+        "Gradcheck", GradcheckPanel(model=ctx.model, inputs=ctx.inputs, backend=ctx.backend)
+    )
+
+
+FEATURE_TAB = FeatureTab(
+    "Gradcheck",
+    applies=lambda ctx: ctx.model is not None and ctx.inputs is not None,
+    build=build_tab,
+    order=20,
+)

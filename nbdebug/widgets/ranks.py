@@ -34,6 +34,10 @@ def ranks_table_html(report: RanksReport) -> str:
 class RanksDebugger:
     """Per-rank snapshots of one step. Build it with ``nbdebug.debug(directory, model=...)``.
 
+    ``open_snapshot(path)`` builds one rank's debugger (``nbdebug.debug`` on the file: the
+    app passes it in, so this panel does not import the app); the compare-ranks table goes
+    into its header with ``set_header_extra``.
+
     Attributes
     ----------
     report : RanksReport
@@ -52,16 +56,14 @@ class RanksDebugger:
     def __init__(
         self,
         directory: str | os.PathLike[str],
+        open_snapshot: Callable[[Any], Any],
         *,
         model: Any = None,
         loss_fn: Callable[..., Any] | None = None,
         step: int | None = None,
-        backend: str | None = None,
     ):
         self.report = compare_ranks(directory, model=model, loss_fn=loss_fn, step=step)
-        self._model = model
-        self._loss_fn = loss_fn
-        self._backend = backend
+        self._open = open_snapshot
         self._debuggers: dict[int, Any] = {}
         rows = self.report.rows
         first = next((r.rank for r in rows if r.culprit), rows[0].rank)
@@ -97,23 +99,18 @@ class RanksDebugger:
         self._show(int(change["new"]))
 
     def _show(self, rank: int) -> None:
-        from .app import Debugger, debug
-
         if rank not in self._debuggers:
-            path = self.report.rank(rank).path
-            dbg = debug(path, model=self._model, loss_fn=self._loss_fn, backend=self._backend)
-            assert isinstance(dbg, Debugger)  # a file path gives one snapshot's debugger
+            dbg = self._open(self.report.rank(rank).path)
             dbg.set_header_extra(self.table_html)  # the compare-ranks table in its header
             self._debuggers[rank] = dbg
         self.body.children = (self._debuggers[rank].widget,)
 
     def close(self) -> None:
         """Close every widget (the per-rank debuggers' too)."""
-        from .app import close_widgets
-
         for d in self._debuggers.values():
             d.close()
-        close_widgets(self.widget)
+        for w in (self.selector, self.body, self.widget):
+            w.close()
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
