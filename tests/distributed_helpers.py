@@ -135,6 +135,7 @@ def _outcome(guard: Any, model: nn.Module, oks: list[bool]) -> dict[str, Any]:
             {
                 "name": Path(path).name,
                 "kind": snap.kind,
+                "message": snap.message,
                 "distributed": {
                     "rank": snap.rank,
                     "world_size": snap.world_size,

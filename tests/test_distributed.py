@@ -74,6 +74,9 @@ def test_nan_in_one_ranks_batch_every_rank_skips_that_step_only(batch_nan_2):
         assert dist["rank_kinds"] == {"0": ["grad"], "1": ["loss", "grad"]}
     assert values[1]["snapshots"][0]["kind"] == "loss"
     assert values[0]["snapshots"][0]["kind"] == "grad"
+    assert values[0]["snapshots"][0]["message"].endswith(
+        "(rank 0 of 2; culprit rank(s) [1]: every rank skips this step)"
+    )
     # each rank's snapshot holds its own batch: only rank 1's is not finite
     assert [v["snapshots"][0]["inputs_finite"] for v in values] == [True, False]
 
@@ -87,6 +90,10 @@ def test_nan_only_in_one_ranks_loss_under_no_sync_every_rank_skips(loss_nan_2):
     assert d1["local_first"] is True and d0["local_first"] is False
     assert d0["culprit_ranks"] == d1["culprit_ranks"] == [1]
     assert values[0]["snapshots"][0]["kind"] == "rank"  # rank 0 only learned it from rank 1
+    assert values[0]["snapshots"][0]["message"] == (
+        "another rank was not finite at step 3 (rank 1: non-finite loss); this rank's (rank 0) "
+        "loss, gradients and weights are finite: every rank skips this step"
+    )
     assert values[1]["snapshots"][0]["kind"] == "loss"
 
 

@@ -715,6 +715,11 @@ class NaNGuard:
         message = self._message(kind, step, reading.loss, detail)
         detail.pop("message_extra", None)
         distributed = detail.pop("distributed", None)  # snapshot fields of their own
+        if distributed is not None and kind != REMOTE_KIND:
+            message += (
+                f" (rank {distributed['rank']} of {distributed['world_size']}; culprit rank(s) "
+                f"{distributed['culprit_ranks']}: every rank skips this step)"
+            )
         reason: dict[str, Any] = {
             "kind": kind,
             "message": message,
