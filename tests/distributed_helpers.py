@@ -152,6 +152,7 @@ def _outcome(guard: Any, model: nn.Module, oks: list[bool]) -> dict[str, Any]:
         "hash": params_hash(model),
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "replicas": [(f.step, f.parameter, f.ranks, f.n_differing) for f in guard.replica_findings],
+        "replica_rows": [(r["step"], r["replicas"]) for r in guard.history if "replicas" in r],
     }
 
 
@@ -276,6 +277,8 @@ def bad_setups(rank: int, world: int, directory: str) -> dict[str, Any]:
     attempt("member", lambda: nbdebug.NaNGuard(model, process_group=only0))
     other = make_model(16 if rank == 0 else 32)
     attempt("models", lambda: nbdebug.NaNGuard(other, process_group=dist.group.WORLD, timeout=10))
+    steps = nbdebug.NaNGuard(model, process_group=dist.group.WORLD, timeout=10)
+    attempt("steps", lambda: steps.check(torch.tensor(1.0), step=5 + rank))
     dist.barrier()
     if rank == 0:
         attempt("some_ranks", lambda: nbdebug.NaNGuard(model, directory=directory, timeout=3))

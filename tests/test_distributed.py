@@ -112,6 +112,7 @@ def test_replica_check_names_the_perturbed_parameter_and_rank(tmp_path):
         assert all(v["oks"])
         # perturbed after step 3's update: steps 0 and 2 equal, step 4 the first check after
         assert v["replicas"] == [(4, "2.weight", [2], 1)]
+        assert v["replica_rows"] == [(0, "equal"), (2, "equal"), (4, "2.weight")]
     assert len({v["hash"] for v in values}) == 2
 
 
@@ -141,6 +142,13 @@ def test_bad_setups_are_clear_errors_not_hangs(tmp_path):
         in (v0["models"]["message"])
     )
     assert v0["models"]["ranks"] == [1] and v1["models"]["ranks"] == [0]
+    for v in (v0, v1):  # a rank that skipped a check() call: the steps differ
+        assert v["steps"]["error"] == "RankError"
+        assert (
+            "called NaNGuard.check() for different steps (rank 0: step 5, rank 1: step 6)"
+            in (v["steps"]["message"])
+        )
+    assert v0["steps"]["ranks"] == [1] and v1["steps"]["ranks"] == [0]
     some = v0["some_ranks"]
     assert some["error"] == "RankError" and some["ranks"] == [1]
     assert "created on rank(s) [0] but not on rank(s) [1] within 3 s" in some["message"]
