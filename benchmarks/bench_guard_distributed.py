@@ -133,3 +133,7 @@ def main_distributed(world: int, steps: int, threads: int) -> None:
     """Launch ``world`` gloo processes and print rank 0's measurements."""
     print(f"torch {torch.__version__}, {threads} thread(s) per rank, {world} ranks")
     mp.spawn(_worker, args=(world, _free_port(), steps, threads), nprocs=world, join=True)
+
+
+if __name__ == "__main__":  # `make bench` runs every bench_*.py: the two-rank run
+    main_distributed(2, 200, 1)
