@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "nbdebug.core.stats": "Tracing a step",
     "nbdebug.core.guard": "Training-loop guard and snapshots",
     "nbdebug.core.snapshot": "Training-loop guard and snapshots",
+    "nbdebug.analysis.ranks": "Training-loop guard and snapshots",
     "nbdebug.analysis.checks_guard": "Training-loop guard and snapshots",
     "nbdebug.analysis.checks": "Health checks",
     "nbdebug.analysis.gradcheck": "Gradient checks",

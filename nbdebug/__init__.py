@@ -49,6 +49,8 @@ _EXPORTS: dict[str, str] = {
     "Diagnosis": "nbdebug.analysis.diagnose",
     "find_label_issues": "nbdebug.analysis.labels",
     "LabelCleaner": "nbdebug.widgets.labels",
+    "compare_ranks": "nbdebug.analysis.ranks",
+    "RanksReport": "nbdebug.analysis.ranks",
     "debug": "nbdebug.widgets.app",
     "Debugger": "nbdebug.widgets.app",
 }

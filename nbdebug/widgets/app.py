@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
@@ -30,6 +30,9 @@ from .layers import LayersPanel
 from .step import StepPanel
 from .style import STYLE
 from .tabs import TabContext, add_feature_tabs
+
+if TYPE_CHECKING:
+    from .ranks import RanksDebugger
 
 TraceSource = Callable[[], Trace]
 
@@ -327,14 +330,17 @@ def debug(
     pred_probs: Any = None,
     journal: str | os.PathLike[str] = "labels.journal.jsonl",
     backend: str | None = None,
-) -> Debugger:
+) -> Debugger | RanksDebugger:
     """Open the debugger.
 
     Parameters
     ----------
     obj : torch.nn.Module, Snapshot, str or os.PathLike, or Trace
         A model (then ``inputs`` is its batch: a tensor, tuple/list or dict, as for
-        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, or a recorded trace.
+        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, a directory of a
+        distributed run's per-rank snapshots (``step-...-rankN.nbsnap``: a
+        :class:`~nbdebug.widgets.ranks.RanksDebugger` with a rank selector and the
+        :func:`nbdebug.compare_ranks` table in its header), or a recorded trace.
     inputs, target, loss_fn
         As for :func:`nbdebug.trace` (model only; a snapshot takes ``loss_fn`` to override
         the recorded loss function).
@@ -356,9 +362,9 @@ def debug(
 
     Returns
     -------
-    Debugger
-        A model that raises gives a debugger showing the ``TraceError`` message and the
-        partial trace.
+    Debugger or RanksDebugger
+        A directory gives a :class:`~nbdebug.widgets.ranks.RanksDebugger`. A model that
+        raises gives a debugger showing the ``TraceError`` message and the partial trace.
     """
     import torch
 
@@ -392,6 +398,18 @@ def debug(
             dbg, replace(tabs, model=net, inputs=inputs, target=target, loss_fn=loss_fn)
         )
         return dbg
+    if isinstance(obj, (str, os.PathLike)) and os.path.isdir(obj):
+        from .ranks import RanksDebugger  # a distributed run's per-rank snapshots
+
+        if inputs is not None or target is not None:
+            raise TypeError("debug(directory) takes no inputs or target: the snapshots hold them.")
+
+        def open_rank(path: Any) -> Debugger:
+            one = debug(path, model=model, loss_fn=loss_fn, backend=backend)
+            assert isinstance(one, Debugger)  # a file: one snapshot's debugger
+            return one
+
+        return RanksDebugger(obj, open_rank, model=model, loss_fn=loss_fn)
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
 
