@@ -15,10 +15,11 @@ several seeds (the noise and the folds), and three probability models (standardi
 logistic regression, a 100-tree random forest, standardised 10-NN). Out-of-fold
 probabilities (5 stratified folds) are computed once per dataset, noise, rate, seed and
 model, and the very same array is given to ``cleanlab.filter.find_label_issues`` (its
-defaults) and to every ``prune`` option of ``nbdebug.find_label_issues``. The table is the
-F1 of the flags against the injected noise, averaged over seeds and models; then the
-average per dataset (the rule the default is chosen by: never below cleanlab's), per model,
-the ensemble vote, and the time to rank 1,000,000 x 10 probabilities (interleaved runs).
+defaults, with ``n_jobs=1``, which changes no flag) and to every ``prune`` option of
+``nbdebug.find_label_issues``. The table is the F1 of the flags against the injected
+noise, averaged over seeds and models; then the average per dataset (the rule the default
+is chosen by: never below cleanlab's), per model, the ensemble vote, and the time to rank
+1,000,000 x 10 probabilities (interleaved runs).
 
     .venv/bin/pip install -e '.[bench]'      # cleanlab (2.9 measured)
     .venv/bin/python benchmarks/bench_labels.py            # full grid, ~5 min on 2 busy cores
@@ -130,7 +131,9 @@ def nb_flags(labels: np.ndarray, probs, **kw) -> np.ndarray:
 def detectors() -> dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
     out: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {}
     if cleanlab_find is not None:
-        out["cleanlab"] = lambda y, P: cleanlab_find(y, P)
+        # n_jobs=1: the same flags as its default (it only parallelises over classes),
+        # without starting a process pool per call
+        out["cleanlab"] = lambda y, P: cleanlab_find(y, P, n_jobs=1)
     for opt in OPTIONS:
         out[opt] = lambda y, P, opt=opt: nb_flags(y, P, prune=opt)
     out["pred_neq_given"] = lambda y, P: nb_flags(y, P, method="predicted_neq_given")
@@ -170,7 +173,8 @@ def table(cache, rates, seeds) -> None:
             flags = nb_flags(noisy, stack, method="ensemble", tau=0.5)
             ens[(d, "nbdebug")].append(f1(flags, truth))
             if cleanlab_find is not None:
-                ens[(d, "cleanlab")].append(f1(cleanlab_find(noisy, np.mean(stack, 0)), truth))
+                avg = np.mean(stack, axis=0)
+                ens[(d, "cleanlab")].append(f1(cleanlab_find(noisy, avg, n_jobs=1), truth))
     dnames = list(dict.fromkeys(k[0] for k in cache))
     head = f"{'dataset':<20}{'noise':<8}{'rate':>5}" + "".join(f"{n:>17}" for n in names)
     print(f"\nF1 against the injected noise, mean over {len(seeds)} seed(s) x {len(MODELS)} models")
