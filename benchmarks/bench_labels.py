@@ -26,7 +26,8 @@ is chosen by: never below cleanlab's), per model, the ensemble vote, and the tim
     .venv/bin/python benchmarks/bench_labels.py --quick    # rates 10 and 30 %, 1 seed
 
 The full grid is 450 out-of-fold arrays, single-threaded: about 5 min on two quiet cores
-(14 and 23 min measured under loads of 10 and 15 on two cores); ``--quick`` is 60 arrays (1 min quiet).
+(14 and 23 min measured under loads of 10 and 15 on two cores); ``--quick`` is 60 arrays
+(1 min quiet).
 """
 
 from __future__ import annotations
