@@ -195,7 +195,8 @@ def table(cache, rates, seeds) -> None:
                 print(f"{d:<20}{noise:<8}{rate:>5.0%}{cells}")
     print("-" * len(head))
     print(
-        f"mean F1 per dataset (over noises, rates, seeds, models; {len(cache) // len(dnames)} runs each)"
+        "mean F1 per dataset (over noises, rates, seeds, models; "
+        f"{len(cache) // len(dnames)} runs each)"
     )
     worst = np.inf
     for d in dnames:
@@ -215,7 +216,8 @@ def table(cache, rates, seeds) -> None:
         print(f"{'':<33}{'nbdebug vote (tau=0.5)':>24}{'cleanlab on averaged probs':>30}")
         for d in dnames:
             print(
-                f"{d:<33}{np.mean(ens[(d, 'nbdebug')]):>24.4f}{np.mean(ens[(d, 'cleanlab')]):>30.4f}"
+                f"{d:<33}{np.mean(ens[(d, 'nbdebug')]):>24.4f}"
+                f"{np.mean(ens[(d, 'cleanlab')]):>30.4f}"
             )
 
 
