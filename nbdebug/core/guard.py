@@ -661,6 +661,14 @@ class NaNGuard:
             raise err
         return False
 
+    def mark_step_start(self) -> None:
+        """Record the RNG states now as the start of the coming step (what a replay of its
+        snapshot restores). :meth:`check` records them after each step by itself; call this
+        when the loop draws random numbers between steps (data loading, a trainer
+        callback's ``on_train_batch_start``)."""
+        self._rng_torch = torch.get_rng_state()
+        self._rng_cuda = self._cuda_rng()
+
     def clear_grads(self) -> None:
         """Set every gradient of the model (and optimizer) to ``None``: an optimizer step
         then leaves those parameters unchanged."""
@@ -682,8 +690,7 @@ class NaNGuard:
         RNG state at the start of the block is what a replay uses.
         """
         s = GuardedStep(self, inputs, target, step)
-        self._rng_torch = torch.get_rng_state()
-        self._rng_cuda = self._cuda_rng()
+        self.mark_step_start()
         yield s
         self._finish(s)
 

@@ -161,6 +161,8 @@ class SnapshotWriter:
         self.loss_fn = loss_fn
         self.recipe = recipe
         self.paths: list[Path] = []
+        #: further snapshot fields by key (``"trainer"``, ...), written into every snapshot
+        self.fields: dict[str, Any] = {}
 
     def write(
         self,
@@ -191,6 +193,7 @@ class SnapshotWriter:
             recipe=self.recipe,
             loss_fn=self.loss_fn,
             rng=rng,
+            **self.fields,
         )
         self.paths.append(path)
         return path

@@ -379,6 +379,8 @@ class Snapshot:
     recipe: dict[str, Any] | None
     loss_fn_spec: dict[str, Any] | None
     dropped: list[str]
+    trainer: dict[str, Any] | None
+    autocast: dict[str, Any] | None
 
     def __init__(
         self,
