@@ -56,12 +56,16 @@ else:
         (a torch optimizer passes over a parameter whose ``.grad`` is ``None``: no update,
         no AdamW moment or weight-decay change), so the step is a no-op for the weights.
         The learning-rate scheduler still steps and ``state.global_step`` still counts it.
-        The skip is logged to the ``"nbdebug"`` Python logger, and ``nbdebug/skipped``
-        goes into the Trainer's next log.
+        The skip is logged to the ``"nbdebug"`` Python logger, and the Trainer logs that
+        step (``control.should_log``) with ``nbdebug/skipped`` (1.0) added: in
+        ``state.log_history`` and for the callbacks after this one (the console printer,
+        and reporters added after it; those of ``report_to``, which the Trainer puts first,
+        see that row without it).
 
         The snapshot holds the batch the Trainer fed the model (read by a forward hook
         on the model while it trains, removed at the end of training; the keyword
-        arguments of ``model(**batch)``, labels included; under gradient accumulation
+        arguments the model was called with: the batch, labels included, and what
+        ``compute_loss`` adds such as ``num_items_in_batch``; under gradient accumulation
         the first micro-batch whose loss was not finite, else the last), the
         ``TrainingArguments`` as plain data (``snap.trainer["args"]``), the optimizer and
         the learning-rate scheduler states, and the autocast state under ``bf16=True`` /
@@ -109,6 +113,15 @@ else:
                 f"was attached to a {type(trainer).__module__}.{type(trainer).__qualname__}: "
                 "use nbdebug.integrations.lightning.NaNGuardCallback there."
             )
+
+        # what a Lightning Trainer reads while it fails on setup(): nothing to do
+        state_key = "nbdebug.integrations.hf.NaNGuardCallback"
+
+        def on_exception(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def teardown(self, *args: Any, **kwargs: Any) -> None:
+            return None
 
         def _record(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
             if module.training and torch.is_grad_enabled():
@@ -180,9 +193,17 @@ else:
                 self.guard.snapshots[-1] if self.guard.snapshots else None,
             )
 
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if self._unlogged:
+                control.should_log = True  # the skip goes into the log of its own step
+            return control
+
         def on_log(
             self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
         ) -> None:
             if isinstance(logs, dict) and self._unlogged:
                 logs["nbdebug/skipped"] = float(self._unlogged)
+                history = getattr(state, "log_history", None)
+                if history and history[-1].get("step") == state.global_step:
+                    history[-1]["nbdebug/skipped"] = float(self._unlogged)
                 self._unlogged = 0
