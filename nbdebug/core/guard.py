@@ -67,6 +67,7 @@ from .guard_step import (
     Verdict,
 )
 from .norms import fused_norms, total_norm
+from .snapshot import autocast_state
 from .snapshot_format import parse_recipe
 from .state import RngState, unique_parameters
 from .text import fmt_num
@@ -374,6 +375,11 @@ class NaNGuard:
         step : int, optional
             The step number (default: one more than the last).
 
+        Called inside a ``torch.autocast`` block, the guard records its state (device
+        type, dtype) and its snapshots replay under it (``snap.autocast``); outside it,
+        set ``guard.writer.fields["autocast"] = {"device_type": "cuda", "dtype":
+        "bfloat16"}`` once.
+
         Returns
         -------
         bool
@@ -386,6 +392,9 @@ class NaNGuard:
             ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
         """
         step = self._step_number(step)
+        if torch.is_autocast_enabled(self._device.type):
+            # checked inside the autocast block: the snapshots replay under this state
+            self.writer.fields["autocast"] = autocast_state(self._device.type)
         measure_params = self._checks % self.options.param_norm_every == 0
         self._checks += 1
         reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))

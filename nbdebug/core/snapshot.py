@@ -307,6 +307,45 @@ def load_snapshot(
     return snap
 
 
+def autocast_state(device_type: str) -> dict[str, str] | None:
+    """The active autocast state of ``device_type`` as the snapshot's ``autocast`` field
+    (``{"device_type": ..., "dtype": "bfloat16"}``), or ``None`` when autocast is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return {"device_type": device_type, "dtype": str(dtype).replace("torch.", "")}
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype=dtype)`` runs on this machine (CUDA
+    bfloat16 needs an Ampere or newer GPU)."""
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return False
+    if device_type == "cuda" and dtype == torch.bfloat16:
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device_type == "cpu":
+        return dtype in (torch.bfloat16, torch.float16)
+    return True
+
+
+def replay_autocast(spec: Mapping[str, Any] | None, device: torch.device) -> Any:
+    """The autocast context a replay on ``device`` runs in: the recorded dtype (``spec``,
+    the ``autocast`` field) on ``device``'s type; a null context for ``None``."""
+    import contextlib
+
+    if spec is None:
+        return contextlib.nullcontext()
+    name = str(spec["dtype"])
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not autocast_supported(device.type, dtype):
+        raise SnapshotError(
+            f"this snapshot's step ran under {name} autocast ({spec['device_type']}); "
+            f"expected a {device.type} device that supports {name} autocast, found one that "
+            "does not: replay on such a machine, or call snap.trace(autocast=False)."
+        )
+    return torch.autocast(device.type, dtype=dtype)
+
+
 HISTORY_COLUMNS = ("step", "loss", "grad_norm", "param_norm", "lr", "scale", "skipped")
 
 
@@ -534,15 +573,26 @@ class Snapshot:
                 f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
             ) from e
 
-    def trace(self, loss_fn: Any = None) -> Any:
+    def trace(self, loss_fn: Any = None, *, autocast: bool = True) -> Any:
         """Replay the failing step: reload the stored weights and train flag, set the RNGs
         to the step's states, and run :func:`nbdebug.trace` on the stored batch (moved to
-        the model's device). The caller's RNG states are put back afterwards.
+        the model's device), under the step's autocast state (``self.autocast``: the
+        same dtype, on the model's device type). The caller's RNG states are put back
+        afterwards.
 
         Parameters
         ----------
         loss_fn : callable, optional
             Overrides the recorded loss function.
+        autocast : bool
+            ``False``: replay in the model's own dtypes even when the step ran under
+            autocast.
+
+        Raises
+        ------
+        SnapshotError
+            The step ran under an autocast dtype (bfloat16, float16) that this machine's
+            device does not support.
 
         Returns
         -------
@@ -563,10 +613,12 @@ class Snapshot:
         target = to_device(self.target, device)
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn = loss_fn.to(device)
+        context = replay_autocast(self.autocast if autocast else None, device)
         caller = RngState.capture()
         try:
             self.restore_rng()
-            return _trace(model, inputs, target=target, loss_fn=loss_fn)
+            with context:
+                return _trace(model, inputs, target=target, loss_fn=loss_fn)
         finally:
             caller.restore()
 
