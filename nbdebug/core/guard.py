@@ -209,6 +209,11 @@ class NaNGuard:
         other history rows hold ``None``. Reading all weights is a pass over memory as
         long as the gradient check itself: every 10th step keeps the guard near 1 % of a
         step. ``1``: every step.
+    async_save : bool
+        Copy a snapshot's tensors to the CPU during the step and write the file on a
+        background thread, so that a run that goes on (``on_nonfinite="continue"``) is
+        not blocked by the disk. :meth:`close` waits for the writes and raises the first
+        error; a process that exits waits for them too.
 
     Attributes
     ----------
@@ -249,6 +254,7 @@ class NaNGuard:
         max_snapshots: int | None = 20,
         checks: Any = False,
         param_norm_every: int = 10,
+        async_save: bool = False,
     ):
         self.model = check_model(model)
         self.optimizer, self.scaler, self.scheduler = _training_objects(
@@ -274,6 +280,7 @@ class NaNGuard:
             max_snapshots=max_snapshots,
             loss_fn=loss_fn,
             recipe=parse_recipe(recipe, recipe_kwargs),
+            async_save=async_save,
         )
         self.checks: StepChecks | None = self.resolve_checks(checks)
         if self.checks is not None:
@@ -669,6 +676,11 @@ class NaNGuard:
             _last = err
             raise err
         return False
+
+    def close(self) -> None:
+        """Wait for the snapshots still being written (``async_save``); raise ``OSError``
+        naming the first write that failed."""
+        self.writer.close()
 
     def mark_step_start(self) -> None:
         """Record the RNG states now as the start of the coming step (what a replay of its

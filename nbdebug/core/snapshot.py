@@ -22,7 +22,7 @@ import copy
 import datetime as _dt
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ def save_snapshot(
     recipe: Any = None,
     loss_fn: Any = None,
     rng: RngState | None = None,
+    write: Callable[[dict[str, Any], Path], Path] | None = None,
     **fields: Any,
 ) -> Path:
     """Write one snapshot file atomically and return its path.
@@ -104,6 +105,10 @@ def save_snapshot(
         Stored by import path when it has one (see :func:`loss_spec`).
     rng : RngState, optional
         RNG states to store (default: the current ones).
+    write : callable, optional
+        ``write(payload, path) -> path`` writes the finished dictionary (default:
+        :func:`~nbdebug.core.snapshot_format.atomic_save`, now; the guard's
+        ``async_save`` copies it to the CPU and writes it on a background thread).
     **fields
         Values of further fields of the snapshot table
         (:data:`nbdebug.core.snapshot_format.FIELDS`), by key; stored as plain data.
@@ -175,7 +180,7 @@ def save_snapshot(
             )
         values[key] = to_plain(value, key, dropped, clone=True)
     values["dropped"] = dropped
-    return atomic_save(build_payload(values), target_path)
+    return (write or atomic_save)(build_payload(values), target_path)
 
 
 def _class_name(obj: Any) -> str | None:
