@@ -31,6 +31,7 @@ import torch
 
 import nbdebug
 from nbdebug.core.snapshot_format import read_payload
+from nbdebug.core.state import RngState
 
 
 def case(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
@@ -90,10 +91,17 @@ def save_safetensors(state: dict[str, Any], path: Path) -> None:
     path.with_suffix(".json").write_text(json.dumps(meta, default=str))
 
 
-def timed(fn: Any) -> float:
+def timed(fn: Any, *args: Any, **kwargs: Any) -> float:
     t = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     return time.perf_counter() - t
+
+
+def load_safetensors(path: Path) -> None:
+    from safetensors.torch import load_file
+
+    load_file(str(path))
+    json.loads(path.with_suffix(".json").read_text())
 
 
 def main() -> None:
@@ -124,11 +132,11 @@ def main() -> None:
         root = Path(d)
         for r in range(args.rounds):
             base, snap, st = root / f"b{r}.pt", root / f"s{r}.nbsnap", root / f"t{r}.safetensors"
-            times["torch.save"].append(timed(lambda: torch.save(state, base)))
+            times["torch.save"].append(timed(torch.save, state, base))
             times["save_snapshot"].append(
-                timed(lambda: nbdebug.save_snapshot(snap, model, batch, optimizer=opt, step=r))
+                timed(nbdebug.save_snapshot, snap, model, batch, optimizer=opt, step=r)
             )
-            times["safetensors"].append(timed(lambda: save_safetensors(state, st)))
+            times["safetensors"].append(timed(save_safetensors, state, st))
             guard = nbdebug.NaNGuard(
                 model, opt, directory=root / f"a{r}", on_nonfinite="continue", async_save=True
             )
@@ -139,23 +147,16 @@ def main() -> None:
                 {"kind": "manual", "message": "bench"},
                 batch,
                 None,
-                rng=nbdebug.core.state.RngState.capture(),
+                rng=RngState.capture(),
             )
             times["async held"].append(time.perf_counter() - t0)
             guard.close()
             times["async total"].append(time.perf_counter() - t0)
             times["torch.load"].append(
-                timed(lambda: torch.load(base, weights_only=True, map_location="cpu"))
+                timed(torch.load, base, weights_only=True, map_location="cpu")
             )
-            times["load_snapshot"].append(timed(lambda: read_payload(snap)))
-
-            def load_st() -> None:
-                from safetensors.torch import load_file
-
-                load_file(str(st))
-                json.loads(st.with_suffix(".json").read_text())
-
-            times["safetensors load"].append(timed(load_st))
+            times["load_snapshot"].append(timed(read_payload, snap))
+            times["safetensors load"].append(timed(load_safetensors, st))
             sizes = {
                 "torch.save": base.stat().st_size,
                 "save_snapshot": snap.stat().st_size,
