@@ -98,9 +98,12 @@ class WeightWatch(L.Callback):
         self.changed[i] = any(not torch.equal(a, p) for a, p in zip(self._before, after))
 
 
-def trainer(callbacks: list[Any], logger: Any = False, steps: int = STEPS) -> Any:
+def trainer(
+    callbacks: list[Any], logger: Any = False, steps: int = STEPS, precision: str = "32-true"
+) -> Any:
     return L.Trainer(
         max_steps=steps,
+        precision=precision,
         callbacks=callbacks,
         logger=logger,
         accelerator="cpu",
@@ -195,3 +198,17 @@ def test_without_lightning_the_callback_raises_the_install_hint() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "needs Lightning" in out.stdout and "pip install nbdebug[lightning]" in out.stdout
+
+
+def test_under_bf16_mixed_the_snapshot_replays_in_bfloat16(tmp_path: Path) -> None:
+    cb = NaNGuardCallback(directory=tmp_path, loss_fn=F.mse_loss)
+    trainer([cb], steps=K + 1, precision="bf16-mixed").fit(TinyModule(), data())
+    assert cb.skipped == [K]
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TinyModule)
+    assert snap.autocast == {"device_type": "cpu", "dtype": "bfloat16"}
+    tr = snap.trace()
+    dtypes = {e.module: e.dtype for e in tr.events if e.phase == "forward"}
+    assert dtypes["a"] == "bfloat16" and dtypes["b"] == "bfloat16"
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+    plain = snap.trace(autocast=False)
+    assert {e.dtype for e in plain.events if e.phase == "forward"} == {"float32"}
