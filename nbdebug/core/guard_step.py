@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .distributed import SNAPSHOT_FIELDS, Agreement, full_tensors, is_dtensor
 from .snapshot import save_snapshot
 from .snapshot_data import cpu_copy
 from .snapshot_format import atomic_save, unique_path
@@ -47,6 +48,9 @@ class StepReading:
         The GradScaler's scale (``None`` without an enabled scaler).
     scaled : bool
         Whether the gradients were still multiplied by ``scale`` when read.
+    ranks : Agreement or None
+        Distributed: every rank's local verdict on this step (set by ``NaNGuard.agree``;
+        ``None`` for one process).
     """
 
     step: int
@@ -56,6 +60,7 @@ class StepReading:
     lr: float | None
     scale: float | None
     scaled: bool = False
+    ranks: Agreement | None = None
 
     @property
     def loss_bad(self) -> bool:
@@ -79,8 +84,9 @@ class Verdict:
     ----------
     reading : StepReading
         What the decision acted on (on a bad step with the weight norm measured).
-    kind : {"loss", "grad", "weights", "scale"} or None
-        The failure, or ``None`` (go on and step).
+    kind : {"loss", "grad", "weights", "scale", "rank"} or None
+        The failure, or ``None`` (go on and step); ``"rank"``: another rank's values were
+        not finite (distributed).
     scaler_skip : bool
         The GradScaler skips this overflow step itself (not a failure).
     detail : dict
@@ -188,14 +194,29 @@ class SnapshotWriter:
         target: Any,
         *,
         rng: RngState,
+        distributed: Mapping[str, Any] | None = None,
     ) -> Path | None:
         """Save the snapshot of ``step`` (the guard's model, optimizer, scaler, scheduler
         and history, the batch, ``rng`` as of the start of the step); ``None`` once
-        ``max_snapshots`` files were written."""
+        ``max_snapshots`` files were written.
+
+        ``distributed`` (the agreement's record: ``rank``, ``world_size``, ``local_first``,
+        ``culprit_ranks``, ...) goes into the snapshot fields of those names and names the
+        file ``step-...-rankN.nbsnap``. A sharded (FSDP2) model's state is gathered whole
+        first: every rank writes at the same step, so every rank joins the all-gathers."""
         if self.max_snapshots is not None and len(self.paths) >= self.max_snapshots:
             return None
+        fields = (
+            {k: distributed[k] for k in SNAPSHOT_FIELDS if k in distributed} if distributed else {}
+        )
+        rank = fields.get("rank")
+        model_state = optimizer_state = None
+        if any(is_dtensor(p) for p in guard.model.parameters()):
+            model_state = full_tensors(guard.model.state_dict())
+            if guard.optimizer is not None:
+                optimizer_state = full_tensors(guard.optimizer.state_dict())
         path = save_snapshot(
-            unique_path(self.directory, step),
+            unique_path(self.directory, step, rank=rank),
             guard.model,
             inputs,
             target,
@@ -208,8 +229,11 @@ class SnapshotWriter:
             recipe=self.recipe,
             loss_fn=self.loss_fn,
             rng=rng,
+            state_dict=model_state,
+            optimizer_state_dict=optimizer_state,
             write=self._write_in_background if self.async_save else None,
             **self.fields,
+            **fields,
         )
         self.paths.append(path)
         return path

@@ -76,6 +76,8 @@ def save_snapshot(
     recipe: Any = None,
     loss_fn: Any = None,
     rng: RngState | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state_dict: Mapping[str, Any] | None = None,
     write: Callable[[dict[str, Any], Path], Path] | None = None,
     **fields: Any,
 ) -> Path:
@@ -105,6 +107,9 @@ def save_snapshot(
         Stored by import path when it has one (see :func:`loss_spec`).
     rng : RngState, optional
         RNG states to store (default: the current ones).
+    state_dict, optimizer_state_dict : dict, optional
+        Stored instead of ``model.state_dict()`` / ``optimizer.state_dict()``: e.g. the
+        whole state gathered from a sharded (FSDP2) model.
     write : callable, optional
         ``write(payload, path) -> path`` writes the finished dictionary (default:
         :func:`~nbdebug.core.snapshot_format.atomic_save`, now; the guard's
@@ -148,13 +153,25 @@ def save_snapshot(
         "step": None if step is None else int(step),
         "time": time.time(),
         "reason": to_plain(reason, "reason", dropped, clone=False),
-        "model_state": to_plain(dict(model.state_dict()), "model_state", dropped, clone=False),
+        "model_state": to_plain(
+            dict(state_dict if state_dict is not None else model.state_dict()),
+            "model_state",
+            dropped,
+            clone=False,
+        ),
         "model_class": object_name(type(model))
         or f"{type(model).__module__}:{type(model).__qualname__}",
         "model_training": bool(model.training),
         "inputs": to_plain(inputs, "inputs", dropped, clone=True),
         "target": to_plain(target, "target", dropped, clone=True),
-        "optimizer": to_plain(optimizer.state_dict(), "optimizer", dropped, clone=False)
+        "optimizer": to_plain(
+            dict(optimizer_state_dict)
+            if optimizer_state_dict is not None
+            else optimizer.state_dict(),
+            "optimizer",
+            dropped,
+            clone=False,
+        )
         if optimizer is not None
         else None,
         "optimizer_class": _class_name(optimizer),
@@ -423,6 +440,12 @@ class Snapshot:
     recipe: dict[str, Any] | None
     loss_fn_spec: dict[str, Any] | None
     dropped: list[str]
+    rank: int | None
+    world_size: int | None
+    local_first: bool | None
+    culprit_ranks: list[int]
+    rank_kinds: dict[str, list[str]]
+    fingerprints: dict[str, Any] | None
     trainer: dict[str, Any] | None
     autocast: dict[str, Any] | None
 
