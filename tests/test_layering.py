@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "nbdebug"
-LAYER = {"core": 0, "analysis": 0, "figures": 1, "widgets": 2, "magics": 3, "cli": 3}
+LAYER = {
+    "core": 0,
+    "analysis": 0,
+    "figures": 1,
+    "widgets": 2,
+    "magics": 3,
+    "cli": 3,
+    "integrations": 3,
+}
 UI = ("ipywidgets", "plotly", "IPython", "anywidget")
 
 

@@ -32,6 +32,9 @@ exp_overflow_risk       error     the first Inf made by exp/exp2/expm1/cosh/sinh
 fp16_overflow_risk      error     the first Inf made in float16 (by a non-exp, non-division op)
                         warning   float16 activation abs > ``FP16_RISK_FRACTION`` (0.5) x 65504;
                                   float32 ones too when a GradScaler (float16 autocast) is in use
+bf16_precision_loss     warning   a bfloat16 module output whose std < ``BF16_SPREAD`` (2**-8) x
+                                  abs(mean), or a loss computed in bfloat16
+                                  (:mod:`~nbdebug.analysis.checks_precision`)
 dead_relu               warning   share of exact zeros after a ReLU > ``DEAD_RELU_ZERO_FRAC`` (0.9)
 saturated_activation    warning   tanh/sigmoid outputs within ``SATURATION_EPS`` (1e-3) of the
                                   bounds for > ``SATURATION_SHARE`` (0.5) of the elements (a
@@ -103,7 +106,14 @@ from ..core.guard import NaNGuard
 from ..core.result import Trace, TraceError
 from ..core.snapshot import Snapshot, SnapshotError
 from ..core.trace import trace as _trace
-from . import checks_data, checks_forward, checks_grad, checks_guard, checks_optim
+from . import (
+    checks_data,
+    checks_forward,
+    checks_grad,
+    checks_guard,
+    checks_optim,
+    checks_precision,
+)
 from .checks_base import (
     CHECK_EVERY,
     NEEDS,
@@ -139,6 +149,7 @@ __all__ = [
 FAMILIES: tuple[CheckFamily, ...] = (
     *checks_data.FAMILIES,
     *checks_forward.FAMILIES,
+    *checks_precision.FAMILIES,
     *checks_grad.FAMILIES,
     *checks_optim.FAMILIES,
     *checks_guard.FAMILIES,

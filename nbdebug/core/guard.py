@@ -74,6 +74,7 @@ from .guard_step import (
     Verdict,
 )
 from .norms import fused_norms, total_norm
+from .snapshot import autocast_state
 from .snapshot_format import parse_recipe
 from .state import RngState, unique_parameters
 from .text import fmt_num
@@ -231,6 +232,11 @@ class NaNGuard:
         Distributed: seconds every collective of the agreement waits for the other ranks
         (default 300) before raising :class:`~nbdebug.core.distributed.RankError` naming the
         rank(s) that did not answer.
+    async_save : bool
+        Copy a snapshot's tensors to the CPU during the step and write the file on a
+        background thread, so that a run that goes on (``on_nonfinite="continue"``) is
+        not blocked by the disk. :meth:`close` waits for the writes and raises the first
+        error; a process that exits waits for them too.
 
     Attributes
     ----------
@@ -276,6 +282,7 @@ class NaNGuard:
         process_group: Any = None,
         check_replicas_every: int | None = None,
         timeout: float | None = None,
+        async_save: bool = False,
     ):
         wrapper = model
         if isinstance(model, torch.nn.Module):
@@ -304,6 +311,7 @@ class NaNGuard:
             max_snapshots=max_snapshots,
             loss_fn=loss_fn,
             recipe=parse_recipe(recipe, recipe_kwargs),
+            async_save=async_save,
         )
         self.checks: StepChecks | None = self.resolve_checks(checks)
         if self.checks is not None:
@@ -417,6 +425,11 @@ class NaNGuard:
         step : int, optional
             The step number (default: one more than the last).
 
+        Called inside a ``torch.autocast`` block, the guard records its state (device
+        type, dtype) and its snapshots replay under it (``snap.autocast``); outside it,
+        set ``guard.writer.fields["autocast"] = {"device_type": "cuda", "dtype":
+        "bfloat16"}`` once.
+
         Returns
         -------
         bool
@@ -429,6 +442,9 @@ class NaNGuard:
             ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
         """
         step = self._step_number(step)
+        if torch.is_autocast_enabled(self._device.type):
+            # checked inside the autocast block: the snapshots replay under this state
+            self.writer.fields["autocast"] = autocast_state(self._device.type)
         measure_params = self._checks % self.options.param_norm_every == 0
         self._checks += 1
         reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))
@@ -764,6 +780,19 @@ class NaNGuard:
             raise err
         return False
 
+    def close(self) -> None:
+        """Wait for the snapshots still being written (``async_save``); raise ``OSError``
+        naming the first write that failed."""
+        self.writer.close()
+
+    def mark_step_start(self) -> None:
+        """Record the RNG states now as the start of the coming step (what a replay of its
+        snapshot restores). :meth:`check` records them after each step by itself; call this
+        when the loop draws random numbers between steps (data loading, a trainer
+        callback's ``on_train_batch_start``)."""
+        self._rng_torch = torch.get_rng_state()
+        self._rng_cuda = self._cuda_rng()
+
     def clear_grads(self) -> None:
         """Set every gradient of the model (and optimizer) to ``None``: an optimizer step
         then leaves those parameters unchanged."""
@@ -785,8 +814,7 @@ class NaNGuard:
         RNG state at the start of the block is what a replay uses.
         """
         s = GuardedStep(self, inputs, target, step)
-        self._rng_torch = torch.get_rng_state()
-        self._rng_cuda = self._cuda_rng()
+        self.mark_step_start()
         yield s
         self._finish(s)
 

@@ -241,6 +241,13 @@ def _check_recipe(value: dict[str, Any] | None) -> None:
         raise ValueError("its recipe is not {'factory': str, 'kwargs': dict}")
 
 
+def _check_autocast(value: dict[str, Any] | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value.get("device_type"), str) or not isinstance(value.get("dtype"), str):
+        raise ValueError("its autocast state is not {'device_type': str, 'dtype': str}")
+
+
 #: The snapshot's fields, in the order they are written. Add a field: see the module doc.
 FIELDS: tuple[Field, ...] = (
     Field("step", (int, NoneType), "the training step (None: not known)", default=None),
@@ -379,6 +386,23 @@ FIELDS: tuple[Field, ...] = (
         "tensor (n, 2)}, compared across ranks by nbdebug.compare_ranks",
         since=2,
         default=None,
+    ),
+    Field(
+        "trainer",
+        (dict, NoneType),
+        "the trainer that ran the step: {'framework', 'version', 'global_step', 'args': "
+        "its arguments (TrainingArguments, Trainer flags) as plain data}",
+        since=3,
+        default=None,
+    ),
+    Field(
+        "autocast",
+        (dict, NoneType),
+        "the autocast state of the step's forward: {'device_type': str, 'dtype': str} "
+        "(None: no autocast)",
+        since=3,
+        default=None,
+        check=_check_autocast,
     ),
 )
 
