@@ -502,9 +502,7 @@ def replay_backward(
     if root_node is not None and hasattr(root_node, "_forward_cls"):
         src = _custom_backward_source(root_node, watch.grad_outs.get(root_node), batch_size)
         if src:
-            chain = Chain(
-                [ChainLink(chain[0].op, src, chain[0].value, chain[0].rows), *chain[1:]]
-            )
+            chain = Chain([ChainLink(chain[0].op, src, chain[0].value, chain[0].rows), *chain[1:]])
     finding.chain = chain
     finding.op, finding.source, finding.rows = chain[0].op, chain[0].source, list(chain[0].rows)
     if watch.hidden_nan is not None and watch.hidden_nan is root:

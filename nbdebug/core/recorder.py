@@ -289,7 +289,9 @@ class Recorder:
                 if t.requires_grad:
                     self._hook_grad(t, call, "grad_output", oname)
             if self.exact:
-                self._settle_capture(rec, any_bad, any(self.slots[x].has_nan for x in rec.output_slots))
+                self._settle_capture(
+                    rec, any_bad, any(self.slots[x].has_nan for x in rec.output_slots)
+                )
             return None
 
         return post

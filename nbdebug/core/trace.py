@@ -33,9 +33,9 @@ from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
 from .origin import Located, MaskInfo, batch_masks, locate
 from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
-from .recorder import Recorder, RawEvent
+from .recorder import RawEvent, Recorder
 from .result import Trace, TraceError
-from .state import PreservedState, RngState, preserved
+from .state import PreservedState, preserved
 from .stats import finalize_many, quick_is_complete, tensor_stats
 
 __all__ = ["Trace", "TraceError", "trace"]
