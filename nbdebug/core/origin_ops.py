@@ -512,8 +512,8 @@ def replay_backward(
         )
     elif len(chain) > 1 and chain[-1].value == "NaN" and chain[0].value != "NaN":
         finding.note = (
-            f"the backward of {chain[-1].op} turned an Inf into NaN; the Inf was made by the "
-            f"backward of {finding.op}."
+            f"the backward of {chain[-1].op} turned an Inf into NaN; the Inf was made by "
+            f"{finding.op}'s backward."
         )
     return finding
 
