@@ -298,7 +298,7 @@ def _find_origin(
     masks = batch_masks(rec)
     texts = [_batch_mask_text(rec.raw[i], t) for i, t in _mask_tensors(rec, masks, inputs)]
     modules = dict(model.named_modules())
-    for _ in range(_MAX_MASK_ROUNDS):
+    for round_ in range(_MAX_MASK_ROUNDS):
         loc = locate(rec, bad_params, masks)
         if loc.event is None:
             break
@@ -309,9 +309,10 @@ def _find_origin(
             )
         except Exception as e:  # the replay is a diagnosis aid: never fail the trace for it
             finding = OpFinding(note=f"op-level replay failed: {type(e).__name__}: {e}")
-        if finding.mask:
+        if finding.mask and round_ < _MAX_MASK_ROUNDS - 1:
             call = rec.calls[loc.call]
             masks.slots.update(call.output_slots)
+            masks.slots.add(rec.raw[event_index].slot)
             texts.append(f"{call.module or '<model>'} outputs -inf values used as a mask")
             continue
         return _found(rec, loc, event_index, finding, texts)
