@@ -440,3 +440,32 @@ def test_chain_reads_as_text_and_as_records() -> None:
     assert first.op == "Tensor.div" and first.value == "inf"
     assert repr(o.chain).startswith("Chain(Tensor.div (inf) -> ")
     assert "chain=Tensor.div (inf) -> " in repr(o)
+
+
+class LogAttention(nn.Module):
+    """Self-attention whose weights go through a square root: finite forward, an
+    infinite derivative where a weight is exactly 0 (a padded key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        _, w = self.attn(x, x, x, key_padding_mask=pad)
+        return torch.sqrt(w).sum(-1)
+
+
+def test_backward_through_a_composite_names_the_elementary_operation() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    pad[1, 2] = True  # softmax gives an exact 0 weight in row 1: sqrt'(0) = inf
+    tr = nbdebug.trace(LogAttention(), (x, pad), loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None, tr
+    assert (o.phase, o.module) == ("backward", "")
+    assert o.op == "torch.sqrt" and o.samples == [1]
+    assert o.source == line_of(LogAttention.forward, "torch.sqrt")
+    assert o.chain[0].value == "inf" and o.chain[-1].value == "NaN"
+    assert "multi_head_attention_forward" not in str(o.chain)
+    assert "softmax" in str(o.chain)

@@ -298,15 +298,30 @@ class _Spy(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         descend = self.depth < _MAX_DESCENT and _descendable(func)
+        if self.graph is not None and descend and func is not F.scaled_dot_product_attention:
+            # a backward replay: run composites with their body visible from the start,
+            # so that their autograd nodes are named by the elementary operations
+            self.depth += 1
+            try:
+                with self:
+                    out = _shadow(func)(*args, **kwargs)
+            finally:
+                self.depth -= 1
+            descend = False
+        else:
+            out = None
         rng = _rng_state() if descend else None
-        out = func(*args, **kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         outs = _tensors(out)
         if not outs:
             return out
         if self.graph is not None:
+            name = op_name(func)
             for t in outs:
-                if t.grad_fn is not None and t.grad_fn not in self.graph:
-                    self.graph[t.grad_fn] = (op_name(func), user_source(self.call_site))
+                seen = self.graph.get(t.grad_fn) if t.grad_fn is not None else None
+                if t.grad_fn is not None and (seen is None or _base(seen[0]) == _base(name)):
+                    self.graph[t.grad_fn] = (name, user_source(self.call_site))
         bad = [t for t in outs if _nonfinite(t)]
         if not bad:
             for t in outs:
@@ -384,11 +399,22 @@ class _Spy(TorchFunctionMode):
 
     # results ------------------------------------------------------------
     def chain(self, prefer_nan: bool) -> Chain:
-        if prefer_nan and self.first_nan is not None:
-            return self.first_nan.path()
-        if self.roots:
-            return self.roots[0].path()
-        return self.first_nan.path() if self.first_nan is not None else Chain()
+        end = _end(self.roots, self.first_nan, prefer_nan)
+        return end.path() if end is not None else Chain()
+
+
+def _end(roots: list[_Node], first_nan: _Node | None, prefer_nan: bool) -> _Node | None:
+    """The last node of the chain: the first NaN when the value looked for is NaN or
+    when that NaN descends from the first root; else the first root."""
+    if first_nan is not None and (prefer_nan or not roots or _root(first_nan) is roots[0]):
+        return first_nan
+    return roots[0] if roots else None
+
+
+def _root(node: _Node) -> _Node:
+    while node.parent is not None:
+        node = node.parent
+    return node
 
 
 def _rng_state() -> Any:
@@ -490,14 +516,10 @@ def replay_backward(
         for h in handles:
             h.remove()
     finding = OpFinding(reproduced=any(g is not None and _nonfinite(g) for g in grads_in))
-    target = watch.first_nan if kind == "nan" and watch.first_nan is not None else None
-    start = target or (watch.roots[0] if watch.roots else None)
-    if start is None:
+    end = _end(watch.roots, watch.first_nan, kind == "nan")
+    if end is None:
         return finding
-    chain = start.path()
-    root = start
-    while root.parent is not None:
-        root = root.parent
+    chain, root = end.path(), _root(end)
     root_node = watch.records.get(id(root))
     if root_node is not None and hasattr(root_node, "_forward_cls"):
         src = _custom_backward_source(root_node, watch.grad_outs.get(root_node), batch_size)
