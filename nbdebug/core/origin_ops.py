@@ -522,7 +522,7 @@ def replay_backward(
     chain, root = end.path(), _root(end)
     root_node = watch.records.get(id(root))
     if root_node is not None and hasattr(root_node, "_forward_cls"):
-        src = _custom_backward_source(root_node, watch.grad_outs.get(root_node), batch_size)
+        src = _run_backward_source(root_node, watch.grad_outs.get(root_node), batch_size)
         if src:
             chain = Chain([ChainLink(chain[0].op, src, chain[0].value, chain[0].rows), *chain[1:]])
     finding.chain = chain
@@ -626,15 +626,11 @@ def _zero_where_bad(grads: Any, bad: torch.Tensor) -> bool:
     return False
 
 
-def _custom_backward_source(node: Any, grad_outputs: Any, batch_size: int | None) -> str | None:
+def _run_backward_source(node: Any, grad_outputs: Any, batch_size: int | None) -> str | None:
     """The line of a custom Function's backward that made the value: run that backward
-    once more (the graph was retained) under the spy."""
+    once more (the graph was retained) on the gradients it received, under the spy."""
     if grad_outputs is None:
         return None
-    return _run_backward_source(node, grad_outputs, batch_size)
-
-
-def _run_backward_source(node: Any, grad_outputs: Any, batch_size: int | None) -> str | None:
     spy = _Spy(batch_size)
     try:
         with torch.no_grad(), spy:

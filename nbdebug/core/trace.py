@@ -3,8 +3,10 @@
 The common case costs one quick pass: module hooks keep statistics on the device and the
 host reads them once. Only when that pass saw a NaN/Inf does the trace replay the same
 step (same buffers, same RNG) in exact mode to count NaN/Inf element-wise, find the batch
-rows and the module that produced the value, and then replays that one module at the
-level of torch operations to name the op and the source line.
+rows and the module that produced the value (:mod:`.origin`, intended masks set aside),
+and then replays that one module, on its inputs as they were at the call, at the level of
+torch operations to name the root op, its source line and the chain to the first NaN
+(:mod:`.origin_ops`). The events are built once, the origin's fields with them.
 """
 
 from __future__ import annotations
