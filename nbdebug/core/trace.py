@@ -518,24 +518,23 @@ def _events(
 
 
 def _event(i: int, r: RawEvent, stats: Any, hist: Any, **fields: Any) -> Event:
-    base: dict[str, Any] = {
-        "index": i,
-        "phase": r.phase,
-        "module": r.module,
-        "kind": r.kind,
-        "name": r.name,
-        "shape": r.shape,
-        "dtype": r.dtype,
-        "stats": stats,
-        "hist": hist,
-        "samples": list(r.samples),
-        "call": r.call,
-        "depth": r.depth,
-        "module_type": r.module_type,
-        "param": r.param,
-    }
-    base.update(fields)
-    return Event(**base)
+    return Event(
+        index=i,
+        phase=r.phase,
+        module=fields.pop("module", r.module),
+        kind=r.kind,
+        name=r.name,
+        shape=r.shape,
+        dtype=r.dtype,
+        stats=stats,
+        hist=hist,
+        samples=fields.pop("samples", None) or list(r.samples),
+        call=r.call,
+        depth=r.depth,
+        module_type=fields.pop("module_type", r.module_type),
+        param=fields.pop("param", r.param),
+        **fields,
+    )
 
 
 @dataclasses.dataclass
