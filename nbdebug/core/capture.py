@@ -21,7 +21,15 @@ import torch
 
 from .state import RngState
 
-__all__ = ["CallCapture", "call_site", "clone_structure", "copy_arguments", "has_state"]
+__all__ = [
+    "CallCapture",
+    "call_site",
+    "clone_structure",
+    "copy_arguments",
+    "frame_kind",
+    "has_state",
+    "source_text",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -123,6 +131,22 @@ def _copy(obj: Any, clone: bool, memo: dict[int, Any], depth: int) -> Any:
     return out
 
 
+def frame_kind(filename: str) -> str:
+    """``"nbdebug"``, ``"torch"``, ``"python"`` (the standard library, frozen modules) or
+    ``"user"`` (everything else: the user's code and other libraries, ``transformers``)."""
+    if filename.startswith(_PKG_DIR):
+        return "nbdebug"
+    if filename.startswith(_TORCH_DIR):
+        return "torch"
+    if filename.startswith("<frozen") or (
+        filename.startswith(_STDLIB_DIR)
+        and "site-packages" not in filename
+        and "dist-packages" not in filename
+    ):
+        return "python"
+    return "user"
+
+
 def call_site() -> str | None:
     """``file.py:line`` of the user's code that called the current module: the first
     frame outside torch and the standard library, going outwards from the hook; ``None``
@@ -131,14 +155,14 @@ def call_site() -> str | None:
     f = sys._getframe(1)
     left = False  # left nbdebug's own hook frames
     while f is not None:
-        fn = f.f_code.co_filename
-        if fn.startswith(_PKG_DIR):
+        kind = frame_kind(f.f_code.co_filename)
+        if kind == "nbdebug":
             if left:
                 return None
-        elif fn.startswith((_TORCH_DIR, _STDLIB_DIR)) or fn.startswith("<frozen"):
-            left = True
+        elif kind == "user":
+            return source_text(f.f_code.co_filename, f.f_lineno)
         else:
-            return source_text(fn, f.f_lineno)
+            left = True
         f = f.f_back  # type: ignore[assignment]
     return None
 

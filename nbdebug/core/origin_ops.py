@@ -41,16 +41,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from .batch import compute_loss, named_tensors
-from .capture import CallCapture, source_text
+from .capture import CallCapture, frame_kind, source_text
 from .events import Chain, ChainLink
 from .stats import row_dim
 
 __all__ = ["OpFinding", "op_name", "replay_backward", "replay_forward", "replay_loss"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
-_PKG_DIR = os.path.dirname(_OWN_DIR)
-_STDLIB_DIR = os.path.dirname(os.__file__)
 _MODULE_PY = os.path.join("nn", "modules", "module.py")
 _REPLAY_FRAMES = ("replay_forward", "replay_backward", "replay_loss", "_run_backward_source")
 _COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
@@ -99,16 +96,17 @@ def user_source(fallback: str | None = None) -> str | None:
     torch_frame = None
     while f is not None:
         fn = f.f_code.co_filename
-        if fn.startswith(_PKG_DIR):
+        kind = frame_kind(fn)
+        if kind == "nbdebug":
             if f.f_code.co_name in _REPLAY_FRAMES or f.f_code.co_name == "compute_loss":
                 break  # left the replayed code
-        elif fn.startswith(_TORCH_DIR):
+        elif kind == "torch":
             if (
                 not fn.endswith(("overrides.py", "_tensor.py", _MODULE_PY))
                 and os.sep + "utils" + os.sep not in fn
             ):
                 torch_frame = f  # the outermost one wins
-        elif not fn.startswith(_STDLIB_DIR) and not fn.startswith("<frozen"):
+        elif kind == "user":
             return source_text(fn, f.f_lineno)
         f = f.f_back  # type: ignore[assignment]
     if fallback is not None:
