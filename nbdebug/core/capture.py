@@ -134,9 +134,9 @@ def _copy(obj: Any, clone: bool, memo: dict[int, Any], depth: int) -> Any:
 def frame_kind(filename: str) -> str:
     """``"nbdebug"``, ``"torch"``, ``"python"`` (the standard library, frozen modules) or
     ``"user"`` (everything else: the user's code and other libraries, ``transformers``)."""
-    if filename.startswith(_PKG_DIR):
+    if filename.startswith(_PKG_DIR + os.sep):
         return "nbdebug"
-    if filename.startswith(_TORCH_DIR):
+    if filename.startswith(_TORCH_DIR + os.sep):
         return "torch"
     if filename.startswith("<frozen") or (
         filename.startswith(_STDLIB_DIR)
