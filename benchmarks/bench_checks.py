@@ -91,7 +91,8 @@ def main() -> None:
     )
     tt, tc = check_vs_trace(args.rounds)
     print(
-        f"nbdebug.check vs nbdebug.trace, transformer: trace {tt * 1e3:.1f} ms, check {tc * 1e3:.1f} ms "
+        f"nbdebug.check vs nbdebug.trace, transformer: trace {tt * 1e3:.1f} ms, check "
+        f"{tc * 1e3:.1f} ms "
         f"({tc / tt:.3f}x)"
     )
 

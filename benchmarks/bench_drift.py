@@ -46,7 +46,8 @@ def main() -> None:
 
     print(
         f"bench_drift: {n} x {d} reference vs {n} x {d} current, RandomForestClassifier"
-        f"(n_estimators={args.trees}, max_depth={args.depth}); model fit {fit_s:.1f} s (not counted); "
+        f"(n_estimators={args.trees}, max_depth={args.depth}); model fit {fit_s:.1f} s "
+        f"(not counted); "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     for stage, secs in rep.timings.items():

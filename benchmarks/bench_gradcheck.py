@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import transformer
 
-from nbdebug.analysis.gradcheck_sweep import _capture_module_inputs, gradcheck_modules
+from nbdebug.analysis.gradcheck_sweep import capture_module_inputs, gradcheck_modules
 from nbdebug.core.batch import iter_tensors
 
 
@@ -49,7 +49,7 @@ def _float64(obj):
 
 def plain_cases(model, x, rows, names):
     """(name, fn, float inputs) for torch.autograd.gradcheck, on the same activations."""
-    _, captured = _capture_module_inputs(model, x, rows)
+    _, captured = capture_module_inputs(model, x, rows)
     modules = dict(model.named_modules())
     cases = []
     for name in names:
@@ -137,7 +137,8 @@ def main() -> None:
         jac_bytes += 2 * 8 * n_in * y.numel()
 
     print(
-        f"model: 4 x TransformerEncoderLayer(128, 4), batch {tuple(x.shape)}, rows={args.rows}, eval, 1 thread"
+        f"model: 4 x TransformerEncoderLayer(128, 4), batch {tuple(x.shape)}, "
+        f"rows={args.rows}, eval, 1 thread"
     )
     print(
         f"modules: {len(df)} ({len(checked)} checked, {n_skipped} skipped), "
@@ -152,19 +153,20 @@ def main() -> None:
         f"{t_ours_fast:.2f} s [{w_ours_fast:.2f} s]"
     )
     print(
-        f"torch.autograd.gradcheck(fast_mode=True, 1 projection), same {len(cases)} modules, inputs only: "
+        f"torch.autograd.gradcheck(fast_mode=True, 1 projection), same {len(cases)} modules, "
+        "inputs only: "
         f"{t_plain_fast:.2f} s [{w_plain_fast:.2f} s] ({plain_ok}/{len(cases)} passed)"
     )
     print(
-        f"torch.autograd.gradcheck(fast_mode=False), same modules: not run, estimated {est:.0f} s and "
+        "torch.autograd.gradcheck(fast_mode=False), same modules: not run, estimated "
+        f"{est:.0f} s and "
         f"{jac_bytes / 2**30:.0f} GiB of Jacobians"
     )
     print(f"ratio nbdebug elements / torch fast_mode: {t_ours / t_plain_fast:.1f}x")
     print(f"ratio nbdebug fast / torch fast_mode:     {t_ours_fast / t_plain_fast:.1f}x")
     print(f"ratio nbdebug elements / torch slow mode (estimated): {t_ours / est:.4f}x")
-    print(
-        f"fast-mode sweep agrees with the element-wise one: {list(df_fast['passed']) == list(df['passed'])}"
-    )
+    agree = list(df_fast["passed"]) == list(df["passed"])
+    print(f"fast-mode sweep agrees with the element-wise one: {agree}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,10 @@ def scores(flags: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
 
 def line(name: str, flags: np.ndarray, truth: np.ndarray, seconds: float) -> str:
     p, r, f = scores(flags, truth)
-    return f"  {name:<44} precision {p:.3f}  recall {r:.3f}  F1 {f:.3f}  time {seconds * 1000:8.1f} ms  flagged {int(flags.sum())}"
+    return (
+        f"  {name:<44} precision {p:.3f}  recall {r:.3f}  F1 {f:.3f}  time "
+        f"{seconds * 1000:8.1f} ms  flagged {int(flags.sum())}"
+    )
 
 
 def timed(fn, *a, **kw):
@@ -77,7 +80,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     X, y = load_digits(return_X_y=True)
     print(
-        f"digits: {len(y)} samples, 10 classes; cleanlab {getattr(cleanlab, '__version__', 'not installed')}"
+        f"digits: {len(y)} samples, 10 classes; cleanlab "
+        f"{getattr(cleanlab, '__version__', 'not installed')}"
     )
     find_label_issues(y[:50], pred_probs=np.full((50, 10), 0.1))  # warm-up (imports)
     for rate, seed in ((0.10, 0), (0.20, 1)):

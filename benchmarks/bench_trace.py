@@ -97,8 +97,10 @@ def report(title: str, res: dict[str, dict[str, float]]) -> None:
     for name, r in res.items():
         print(
             f"{name:12s} plain {r['plain'] * 1e3:8.1f} ms  trace {r['trace'] * 1e3:8.1f} ms  "
-            f"detect_anomaly {r['detect_anomaly'] * 1e3:8.1f} ms  |  trace/plain {r['trace'] / r['plain']:.2f}x  "
-            f"anomaly/plain {r['detect_anomaly'] / r['plain']:.2f}x  trace/anomaly {r['trace'] / r['detect_anomaly']:.2f}x"
+            f"detect_anomaly {r['detect_anomaly'] * 1e3:8.1f} ms  |  trace/plain "
+            f"{r['trace'] / r['plain']:.2f}x  "
+            f"anomaly/plain {r['detect_anomaly'] / r['plain']:.2f}x  trace/anomaly "
+            f"{r['trace'] / r['detect_anomaly']:.2f}x"
         )
 
 
@@ -154,7 +156,8 @@ def many_modules() -> None:
     t_frame = time.perf_counter() - t
     print(
         f"-- {n} modules: trace {t_trace:.2f} s, {len(tr.events)} events, "
-        f"to_frame {t_frame * 1e3:.0f} ms ({t_first * 1e3:.0f} ms on first use, with the pandas import; "
+        f"to_frame {t_frame * 1e3:.0f} ms ({t_first * 1e3:.0f} ms on first use, with "
+        f"the pandas import; "
         f"{len(frame)} rows; target < 1 s)"
     )
 

@@ -47,12 +47,14 @@ def main() -> None:
 
     build = timed(lambda: Debugger(tr).close(), 3)
     print(
-        f"build debugger from the trace: median {statistics.median(build) * 1e3:.0f} ms (target < 2000 ms)"
+        f"build debugger from the trace: median {statistics.median(build) * 1e3:.0f} "
+        f"ms (target < 2000 ms)"
     )
     alone = timed(lambda: nbdebug.trace(model, x, y, F.cross_entropy), 2)
     full = timed(lambda: nbdebug.debug(model, x, y, F.cross_entropy).close(), 2)
     print(
-        f"nbdebug.debug(model, batch) incl. the trace: median {statistics.median(full) * 1e3:.0f} ms "
+        f"nbdebug.debug(model, batch) incl. the trace: median "
+        f"{statistics.median(full) * 1e3:.0f} ms "
         f"(nbdebug.trace alone: {statistics.median(alone) * 1e3:.0f} ms)"
     )
 
@@ -86,9 +88,11 @@ def _steps(tr: nbdebug.Trace, backend: str) -> str:
         return statistics.median(v) * 1e3
 
     return (
-        f"[{backend}] one step (next click): median {ms(steps):.2f} ms, max {max(steps) * 1e3:.2f} ms "
+        f"[{backend}] one step (next click): median {ms(steps):.2f} ms, max "
+        f"{max(steps) * 1e3:.2f} ms "
         f"(target < 50 ms); jump first/origin/last: median {ms(jumps):.2f} ms; "
-        f"slider move: median {ms(slider):.2f} ms; phase filter change: max {max(filt) * 1e3:.1f} ms"
+        f"slider move: median {ms(slider):.2f} ms; phase filter change: max "
+        f"{max(filt) * 1e3:.1f} ms"
     )
 
 

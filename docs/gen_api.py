@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "nbdebug.core.stats": "Tracing a step",
     "nbdebug.core.guard": "Training-loop guard and snapshots",
     "nbdebug.core.snapshot": "Training-loop guard and snapshots",
+    "nbdebug.analysis.checks_guard": "Training-loop guard and snapshots",
     "nbdebug.analysis.checks": "Health checks",
     "nbdebug.analysis.gradcheck": "Gradient checks",
     "nbdebug.analysis.drift": "SHAP drift",
@@ -139,7 +140,10 @@ def render() -> str:
                         head = f"`.{mname}` *(property)*"
                     else:
                         params = (
-                            _plain_signature(member).replace("(self, ", "(").replace("(self)", "()")
+                            _plain_signature(member)
+                            .replace("(self, ", "(")
+                            .replace("(self)", "()")
+                            .replace("(cls, ", "(")
                         )
                         head = f"`.{mname}{params}`"
                     lines.append(f"- {head}" + (f": {doc}" if doc else ""))

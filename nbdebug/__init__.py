@@ -5,7 +5,12 @@
 >>> tr.origin        # where the first NaN/Inf was produced, or None
 
 Public names are imported lazily so that ``import nbdebug`` stays cheap and the UI
-stack (ipywidgets, plotly) is only imported when a widget is asked for.
+stack (ipywidgets, plotly) is only imported when a widget is asked for. Importing a
+module registers nothing: ``nbdebug.NaNGuard`` is core's guard extended by
+:mod:`nbdebug.analysis.checks_guard` so that ``checks=True`` (or a number of steps, or a
+dict) means its health checks; ``nbdebug.core.guard.NaNGuard`` takes a
+``GuardChecks(...)`` object instead. The ``df.label_issues`` pandas accessor is registered
+by the first :func:`find_label_issues` call.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
+from .core.display import add_viewer_source
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -24,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "ParamInfo": "nbdebug.core.events",
     "TensorStats": "nbdebug.core.stats",
     "Histogram": "nbdebug.core.stats",
-    "NaNGuard": "nbdebug.core.guard",
+    "NaNGuard": "nbdebug.analysis.checks_guard",
     "NonFiniteError": "nbdebug.core.guard",
     "Snapshot": "nbdebug.core.snapshot",
     "SnapshotError": "nbdebug.core.snapshot",
@@ -45,9 +51,9 @@ _EXPORTS: dict[str, str] = {
     "Debugger": "nbdebug.widgets.app",
 }
 
-# modules that plug into a lower layer when that layer's names are used: the guard's
-# health checks (core never imports analysis itself)
-_COMPANIONS: dict[str, tuple[str, ...]] = {"nbdebug.core.guard": ("nbdebug.analysis.checks",)}
+# result objects of core and analysis show themselves through the panels that the widgets
+# layer registers: on the first show(), not before (``import nbdebug`` stays UI-free)
+add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.display").register_viewers())
 
 __all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
 
@@ -62,8 +68,6 @@ def __getattr__(name: str) -> Any:
         if e.name == modname:  # the feature is not built yet, not a missing dependency
             raise AttributeError(f"module 'nbdebug' has no attribute {name!r}") from e
         raise
-    for companion in _COMPANIONS.get(modname, ()):
-        importlib.import_module(companion)
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -176,8 +176,8 @@ def _print_rows(rows: list[tuple[str, str]], out: Any, indent: str = "") -> None
 
 
 def _inspect(args: argparse.Namespace, out: Any) -> None:
+    from .core.text import fmt_num
     from .figures.report import (
-        fmt,
         grad_norms,
         history_table,
         largest,
@@ -188,7 +188,7 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
     if args.rows < 0 or args.top < 0:
         raise UsageError("--rows and --top must be >= 0.")
     snap, trace, note = _load(args)
-    print(f"nbdebug snapshot: step {fmt(snap.step)}", file=out)
+    print(f"nbdebug snapshot: step {fmt_num(snap.step)}", file=out)
     _print_rows(snapshot_facts(snap), out, "  ")
     print("\norigin (replay of the step)", file=out)
     if trace is not None:
@@ -208,7 +208,7 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
     ):
         print(f"\n{title}", file=out)
         if items:
-            _print_rows([(n, fmt(v)) for n, v in items], out, "  ")
+            _print_rows([(n, fmt_num(v)) for n, v in items], out, "  ")
         else:
             print("  (none recorded)", file=out)
     if trace is not None:
@@ -220,7 +220,7 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
         items = largest(acts, args.top)
         if items:
             print("\nlargest activation norms in the replay", file=out)
-            _print_rows([(n, fmt(v)) for n, v in items], out, "  ")
+            _print_rows([(n, fmt_num(v)) for n, v in items], out, "  ")
 
 
 def _report(args: argparse.Namespace, out: Any) -> None:

@@ -262,7 +262,8 @@ def _open(line: str) -> Any:
 
     if not isinstance(value, (Snapshot, str, os.PathLike)):
         raise MagicUsageError(
-            f"{first} is a {type(value).__qualname__}: expected a torch.nn.Module, a Snapshot or a snapshot path. {USAGE}"
+            f"{first} is a {type(value).__qualname__}: expected a torch.nn.Module, a "
+            f"Snapshot or a snapshot path. {USAGE}"
         )
     if len(args) > 1:
         raise MagicUsageError(f"a snapshot takes no batch or target (it holds its own). {USAGE}")

@@ -317,3 +317,22 @@ def scenarios() -> list[Scenario]:
 
 def by_name(name: str) -> Scenario:
     return next(s for s in scenarios() if s.name == name)
+
+
+def bn_dropout_model() -> nn.Module:
+    """Conv + BatchNorm + Dropout in train mode, one BatchNorm in eval, a frozen weight and
+    existing ``.grad``: the state that debugging must leave as it was."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+        nn.BatchNorm1d(3),
+    )
+    model.train()
+    model[6].eval()  # mixed modes must survive too
+    model[0].weight.requires_grad_(False)  # and a frozen weight
+    model(torch.randn(4, 3, 6, 6)).sum().backward()  # pre-existing .grad
+    return model

@@ -121,13 +121,15 @@ def test_pinned_versions_agree_with_pyproject():
             lows = [s.version for s in r.specifier if s.operator in (">=", "~=", ">")]
             for v in lows:
                 assert allowed.contains(Version(v), prereleases=True), (
-                    f"binder allows {r.name}{r.specifier}, starting outside pyproject.toml's {allowed}"
+                    f"binder allows {r.name}{r.specifier}, starting outside "
+                    f"pyproject.toml's {allowed}"
                 )
     # what the notebooks need at run time comes with nbdebug's own dependencies
     for dep in pyproject()["project"]["dependencies"]:
         name = canonicalize_name(Requirement(dep).name)
         assert name in seen, (
-            f"pin {name} in binder/requirements.txt (Binder builds are reproducible when all are pinned)"
+            f"pin {name} in binder/requirements.txt (Binder builds are reproducible "
+            f"when all are pinned)"
         )
     for kernel in ("jupyterlab", "ipykernel"):
         assert kernel in seen

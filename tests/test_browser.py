@@ -212,7 +212,7 @@ def test_debugger_in_jupyterlab(tmp_path):
                 page.wait_for_function(f"() => ({MARKER_JS})() !== null", timeout=60_000)
                 status = badge.inner_text()
                 assert status.startswith("NaN produced in norm (forward, Tensor.div"), status
-                assert status.endswith("rows 3"), status
+                assert status.endswith("row 3"), status
                 detail = page.locator(".nbdebug-debugger .nbdebug-detail").first
                 detail_before = detail.inner_text()
                 marker_before = page.evaluate(MARKER_JS)
@@ -220,7 +220,8 @@ def test_debugger_in_jupyterlab(tmp_path):
 
                 page.locator(".nbdebug-debugger button", has_text="jump to origin").click()
                 page.wait_for_function(
-                    "() => document.querySelector('.nbdebug-debugger .nbdebug-detail').innerText.includes('Tensor.div')"
+                    "() => document.querySelector('.nbdebug-debugger "
+                    ".nbdebug-detail').innerText.includes('Tensor.div')"
                 )
                 at_origin = detail.inner_text()
                 assert (
@@ -234,7 +235,8 @@ def test_debugger_in_jupyterlab(tmp_path):
                     has_text=re.compile(r"^\s*next\s*$")
                 ).click()
                 page.wait_for_function(
-                    "() => document.querySelector('.nbdebug-debugger .nbdebug-detail').innerText.includes('#2 forward')"
+                    "() => document.querySelector('.nbdebug-debugger "
+                    ".nbdebug-detail').innerText.includes('#2 forward')"
                 )
                 page.wait_for_function(f"() => ({MARKER_JS})()[0][0] === 'body.0'")
                 assert detail.inner_text() != at_origin != detail_before

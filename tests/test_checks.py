@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import by_name, scenarios
-from test_trace_state import _assert_same, _snapshot
+from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
 from nbdebug.analysis import checks_base as cb
 from nbdebug.analysis.checks import Findings, parse_checks
-from nbdebug.core.guard import NaNGuard
+from nbdebug.analysis.checks_guard import NaNGuard  # nbdebug.NaNGuard: core's guard + checks=True
 from nbdebug.core.snapshot import load_snapshot
 
 
@@ -37,7 +37,7 @@ def _mlp(n_in: int = 4, n_out: int = 3) -> nn.Sequential:
 # --------------------------------------------------------------------------- scenarios
 EXPECTED_TOP = {
     # scenario: (code, module, param, rows, where-substring)
-    "nan_in_batch": ("nonfinite_input", None, None, [3], "rows [3]"),
+    "nan_in_batch": ("nonfinite_input", None, None, [3], "row 3"),
     "zero_over_zero_norm": ("division_by_zero", "0", None, [2, 4], "Normalize"),
     "exp_overflow": ("exp_overflow_risk", "1", None, [1], "ExpScore"),
     "fp16_linear_overflow": ("fp16_overflow_risk", "0", None, [2], "Linear"),
@@ -47,7 +47,7 @@ EXPECTED_TOP = {
     "param_grad_only": ("log_of_nonpositive", "1", "1.w", None, "SqrtGate"),
     "deep_nested": ("division_by_zero", "1.1.1", None, list(range(7)), "Normalize"),
     "parent_code": ("division_by_zero", "", None, [0, 1, 2], "<model>"),
-    "dict_batch_own_loss": ("nonfinite_input", None, None, [5], "rows [5]"),
+    "dict_batch_own_loss": ("nonfinite_input", None, None, [5], "row 5"),
     "corrupted_weight": ("nonfinite_weight", "2", "2.weight", None, "2.weight"),
 }
 
@@ -276,9 +276,9 @@ def test_labels_checked_before_tracing_off_the_cpu() -> None:
 
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0])
-    before = _snapshot(model)
+    before = fingerprint(model)
     f = labels_before_trace(model, x, y, F.cross_entropy, on_cpu=True)
-    _assert_same(before, model)  # the forward it ran left BatchNorm's statistics alone
+    assert_unchanged(before, model)  # the forward it ran left BatchNorm's statistics alone
     assert [(g.code, g.rows) for g in f] == [("label_out_of_range", [3])]
     assert labels_before_trace(model, x, y, F.cross_entropy) == []  # CPU: left to the trace
     assert labels_before_trace(model, x, y.clamp(max=2), F.cross_entropy, on_cpu=True) == []
@@ -858,9 +858,9 @@ ODD = {
 def test_odd_models_never_raise_and_say_what_was_skipped(name: str) -> None:
     build, batch, target, loss_fn, why = ODD[name]
     model, x = build(), batch()
-    before = _snapshot(model)
+    before = fingerprint(model)
     found = nbdebug.check((model, x), target=target, loss_fn=loss_fn)
-    _assert_same(before, model)
+    assert_unchanged(before, model)
     assert isinstance(found, Findings)
     if why is not None:
         assert any(why in f.advice for f in found if f.severity == "info"), found
@@ -897,11 +897,11 @@ def test_bad_input_raises_one_clear_sentence() -> None:
 def test_check_changes_nothing(name: str) -> None:
     s = by_name(name)
     opt = torch.optim.Adam(s.model.parameters(), 1e-3)
-    before = _snapshot(s.model)
+    before = fingerprint(s.model)
     opt_before = {k: v for k, v in opt.state_dict().items()}
     inputs_before = [t.clone() for t in _tensors(s.inputs)]
     nbdebug.check((s.model, s.inputs), target=s.target, loss_fn=s.loss_fn, optimizer=opt)
-    _assert_same(before, s.model)
+    assert_unchanged(before, s.model)
     assert opt.state_dict()["param_groups"] == opt_before["param_groups"] and not opt.state
     for a, b in zip(inputs_before, _tensors(s.inputs)):
         assert torch.allclose(a, b, equal_nan=True, rtol=0, atol=0) and b.grad is None
@@ -917,11 +917,11 @@ def test_guard_checks_change_nothing_but_the_history() -> None:
         opt.step()
     model(x).pow(2).mean().backward()  # fresh .grad for the checks to read
     guard = NaNGuard(model, opt, directory="unused", checks=1)
-    before = _snapshot(model)
+    before = fingerprint(model)
     w0 = model.get_parameter("0.weight")
     state = {k: v.clone() for k, v in opt.state[w0].items()}
     assert guard.check(torch.tensor(1.0), step=0)
-    _assert_same(before, model)
+    assert_unchanged(before, model)
     assert all(torch.equal(state[k], opt.state[w0][k]) for k in state)
     assert guard.history[-1]["checks"] == [] and set(guard.history[-1]["adam"]) == {
         "0.weight",
@@ -1070,3 +1070,123 @@ def test_checks_panel_click_calls_on_select() -> None:
     with pytest.raises(TypeError, match="on_select"):
         ChecksPanel(found, on_select="jump")  # type: ignore[arg-type]
     assert "ChecksPanel(no errors or warnings" in repr(panel)
+
+
+# --------------------------------------------------------------------------- structure
+def test_ratio_verdict_is_the_one_judgement_of_the_layers_tab_and_the_checks() -> None:
+    from nbdebug.analysis.checks_grad import ratio_verdict
+
+    v, e = cb.VANISHING_RATIO, cb.EXPLODING_RATIO
+    assert [ratio_verdict(r) for r in (0.0, v / 2, v, 1.0, e, e * 2, math.inf)] == [
+        "vanishing",
+        "vanishing",
+        "ok",
+        "ok",
+        "ok",
+        "exploding",
+        "exploding",
+    ]
+    assert ratio_verdict(None) == ratio_verdict(math.nan) == "unknown"
+    # the Layers table marks, and the checks report, the same parameters
+    import pandas as pd
+
+    from nbdebug.analysis.checks_grad import grad_findings
+    from nbdebug.core.events import ParamInfo
+    from nbdebug.widgets.layers import params_table_html
+
+    ratios = {"a.weight": v / 10, "b.weight": v * 10, "c.weight": e * 10, "d.weight": e}
+    params = [
+        ParamInfo(
+            name=n,
+            module=n.split(".")[0],
+            shape=(4, 4),
+            dtype="float32",
+            requires_grad=True,
+            norm=1.0,
+            grad_norm=r,
+            n_nan=0,
+            n_inf=0,
+            grad_n_nan=0,
+            grad_n_inf=0,
+        )
+        for n, r in ratios.items()
+    ]
+    flagged = {f.param: f.code for f in grad_findings(params)}
+    assert flagged == {"a.weight": "vanishing_gradient", "c.weight": "exploding_gradient"}
+    frame = pd.DataFrame(
+        {"ratio": list(ratios.values()), "n_nan": 0, "n_inf": 0, "grad_n_nan": 0, "grad_n_inf": 0},
+        index=list(ratios),
+    )
+    for c in ("module", "shape", "dtype", "norm", "grad_norm"):
+        frame[c] = None
+    rows = params_table_html(frame).split("<tr class=")[1:]
+    marked = {n for n, row in zip(ratios, rows) if row.startswith("'nbdebug-warn")}
+    assert marked == set(flagged)
+
+
+def test_a_family_runs_when_its_needs_are_there_and_is_named_skipped_otherwise() -> None:
+    ran: list[str] = []
+
+    def fam(code: str) -> Any:
+        def run(ctx: Any) -> list[cb.Finding]:
+            ran.append(code)
+            return [cb.Finding(code, "warning", "here", {}, "advice")]
+
+        return run
+
+    families = [
+        cb.CheckFamily(("needs_nothing",), (), fam("needs_nothing")),
+        cb.CheckFamily(("needs_opt",), ("optimizer",), fam("needs_opt")),
+        cb.CheckFamily(("needs_hist",), ("history",), fam("needs_hist")),
+        cb.CheckFamily(("also_hist",), ("history",), fam("x"), fallback=fam("fallback")),
+    ]
+    ctx = cb.CheckContext(missing={"history": "the run kept none"})
+    found = cb.run_families(ctx, families)
+    assert ran == ["needs_nothing", "fallback"]
+    skips = {tuple(f.evidence["checks"]): f.advice for f in found if f.code == "check_skipped"}
+    assert skips == {
+        ("needs_opt",): "not checked: no optimizer (pass optimizer=).",
+        ("needs_hist", "also_hist"): "not checked: the run kept none.",
+    }
+    ran.clear()
+    ctx = cb.CheckContext(optimizer_params=[], history=[{"step": 0}])
+    assert [f.code for f in cb.run_families(ctx, families)] == [
+        "needs_nothing",
+        "needs_opt",
+        "needs_hist",
+        "x",
+    ]
+    with pytest.raises(ValueError, match="unknown check needs"):
+        cb.CheckFamily(("c",), ("gpu",), fam("c"))
+
+
+def test_every_code_of_the_table_belongs_to_a_family() -> None:
+    from nbdebug.analysis.checks import FAMILIES
+    from nbdebug.analysis.checks import __doc__ as table
+
+    declared = {c for f in FAMILIES for c in f.codes}
+    documented = {
+        line.split()[0]
+        for line in (table or "").splitlines()
+        if line[:1].isalpha() and line.split()[0].islower() and "_" in line.split()[0]
+    }
+    # made outside the families: by resolution, check_state_dict, or the skip itself
+    others = {"trace_error", "state_dict_mismatch", "dtype_downcast", "check_skipped"}
+    assert documented - others <= declared, (documented - others) - declared
+
+
+def test_findings_sort_by_named_bands() -> None:
+    p = cb.position
+    assert p(cb.Band.TRACE, 3) == 3.0
+    assert (
+        p(cb.Band.TRACE, 10**6)
+        < p(cb.Band.STEP)
+        < p(cb.Band.TRACE_ERROR)
+        < p(cb.Band.HISTORY, 10**6)
+        < p(cb.Band.RECORDED, 0)
+        < math.inf
+    )
+    recorded = cb.Finding("lr_spike", "warning", "step 3", {}, "", position=p(cb.Band.RECORDED, 3))
+    schedule = cb.Finding("lr_spike", "warning", "step 9", {}, "", position=p(cb.Band.HISTORY, 9))
+    event = cb.Finding("dead_relu", "warning", "m", {}, "", event=4)
+    assert cb.sort_findings([recorded, schedule, event]) == [event, schedule, recorded]

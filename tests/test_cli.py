@@ -120,8 +120,8 @@ def test_inspect_without_model_and_with_recipe(workdir, capsys):
     code, out, err = _run(["inspect", path], capsys)
     assert code == 0 and err == ""
     assert (
-        f"Not replayed: no model. Give --model package.module:factory or --trust-recipe to build it with the recorded recipe {mod}:make."
-        in out
+        f"Not replayed: no model. Give --model package.module:factory or "
+        f"--trust-recipe to build it with the recorded recipe {mod}:make." in out
     )
     assert mod not in sys.modules  # the recipe was not imported
     assert "largest parameter norms" in out and "last 6 history rows" in out

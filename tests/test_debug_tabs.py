@@ -102,18 +102,15 @@ def test_checks_tab_counts_in_header_and_click_moves_the_cursor() -> None:
 
 
 def test_the_debugger_and_its_buttons_leave_the_model_as_it_was() -> None:
-    import sys
-    from pathlib import Path
+    from models import bn_dropout_model
+    from state import assert_unchanged, fingerprint
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_trace_state import _assert_same, _bn_dropout_model, _snapshot
-
-    model = _bn_dropout_model()
+    model = bn_dropout_model()
     x, y = torch.randn(5, 3, 6, 6), torch.tensor([0, 1, 2, 0, 1])
-    before = _snapshot(model)
+    before = fingerprint(model)
     dbg = nbdebug.debug(model, x, y, F.cross_entropy)
     for key in ("next", "last", "origin", "first"):
         dbg.step.buttons[key].click()
     dbg.rerun_button.click()
     dbg.panel("Gradcheck").run_sweep()
-    _assert_same(before, model)
+    assert_unchanged(before, model)

@@ -26,6 +26,7 @@ from sklearn.datasets import load_breast_cancer, load_wine
 from sklearn.ensemble import RandomForestClassifier
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
+from state import assert_unchanged, fingerprint
 
 import nbdebug
 from nbdebug.analysis.drift import DriftReport, drift, drift_from_shap
@@ -124,7 +125,7 @@ def test_a_shortcut_equals_full_drift_for_trees(name):
     assert full.alarm == short.alarm
 
 
-# ---------------------------------------------------------------------------- (b) 2 shifted features
+# ----------------------------------------------------------------- (b) 2 shifted features
 
 
 @pytest.mark.parametrize("name,kind", COMBOS)
@@ -182,7 +183,8 @@ def test_c_subpopulation_shift_moves_a_cluster_share(name, kind, capsys):
         capsys,
         f"(c) {name}/{kind}: class {cls} over-sampled; cluster shares significant "
         f"{significant}/{seeds}; grown cluster's share of class {cls}: "
-        f"{[round(p, 2) for p in purities]}; raw features flagged per seed {raw_flags} of {len(names)}",
+        f"{[round(p, 2) for p in purities]}; raw features flagged per seed {raw_flags} "
+        f"of {len(names)}",
     )
     assert significant / seeds > 0.5
     assert np.median(purities) >= 0.85  # the cluster that grew is the over-sampled class
@@ -516,33 +518,18 @@ def test_nothing_the_user_passed_is_changed_torch(explainer):
     ref = torch.tensor(x[:40], dtype=torch.float32, requires_grad=True)
     cur = torch.tensor(x[40:80], dtype=torch.float32)
     ref_before, cur_before = ref.detach().clone(), cur.clone()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    flags = [m.training for m in model.modules()]
-    hooks = [
-        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
-        for m in model.modules()
-    ]
+    before = fingerprint(model)
     threads = torch.get_num_threads()
-    rng = torch.get_rng_state()
     rep = run(model, ref, cur, explainer=explainer, background=20)
     assert rep.explainer.startswith("DeepExplainer" if explainer == "auto" else "GradientExplainer")
     assert (
         torch.equal(ref.detach(), ref_before) and torch.equal(cur, cur_before) and ref.grad is None
     )
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, state[k]), k
-    for n, p in model.named_parameters():
-        assert torch.equal(p.grad, grads[n]) and p.requires_grad, n
-    assert [m.training for m in model.modules()] == flags
-    assert [
-        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
-        for m in model.modules()
-    ] == hooks
+    assert_unchanged(before, model)  # parameters, buffers, .grad, flags, hooks, RNG
     assert not any(
         hasattr(m, "x") or hasattr(m, "y") for m in model.modules()
     )  # DeepLIFT's attributes
-    assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_num_threads() == threads
     n_calls = len(calls)
     model(torch.zeros(1, 30))
     assert len(calls) == n_calls + 1  # the user's hook is still there and still works

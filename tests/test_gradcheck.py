@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
@@ -450,38 +451,6 @@ def test_wrt_params_and_both():
     assert good.verdict == "ok" and [p.input for p in good.pairs] == ["weight", "bias"]
 
 
-def _state(model: nn.Module) -> dict:
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "dtypes": {k: v.dtype for k, v in model.state_dict().items()},
-        "grads": {
-            n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()
-        },
-        "grad_ids": {n: id(p.grad) for n, p in model.named_parameters()},
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": {
-            n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
-            for n, m in model.named_modules()
-        },
-    }
-
-
-def _assert_same(before: dict, after: dict) -> None:
-    assert before["state"].keys() == after["state"].keys()
-    for k in before["state"]:
-        assert torch.equal(before["state"][k], after["state"][k]), k
-    assert before["dtypes"] == after["dtypes"]
-    for n, g in before["grads"].items():
-        assert (g is None) == (after["grads"][n] is None), n
-        if g is not None:
-            assert torch.equal(g, after["grads"][n]), n
-    assert before["grad_ids"] == after["grad_ids"]
-    assert before["requires_grad"] == after["requires_grad"]
-    assert before["training"] == after["training"]
-    assert before["hooks"] == after["hooks"]
-
-
 def test_the_module_and_tensors_are_unchanged():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), BrokenLinear(6, 3)).train()
@@ -494,7 +463,7 @@ def test_the_module_and_tensors_are_unchanged():
     model[0].register_forward_hook(lambda m, i, o: seen.append(1))
     x = torch.randn(5, 4, requires_grad=True)
     x_before = x.detach().clone()
-    before = _state(model)
+    before = fingerprint(model)
     rng = torch.get_rng_state()
 
     res = gradcheck(model, x, wrt="both")
@@ -503,7 +472,7 @@ def test_the_module_and_tensors_are_unchanged():
     df = gradcheck_modules(model, x, rows=3)
     assert (df["passed"] == False).sum() == 1  # noqa: E712
 
-    _assert_same(before, _state(model))
+    assert_unchanged(before, model)
     assert (
         torch.equal(x.detach(), x_before)
         and x.grad is None
@@ -527,10 +496,11 @@ def test_in_place_operations_in_fn():
 
 def test_module_passed_as_bound_forward_runs_on_a_copy():
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
-    before = _state(model)
-    res = gradcheck(model.forward, torch.randn(4, 3, requires_grad=True), native_check=False)
+    x = torch.randn(4, 3, requires_grad=True)
+    before = fingerprint(model)
+    res = gradcheck(model.forward, x, native_check=False)
     assert res.ok and res.dtype == "float64"
-    _assert_same(before, _state(model))
+    assert_unchanged(before, model)
 
 
 class OneHot(nn.Module):
@@ -632,13 +602,14 @@ def test_module_sweep_bad_input():
             return self.a(x)[:, 10]
 
     boom = Boom().train()
-    before = _state(boom)
+    x = torch.randn(4, 3)
+    before = fingerprint(boom)
     with pytest.raises(
         ValueError, match=r"the model raised IndexError .*Executed modules up to: a\."
     ) as e:
-        gradcheck_modules(boom, torch.randn(4, 3))
+        gradcheck_modules(boom, x)
     assert "\n" not in str(e.value)
-    _assert_same(before, _state(boom))  # no hook left behind, flags as before
+    assert_unchanged(before, boom)  # no hook left behind, flags as before
 
 
 # --------------------------------------------------------------------------- bad input

@@ -14,8 +14,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import nbdebug
+from nbdebug.analysis.checks_guard import NaNGuard  # nbdebug.NaNGuard: core's guard + checks=True
 from nbdebug.core import guard as guardmod
-from nbdebug.core.guard import NaNGuard, NonFiniteError, last_error
+from nbdebug.core.guard import NonFiniteError, last_error
 from nbdebug.core.snapshot import load_snapshot
 
 mse = nn.functional.mse_loss
@@ -243,7 +244,8 @@ def test_patience_raise_and_continue(tmp_path):
     guard = NaNGuard(model, directory=tmp_path / "b", on_nonfinite="raise")
     with pytest.raises(
         NonFiniteError,
-        match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap",
+        match=r"non-finite loss \(nan\) at step 3; non-finite gradients in 0.weight \(256 "
+        r"NaN, 0 Inf\), .*Snapshot: .*step-000000003.nbsnap",
     ) as info:
         _bad_step(model, guard, 3)
     assert info.value.path == tmp_path / "b" / "step-000000003.nbsnap" and info.value.path.is_file()  # type: ignore[union-attr]
@@ -592,3 +594,86 @@ def test_half_sparse_and_grouped_norms(tmp_path):
     assert g2.history[-1]["grad_norm"] == pytest.approx(
         _grad(emb.weight).to_dense().norm().item(), rel=1e-6
     )
+
+
+# --------------------------------------------------------------------------- collaborators
+class _Recorder(guardmod.StepChecks):
+    """A StepChecks double: records what the guard hands it, adds one field to the row."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[guardmod.StepReading, bool]] = []
+        self.attached: list[object] = []
+
+    def attach(self, guard):
+        self.attached.append(guard)
+
+    def run(self, guard, reading, *, failing):
+        self.calls.append((reading, failing))
+        return {"seen": reading.step}
+
+
+def test_core_guard_runs_an_injected_step_checks_object(tmp_path):
+    from nbdebug.analysis.checks_guard import GuardChecks
+
+    model = _mlp()
+    rec = _Recorder()
+    guard = guardmod.NaNGuard(model, directory=tmp_path, checks=rec, patience=None)
+    assert rec.attached == [guard] and guard.checks is rec
+    assert _bad_step(model, guard, 0, bad=False) and _bad_step(model, guard, 1) is False
+    (r0, f0), (r1, f1) = rec.calls
+    assert (r0.step, f0, r1.step, f1) == (0, False, 1, True)
+    assert r0.grad_norm == guard.history[0]["grad_norm"] and math.isnan(r1.loss)
+    assert [h["seen"] for h in guard.history] == [0, 1]
+    # the health checks from the core import path: a GuardChecks object
+    model.zero_grad()
+    checked = guardmod.NaNGuard(model, directory=tmp_path, checks=GuardChecks(every=1))
+    assert _bad_step(model, checked, 0, bad=False)
+    assert checked.history[-1]["checks"] == [] and checked.checks.calls == 1
+    # core alone does not know what checks=True means, and says where to go
+    with pytest.raises(TypeError, match=r"takes a StepChecks object.*use nbdebug\.NaNGuard"):
+        guardmod.NaNGuard(model, directory=tmp_path, checks=True)
+    assert guardmod.NaNGuard(model, directory=tmp_path, checks=False).checks is None
+    assert issubclass(nbdebug.NaNGuard, guardmod.NaNGuard)
+    g = nbdebug.NaNGuard(model, directory=tmp_path, checks={"every": 7, "clip_norm": 2})
+    assert (g.checks.every, g.checks.clip_norm) == (7, 2.0)
+
+
+def test_a_guard_checks_object_serves_one_guard(tmp_path):
+    from nbdebug.analysis.checks_guard import GuardChecks
+
+    checks = GuardChecks(every=3)
+    NaNGuard(_mlp(), directory=tmp_path, checks=checks)
+    with pytest.raises(ValueError, match="already serves another NaNGuard"):
+        NaNGuard(_mlp(), directory=tmp_path, checks=checks)
+    with pytest.raises(ValueError, match=r"checks\['every'\] must be a positive int"):
+        GuardChecks(every=0)
+
+
+def test_measure_step_reads_without_changing_the_guard(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = NaNGuard(model, opt, directory=tmp_path)
+    x, y = _data(8)
+    loss = mse(model(x), y)
+    loss.backward()
+    reading = guard.measure_step(loss, step=7)
+    total = torch.cat([_grad(p).reshape(-1) for p in model.parameters()]).norm().item()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm().item()
+    assert reading.step == 7 and reading.loss == pytest.approx(loss.item(), rel=1e-6)
+    assert reading.grad_norm == pytest.approx(total, rel=1e-5)
+    assert reading.param_norm == pytest.approx(weights, rel=1e-5)
+    assert reading.lr == 0.05 and reading.scale is None and reading.finite
+    assert guard.measure_step(None, step=8, measure_params=False).param_norm is None
+    assert not guard.history and guard.ok is None and guard._next_step == 0
+    # the decision on a reading: a finite one goes on; the scaler rules need a scaler
+    assert guard.decide(reading).kind is None
+    assert guard.agree(reading) is reading  # one process: its own reading
+
+
+def test_guard_options_are_grouped_and_still_readable(tmp_path):
+    guard = NaNGuard(_mlp(), directory=tmp_path, patience=3, on_nonfinite="continue")
+    assert guard.options == guardmod.GuardOptions(patience=3, on_nonfinite="continue")
+    assert (guard.patience, guard.on_nonfinite, guard.max_snapshots) == (3, "continue", 20)
+    assert guard.directory == tmp_path and guard.snapshots is guard.writer.paths
+    with pytest.raises(ValueError, match="max_snapshots must be a positive int or None"):
+        guardmod.GuardOptions(max_snapshots=0)

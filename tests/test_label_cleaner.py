@@ -469,8 +469,8 @@ def test_sample_rendering_kinds(tmp_path):
     assert cu.names[0] == "0: a"
     row = issues.loc[cu.current]
     assert (
-        f'given <b style="color:#d62728">{row["given_label"]}: {"abcdefghij"[row["given_label"]]}</b>'
-        in cu.info.value
+        f'given <b style="color:#d62728">{row["given_label"]}: '
+        f"{'abcdefghij'[row['given_label']]}</b>" in cu.info.value
     )
 
 

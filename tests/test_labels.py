@@ -190,7 +190,8 @@ def test_confident_joint_matches_a_hand_computation():
     t = cl.per_class_thresholds(P, y, counts)
     np.testing.assert_allclose(t, [(0.8 + 0.6 + 0.1) / 3, (0.7 + 0.5) / 2, (0.9 + 0.5) / 2])
     assigned = cl.confident_assignment(P, t)
-    # t = [0.5, 0.6, 0.7]: row 1 -> 0 (0.6 >= 0.5); row 4 -> none; row 6 -> 0 (0.5 >= 0.5, 0.5 < 0.7)
+    # t = [0.5, 0.6, 0.7]: row 1 -> 0 (0.6 >= 0.5); row 4 -> none; row 6 -> 0 (0.5 >= 0.5, 0.5 <
+    # 0.7)
     np.testing.assert_array_equal(assigned, [0, 0, 1, 1, -1, 2, 0])
     cj = cl.confident_joint(y, assigned, 3)
     np.testing.assert_array_equal(cj, [[2, 1, 0], [0, 1, 0], [1, 0, 1]])
@@ -258,7 +259,7 @@ def test_top_k_orders_classes():
     assert cls[1, 0] == 0
 
 
-# --------------------------------------------------------------------------- computing probabilities
+# ----------------------------------------------------------------- computing probabilities
 
 
 def test_out_of_fold_from_sklearn_model_leaves_model_unfitted():

@@ -16,8 +16,6 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "nbdebug"
 LAYER = {"core": 0, "analysis": 0, "figures": 1, "widgets": 2, "magics": 3, "cli": 3}
 UI = ("ipywidgets", "plotly", "IPython", "anywidget")
-# where a lower layer may reach up, lazily: result objects' display helpers
-DISPLAY_METHODS = {"show", "_ipython_display_", "_repr_html_", "_repr_mimebundle_"}
 
 
 def _layer_of(module: str) -> str | None:
@@ -69,8 +67,7 @@ def test_imports_point_down_the_layers(path: Path) -> None:
         target = _layer_of(mod)
         if target is not None and target != own:
             allowed = LAYER[target] < LAYER[own] or (own == "analysis" and target == "core")
-            lazy_display = not top and func in DISPLAY_METHODS
-            assert allowed or lazy_display, f"{rel} imports {mod} (in {func or 'module scope'})"
+            assert allowed, f"{rel} imports {mod} (in {func or 'module scope'})"
             if own == "core":
                 assert target == "core", f"core module {rel} imports {mod}"
         if own in ("core", "analysis") and top:
@@ -84,7 +81,8 @@ def test_imports_point_down_the_layers(path: Path) -> None:
 def test_importing_core_loads_no_ui_and_no_pandas() -> None:
     code = (
         "import sys, nbdebug.core.trace, nbdebug.core.guard, nbdebug.core.snapshot;"
-        "bad = [m for m in ('pandas', 'ipywidgets', 'plotly', 'IPython', 'nbdebug.analysis', 'nbdebug.widgets')"
+        "bad = [m for m in ('pandas', 'ipywidgets', 'plotly', 'IPython', "
+        "'nbdebug.analysis', 'nbdebug.widgets')"
         " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -92,10 +90,100 @@ def test_importing_core_loads_no_ui_and_no_pandas() -> None:
 
 
 def test_public_guard_brings_its_health_checks_in_a_fresh_process(tmp_path: Path) -> None:
-    # core never imports analysis; the public name wires the checks in
+    # core never imports analysis; the public name is core's guard that reads checks=True
     code = (
         "import torch, nbdebug; m = torch.nn.Linear(2, 1);"
         f"g = nbdebug.NaNGuard(m, directory={str(tmp_path)!r}, checks=True); print(g.checks)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "GuardChecks(every=50, clip_norm=None)", r.stdout
+
+
+def test_core_guard_runs_the_checks_it_is_given_in_a_fresh_process(tmp_path: Path) -> None:
+    # the core import path with a checks object; importing analysis registers nothing in core
+    code = (
+        "import torch\n"
+        "import nbdebug.core.guard as core\n"
+        "before = {k: v for k, v in vars(core).items() if not k.startswith('__')}\n"
+        "cls = dict(vars(core.NaNGuard))\n"
+        "from nbdebug.analysis.checks_guard import GuardChecks\n"
+        "import nbdebug.analysis.checks\n"
+        "after = {k: v for k, v in vars(core).items() if not k.startswith('__')}\n"
+        "assert before == after and cls == dict(vars(core.NaNGuard)), 'import changed core'\n"
+        "m = torch.nn.Linear(2, 1); m(torch.randn(3, 2)).sum().backward()\n"
+        f"g = core.NaNGuard(m, directory={str(tmp_path)!r}, checks=GuardChecks(every=1))\n"
+        "assert g.check(torch.tensor(1.0))\n"
+        "print(g.history[-1]['checks'], g.checks.calls)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[] 1", r.stdout + r.stderr
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``from x import _name`` and ``module._name`` (``module`` an nbdebug module bound by
+    an import) in one file; dunder names are not private."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG.parent)
+    found: list[str] = []
+    modules: set[str] = set()  # local names bound to nbdebug modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            inside = node.level > 0 or (node.module or "").startswith("nbdebug")
+            for a in node.names:
+                if inside and _is_private(a.name):
+                    found.append(f"{rel}:{node.lineno} imports {a.name} from {node.module}")
+                elif inside:
+                    modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("nbdebug"):
+                    modules.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = ast.unparse(node.value)
+            if owner in modules or owner.startswith("nbdebug."):
+                found.append(f"{rel}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    found = [line for path in FILES for line in _private_imports(path)]
+    assert found == [], "private names used across modules:\n" + "\n".join(found)
+
+
+def test_feature_tabs_are_found_in_their_panel_files_and_not_through_the_app() -> None:
+    from nbdebug.widgets.tabs import feature_tabs
+
+    tabs = feature_tabs()
+    assert [t.title for t in tabs] == ["Checks", "Gradcheck", "Drift", "Labels"]
+    assert {t.build.__module__ for t in tabs} == {
+        f"nbdebug.widgets.{m}" for m in ("checks", "gradcheck", "drift", "labels")
+    }
+    for path in sorted((PKG / "widgets").glob("*.py")):
+        if path.name == "app.py":
+            continue
+        mods = [m for m, _, _ in _imports(path)]
+        assert "nbdebug.widgets.app" not in mods, f"{path.name} imports the app"
+
+
+def test_a_result_shows_through_the_viewer_the_widgets_layer_registers() -> None:
+    from nbdebug.core import display
+
+    class Unshown:
+        pass
+
+    with pytest.raises(ImportError, match=r"no panel is registered for .*Unshown"):
+        display.show(Unshown())
+    seen: list[tuple[object, dict[str, object]]] = []
+    display.register_viewer("Unshown", lambda obj, **kw: seen.append((obj, kw)) or "panel")
+    try:
+        obj = Unshown()
+        assert display.show(obj, backend="output") == "panel"
+        assert seen == [(obj, {"backend": "output"})]
+    finally:
+        display.unregister_viewer("Unshown")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from IPython.core.interactiveshell import InteractiveShell
 from ipywidgets.widgets import widget as ipw_widget
+from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
@@ -194,9 +195,11 @@ def test_rerunning_a_cell_leaves_no_hooks_and_no_widgets(shell):
     import weakref
 
     model = shell.user_ns["model"]
+    before = fingerprint(model)
     counts, refs = [], []
     for _ in range(4):
         assert shell.run_cell("%nbdebug model x y --loss cross_entropy", cell_id="cell-1").success
+        assert_unchanged(before, model)
         counts.append(len(ipw_widget._instances))
         refs.append(weakref.ref(magics.open_debuggers()[-1]))
         assert all(

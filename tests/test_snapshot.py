@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
@@ -43,36 +44,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
-
-
-def _fingerprint(model: nn.Module) -> dict:
-    """Everything about a model that loading or replaying must leave alone."""
-    return {
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "versions": {n: p._version for n, p in model.named_parameters()},
-        "grads": {
-            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
-        },
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": {
-            n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-            for n, m in model.named_modules()
-        },
-    }
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a["state"].keys() == b["state"].keys()
-    for k in a["state"]:
-        assert torch.equal(a["state"][k], b["state"][k]), k
-    assert a["versions"] == b["versions"]
-    for k in a["grads"]:
-        ga, gb = a["grads"][k], b["grads"][k]
-        assert (ga is None) == (gb is None) and (ga is None or torch.equal(ga, gb)), k
-    assert a["requires_grad"] == b["requires_grad"]
-    assert a["training"] == b["training"]
-    assert a["hooks"] == b["hooks"]
 
 
 @pytest.fixture
@@ -169,12 +140,12 @@ def test_load_and_replay_never_change_the_callers_model(tmp_path, trained):
     model.eval()
     handle = model.fc1.register_forward_hook(lambda *a: None)
     model.fc2.weight.grad = torch.ones_like(model.fc2.weight)
-    before = _fingerprint(model)
+    before = fingerprint(model, versions=True)
     snap = load_snapshot(path, model)
     assert isinstance(snap.model, Net) and snap.model is not model
     snap.trace()
     snap.model.fc1.weight.data.add_(1.0)  # changing the copy does not reach the original
-    _assert_same(before, _fingerprint(model))
+    assert_unchanged(before, model)
     handle.remove()
 
 
@@ -421,7 +392,7 @@ def test_state_that_does_not_fit(tmp_path, trained):
             self.extra = nn.Linear(3, 3)
 
     user_model = Other()
-    before = _fingerprint(user_model)
+    before = fingerprint(user_model, versions=True)
     with pytest.raises(SnapshotError) as info:
         load_snapshot(path, user_model)
     msg = str(info.value)
@@ -432,7 +403,7 @@ def test_state_that_does_not_fit(tmp_path, trained):
         "fc1.weight: snapshot (6, 4) vs model (7, 4)" in msg
         and "fc2.weight: snapshot (3, 6) vs model (3, 7)" in msg
     )
-    _assert_same(before, _fingerprint(user_model))
+    assert_unchanged(before, user_model)
 
 
 # --------------------------------------------------------------------------- atomic write

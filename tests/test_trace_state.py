@@ -9,135 +9,47 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from models import scenarios
+from models import bn_dropout_model, scenarios
+from state import assert_unchanged, fingerprint, same_tensor
 from torch import nn
 
 import nbdebug
 
 
-def _hook_dicts(model: nn.Module) -> list[Any]:
-    out = []
-    for m in model.modules():
-        for attr in (
-            "_forward_hooks",
-            "_forward_pre_hooks",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_pre_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-            "_state_dict_hooks",
-            "_load_state_dict_pre_hooks",
-        ):
-            d = getattr(m, attr, None)
-            out.append((attr, None if d is None else dict(d)))
-    for p in model.parameters():
-        out.append(("p._backward_hooks", p._backward_hooks))
-        out.append(("p._post_acc", getattr(p, "_post_accumulate_grad_hooks", None)))
-    return out
-
-
-def _snapshot(model: nn.Module) -> dict[str, Any]:
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "param_ids": {n: id(p) for n, p in model.named_parameters()},
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-        "buffer_ids": {n: id(b) for n, b in model.named_buffers()},
-        "grads": {
-            n: (None if p.grad is None else (id(p.grad), p.grad.clone()))
-            for n, p in model.named_parameters()
-        },
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": _hook_dicts(model),
-        "torch_rng": torch.get_rng_state().clone(),
-        "np_rng": np.random.get_state()[1].copy(),
-        "py_rng": random.getstate(),
-    }
-
-
-def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise-equal values, NaN equal to NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not (a.is_floating_point() or a.is_complex()):
-        return torch.equal(a, b)
-    return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
-
-
-def _assert_same(before: dict[str, Any], model: nn.Module) -> None:
-    after = _snapshot(model)
-    for n, v in before["params"].items():
-        assert _eq(v, after["params"][n]), f"parameter {n} changed"
-    assert before["param_ids"] == after["param_ids"]
-    for n, v in before["buffers"].items():
-        assert _eq(v, after["buffers"][n]), f"buffer {n} changed"
-    assert before["buffer_ids"] == after["buffer_ids"]
-    for n, g in before["grads"].items():
-        p = dict(model.named_parameters())[n]
-        if g is None:
-            assert p.grad is None, f".grad of {n} appeared"
-        else:
-            assert id(p.grad) == g[0] and _eq(p.grad, g[1]), f".grad of {n} changed"
-    assert before["requires_grad"] == after["requires_grad"]
-    assert before["training"] == after["training"]
-    assert before["hooks"] == after["hooks"], "hook dictionaries changed"
-    assert torch.equal(before["torch_rng"], after["torch_rng"])
-    assert np.array_equal(before["np_rng"], after["np_rng"])
-    assert before["py_rng"] == after["py_rng"]
-
-
-def _bn_dropout_model() -> nn.Module:
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.BatchNorm2d(4),
-        nn.ReLU(inplace=True),
-        nn.Dropout(0.3),
-        nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 3),
-        nn.BatchNorm1d(3),
-    )
-    model.train()
-    model[6].eval()  # mixed modes must survive too
-    model[0].weight.requires_grad_(False)  # and a frozen weight
-    model(torch.randn(4, 3, 6, 6)).sum().backward()  # pre-existing .grad
-    return model
-
-
 def test_state_preserved_with_batchnorm_dropout_and_existing_grads() -> None:
-    model = _bn_dropout_model()
+    model = bn_dropout_model()
     user_hook_calls = []
     model[1].register_forward_hook(lambda m, i, o: user_hook_calls.append(1))
     np.random.seed(3)
     random.seed(3)
     x = torch.randn(5, 3, 6, 6)
-    before = _snapshot(model)
+    before = fingerprint(model)
     tr = nbdebug.trace(model, x, torch.tensor([0, 1, 2, 0, 1]), F.cross_entropy)
     assert tr.origin is None
     assert user_hook_calls  # the user's own hooks still ran
-    _assert_same(before, model)
+    assert_unchanged(before, model)
 
 
 def test_state_preserved_on_failing_trace_with_replays() -> None:
     # a NaN makes the trace replay the step (exact pass, op-level replay): still no change
-    model = _bn_dropout_model()
+    model = bn_dropout_model()
     x = torch.randn(5, 3, 6, 6)
     x[2, 0, 1, 1] = float("nan")
-    before = _snapshot(model)
+    before = fingerprint(model)
     tr = nbdebug.trace(model, x, torch.tensor([0, 1, 2, 0, 1]), F.cross_entropy)
     assert tr.origin is not None and tr.origin.phase == "input" and tr.origin.samples == [2]
-    _assert_same(before, model)
+    assert_unchanged(before, model)
 
 
 @pytest.mark.parametrize("name", [s.name for s in scenarios()])
 def test_every_scenario_leaves_the_model_as_it_was(name: str) -> None:
     s = next(s for s in scenarios() if s.name == name)
-    before = _snapshot(s.model)
+    before = fingerprint(s.model)
     inputs_before = [t.clone() for t in _tensors(s.inputs)]
     nbdebug.trace(s.model, s.inputs, s.target, s.loss_fn)
-    _assert_same(before, s.model)
+    assert_unchanged(before, s.model)
     for a, b in zip(inputs_before, _tensors(s.inputs)):
-        assert _eq(a, b)
+        assert same_tensor(a, b)
         assert b.grad is None
 
 
@@ -179,11 +91,11 @@ def test_hooks_removed_and_state_restored_when_something_raises(where: str) -> N
     model.fc.weight.grad = torch.ones(3, 3)
     target = torch.tensor([0, 9, 1, 2]) if where == "target" else torch.tensor([0, 1, 1, 2])
     x = torch.randn(4, 3)
-    before = _snapshot(model)
+    before = fingerprint(model)
     with pytest.raises(nbdebug.TraceError) as info:
         nbdebug.trace(model, x, target, F.cross_entropy)
     assert info.value.trace is not None
-    _assert_same(before, model)
+    assert_unchanged(before, model)
     if where == "backward":
         assert "backward" in str(info.value)
 
@@ -191,10 +103,10 @@ def test_hooks_removed_and_state_restored_when_something_raises(where: str) -> N
 def test_hooks_removed_on_bad_loss() -> None:
     model = nn.Sequential(nn.Linear(3, 2))
     x = torch.randn(4, 3)
-    before = _snapshot(model)
+    before = fingerprint(model)
     with pytest.raises(ValueError):
         nbdebug.trace(model, x, loss_fn=lambda o: o)
-    _assert_same(before, model)
+    assert_unchanged(before, model)
 
 
 def test_no_activation_kept_alive() -> None:

@@ -74,68 +74,75 @@ check_skipped           info      a check could not apply, and why (no parameter
                                   layers, no optimizer, no history, no batch, ...)
 ======================  ========  ==============================================================
 
-Findings are sorted by severity, then by position in the trace (the event they point
-at; findings from the optimizer and the history come after), then causes before symptoms.
+Findings are sorted by severity, then by position (named bands,
+:class:`~nbdebug.analysis.checks_base.Band`: the trace by event, the step, a trace error,
+the history by row, what a guard recorded by step; then findings with no position such
+as the optimizer's), then causes before symptoms.
+
+How :func:`check` works: the source is resolved into one
+:class:`~nbdebug.analysis.checks_base.CheckContext` (trace, batch, loss, optimizer state,
+history, scale), then every :class:`~nbdebug.analysis.checks_base.CheckFamily` of
+``FAMILIES`` runs when the context has what it ``needs``; a family held back is named in
+one ``check_skipped`` finding per missing need. Adding a health check: write it in its
+family file (``checks_data``, ``checks_forward``, ``checks_grad``, ``checks_optim``), list
+it in that file's ``FAMILIES`` with its codes and needs, and test it in
+``tests/test_checks.py``. A :class:`~nbdebug.core.guard.NaNGuard` source is checked on its
+live model by :func:`~nbdebug.analysis.checks_guard.guard_findings`.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..core.batch import LossError, check_inputs, check_model
-from ..core.guard import NaNGuard, register_health_checks
+from ..core.guard import NaNGuard
 from ..core.result import Trace, TraceError
 from ..core.snapshot import Snapshot, SnapshotError
 from ..core.trace import trace as _trace
+from . import checks_data, checks_forward, checks_grad, checks_guard, checks_optim
 from .checks_base import (
     CHECK_EVERY,
+    NEEDS,
+    Band,
+    CheckContext,
+    CheckFamily,
     Finding,
     Findings,
     TraceView,
+    position,
+    run_families,
     skipped,
     sort_findings,
 )
-from .checks_data import (
-    constant_feature_findings,
-    label_findings,
-    labels_before_trace,
-    trace_input_findings,
-)
-from .checks_forward import forward_findings, origin_findings, weight_findings
-from .checks_grad import grad_findings, history_grad_findings, live_param_infos, total_grad_norm
-from .checks_optim import (
-    adam_findings,
-    adam_moments,
-    clip_findings,
-    lr_findings,
-    optimizer_params,
-    scaler_findings,
-    state_dict_params,
-)
+from .checks_data import labels_before_trace
+from .checks_guard import GuardChecks, guard_findings, parse_checks
+from .checks_optim import optimizer_params, state_dict_params
 from .checks_state import check_state_dict
 
 __all__ = [
     "CHECK_EVERY",
+    "FAMILIES",
     "Finding",
     "Findings",
+    "GuardChecks",
     "check",
     "check_state_dict",
     "guard_findings",
-    "run_guard_checks",
+    "parse_checks",
 ]
 
-_HISTORY_CHECKS = [
-    "lr_spike",
-    "lr_schedule_boundary",
-    "grad_clip_always_on",
-    "grad_clip_never_on",
-    "grad_scaler_collapse",
-]
+#: Every check family, in the order they run (each file's ``FAMILIES``).
+FAMILIES: tuple[CheckFamily, ...] = (
+    *checks_data.FAMILIES,
+    *checks_forward.FAMILIES,
+    *checks_grad.FAMILIES,
+    *checks_optim.FAMILIES,
+    *checks_guard.FAMILIES,
+)
 
 
 def check(
@@ -188,186 +195,146 @@ def check(
         Odd models (no parameters, frozen layers, integer buffers, complex tensors) never
         raise: checks that cannot apply give an ``"info"`` finding saying why.
     """
-    model: torch.nn.Module | None = None
-    tr: Trace | None = None
-    found: list[Finding] = []
-    opt_params = None
-    scale_now: float | None = None
-    mixed = scaler is not None
-    if isinstance(history, NaNGuard):
-        history = list(history.history)
-    rows = _history_rows(history)
-
     if isinstance(source, NaNGuard):
         return sort_findings(guard_findings(source, clip_norm=clip_norm))
+    ctx = CheckContext(inputs=inputs, target=target, loss_fn=loss_fn, clip_norm=clip_norm)
+    ctx.history = _history_rows(list(history.history) if isinstance(history, NaNGuard) else history)
+    model = _resolve_source(ctx, source)
+    _resolve_training(ctx, model, optimizer, scaler, scheduler)
+    ctx.view = TraceView(ctx.trace) if ctx.trace is not None else None
+    return sort_findings(run_families(ctx, FAMILIES))
+
+
+def _resolve_source(ctx: CheckContext, source: Any) -> torch.nn.Module | None:
+    """Fill ``ctx.trace`` (and the batch, the loss, the history a snapshot brings) from
+    ``source``; returns the live model when there is one."""
     if isinstance(source, TraceError):
         if source.trace is None:
             raise ValueError("this TraceError carries no partial trace to check.")
-        tr = source.trace
-        found.append(_trace_error(str(source)))
-    elif isinstance(source, Trace):
-        tr = source
-    elif isinstance(source, Snapshot):
-        snap = source
-        inputs = snap.inputs if inputs is None else inputs
-        target = snap.target if target is None else target
-        if rows is None:
-            rows = _history_rows(snap.history)
-        if loss_fn is None:
-            try:
-                loss_fn = snap.loss_fn()
-            except SnapshotError as e:
-                found.append(skipped(["forward", "backward"], str(e)))
-        if snap.model is None:
-            found.append(
-                skipped(
-                    ["forward", "backward"],
-                    "the snapshot was loaded without a model (load_snapshot(path, model=...))",
-                )
+        ctx.trace = source.trace
+        ctx.found.append(_trace_error(str(source)))
+        return None
+    if isinstance(source, Trace):
+        ctx.trace = source
+        return None
+    if isinstance(source, Snapshot):
+        return _resolve_snapshot(ctx, source)
+    if (
+        isinstance(source, (tuple, list))
+        and len(source) in (2, 3)
+        and isinstance(source[0], torch.nn.Module)
+    ):
+        model, ctx.inputs = source[0], source[1]
+        if len(source) == 3:
+            if ctx.target is not None:
+                raise ValueError("target was given twice: in the source tuple and as target=.")
+            ctx.target = source[2]
+    elif isinstance(source, torch.nn.Module):
+        model = source
+        if ctx.inputs is None:
+            raise ValueError(
+                "check(model) needs the batch: pass inputs=... (or a (model, inputs) tuple)."
             )
-        elif loss_fn is not None or snap.target is None:
-            model = snap.model
-            tr, extra = _traced(lambda lf: snap.trace(loss_fn=lf), loss_fn)
-            found += extra
-        elif not any(f.code == "check_skipped" for f in found):
-            found.append(
-                skipped(
-                    ["forward", "backward"], "the snapshot recorded no loss function: pass loss_fn="
-                )
-            )
-        if snap.optimizer_state is not None and optimizer is None:
-            opt_params = state_dict_params(snap.optimizer_state, snap.optimizer_params)
-        if snap.scaler_state and scaler is None:
-            mixed = True
-            s = snap.scaler_state.get("scale")
-            scale_now = float(s) if isinstance(s, (int, float)) else None
     else:
-        if (
-            isinstance(source, (tuple, list))
-            and len(source) in (2, 3)
-            and isinstance(source[0], torch.nn.Module)
-        ):
-            model, inputs = source[0], source[1]
-            if len(source) == 3:
-                if target is not None:
-                    raise ValueError("target was given twice: in the source tuple and as target=.")
-                target = source[2]
-        elif isinstance(source, torch.nn.Module):
-            model = source
-            if inputs is None:
-                raise ValueError(
-                    "check(model) needs the batch: pass inputs=... (or a (model, inputs) tuple)."
-                )
-        else:
-            raise TypeError(
-                "source must be a Trace, a Snapshot, a NaNGuard, a (model, inputs) tuple or a model with "
-                f"inputs=...; got {type(source).__qualname__}."
-            )
-        check_model(model)
-        check_inputs(inputs)
-        m, x, y = model, inputs, target
-        early = labels_before_trace(m, x, y, loss_fn)
-        if early:
-            found += early
-            found.append(
-                skipped(
-                    ["forward", "backward"],
-                    "not traced: the loss would hit these out-of-range "
-                    "labels on the device (a device-side assert breaks the CUDA context)",
-                )
-            )
-            target = None  # judged already
-        else:
-            tr, extra = _traced(lambda lf: _trace(m, x, y, lf), loss_fn)
-            found += extra
+        raise TypeError(
+            "source must be a Trace, a Snapshot, a NaNGuard, a (model, inputs) tuple or a "
+            f"model with inputs=...; got {type(source).__qualname__}."
+        )
+    check_model(model)
+    check_inputs(ctx.inputs)
+    m, x, y = model, ctx.inputs, ctx.target
+    early = labels_before_trace(m, x, y, ctx.loss_fn)
+    if early:
+        ctx.found += early
+        ctx.missing["trace"] = (
+            "not traced: the loss would hit these out-of-range "
+            "labels on the device (a device-side assert breaks the CUDA context)"
+        )
+        ctx.target = None  # judged already
+    else:
+        ctx.trace = _traced(ctx, lambda lf: _trace(m, x, y, lf))
+    return model
 
+
+def _resolve_snapshot(ctx: CheckContext, snap: Snapshot) -> torch.nn.Module | None:
+    ctx.inputs = snap.inputs if ctx.inputs is None else ctx.inputs
+    ctx.target = snap.target if ctx.target is None else ctx.target
+    if ctx.history is None:
+        ctx.history = _history_rows(snap.history)
+    loss_error = None
+    if ctx.loss_fn is None:
+        try:
+            ctx.loss_fn = snap.loss_fn()
+        except SnapshotError as e:
+            loss_error = str(e)
+    if snap.model is None:
+        ctx.missing["trace"] = (
+            "the snapshot was loaded without a model (load_snapshot(path, model=...))"
+        )
+    elif ctx.loss_fn is not None or snap.target is None:
+        ctx.trace = _traced(ctx, lambda lf: snap.trace(loss_fn=lf))
+    else:
+        ctx.missing["trace"] = loss_error or "the snapshot recorded no loss function: pass loss_fn="
+        loss_error = None
+    if loss_error is not None:
+        ctx.found.append(skipped(["forward", "backward"], loss_error))
+    if snap.optimizer_state is not None:
+        ctx.optimizer_params = state_dict_params(snap.optimizer_state, snap.optimizer_params)
+    if snap.scaler_state:
+        ctx.mixed_precision = True
+        s = snap.scaler_state.get("scale")
+        ctx.scale = float(s) if isinstance(s, (int, float)) else None
+    return snap.model
+
+
+def _resolve_training(
+    ctx: CheckContext, model: torch.nn.Module | None, optimizer: Any, scaler: Any, scheduler: Any
+) -> None:
+    """The optimizer's state, the scaler's scale and the scheduler's note (given ones win
+    over a snapshot's)."""
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__qualname__}."
             )
-        opt_params = optimizer_params(optimizer, model)
-        if model is None and tr is not None:
-            _name_by_trace(opt_params, optimizer, tr)
+        ctx.optimizer_params = optimizer_params(optimizer, model)
+        if model is None and ctx.trace is not None:
+            _name_by_trace(ctx.optimizer_params, optimizer, ctx.trace)
     if scaler is not None:
         if not hasattr(scaler, "get_scale"):
             raise TypeError(
                 f"scaler must be a torch.amp.GradScaler; got {type(scaler).__qualname__}."
             )
-        if getattr(scaler, "is_enabled", lambda: True)():
-            scale_now = float(scaler.get_scale())
-
-    # ---- the trace: data, forward, gradients
-    if tr is not None:
-        view = TraceView(tr)
-        found += trace_input_findings(view)
-        found += origin_findings(view)
-        found += weight_findings(tr.params, view)
-        found += forward_findings(view, loss_fn=loss_fn, mixed_precision=mixed)
-        if tr.error:
-            found.append(
-                skipped(
-                    ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
-                    "the trace stopped at an error before the backward",
-                )
-            )
-        else:
-            ran = any(e.phase == "backward" for e in tr.events) or not any(
-                p.requires_grad for p in tr.params
-            )
-            found += grad_findings(
-                tr.params,
-                module_types=tr.module_types,
-                position=view.position_of_param,
-                backward_ran=ran,
-            )
-            if rows:
-                found += history_grad_findings(rows, total_grad_norm(tr.params))
-    else:
-        view = None
-    if inputs is not None:
-        found += constant_feature_findings(inputs)
-    else:
-        found.append(skipped(["constant_feature"], "the batch is not available (pass inputs=)"))
-    found += label_findings(view, inputs, target, loss_fn)
-
-    # ---- optimizer, schedule, clipping, scaler
-    if opt_params is not None:
-        found += adam_findings(opt_params, rows or [])
-    else:
-        found.append(skipped(["adam_state_outlier"], "no optimizer (pass optimizer=)"))
-    if rows:
-        found += lr_findings(rows)
-        found += clip_findings(rows, clip_norm)
-        if scale_now is not None or any(r.get("scale") is not None for r in rows):
-            found += scaler_findings(rows, scale_now)
-        found += _recorded(rows, found)
-    else:
-        why = "no training history (pass history=, a NaNGuard, or check a guard's snapshot)"
-        if scheduler is not None:
-            lr = _last_lr(scheduler)
-            why += f"; the scheduler alone gives only the current lr ({lr})"
-        found.append(skipped(_HISTORY_CHECKS, why))
-        if scale_now is not None:
-            found += scaler_findings([], scale_now)
-    return sort_findings(found)
+        ctx.mixed_precision = True
+        ctx.scale = (
+            float(scaler.get_scale()) if getattr(scaler, "is_enabled", lambda: True)() else None
+        )
+    if scheduler is not None and not ctx.history:
+        lr = _last_lr(scheduler)
+        ctx.missing["history"] = (
+            f"{NEEDS['history']}; the scheduler alone gives only the current lr ({lr})"
+        )
 
 
-def _traced(run: Any, loss_fn: Any) -> tuple[Trace | None, list[Finding]]:
-    """Trace; without a usable loss, trace the forward only; a model that raises gives its
-    partial trace."""
+def _traced(ctx: CheckContext, run: Any) -> Trace | None:
+    """Trace with ``ctx.loss_fn``; without a usable loss, trace the forward only; a model
+    that raises gives its partial trace (and a ``trace_error`` finding)."""
     try:
-        return run(loss_fn), []
+        return run(ctx.loss_fn)
     except LossError as e:
-        note = skipped(
-            ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"], f"no loss: {e}"
+        ctx.found.append(
+            skipped(
+                ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"], f"no loss: {e}"
+            )
         )
         try:
-            return run(_no_loss), [note]
+            return run(_no_loss)
         except TraceError as err:
-            return err.trace, [note, _trace_error(str(err))]
+            ctx.found.append(_trace_error(str(err)))
+            return err.trace
     except TraceError as err:
-        return err.trace, [_trace_error(str(err))]
+        ctx.found.append(_trace_error(str(err)))
+        return err.trace
 
 
 def _name_by_trace(opt_params: list[Any], optimizer: torch.optim.Optimizer, tr: Trace) -> None:
@@ -390,8 +357,9 @@ def _trace_error(message: str) -> Finding:
         "error",
         "the traced step",
         {"message": message[:500]},
-        "the model or the loss raised; the findings above come from the partial trace (fix them first).",
-        position=1e11,
+        "the model or the loss raised; the findings above come from the partial trace "
+        "(fix them first).",
+        position=position(Band.TRACE_ERROR),
     )
 
 
@@ -408,7 +376,8 @@ def _history_rows(history: Any) -> list[dict[str, Any]] | None:
             )
         return [dict(r) for r in rows]
     raise TypeError(
-        f"history must be a list of dicts, a DataFrame or a NaNGuard; got {type(history).__qualname__}."
+        f"history must be a list of dicts, a DataFrame or a NaNGuard; got "
+        f"{type(history).__qualname__}."
     )
 
 
@@ -422,173 +391,3 @@ def _last_lr(scheduler: Any) -> Any:
         return lr[0] if isinstance(lr, (list, tuple)) and len(lr) == 1 else lr
     except Exception:
         return "unknown"
-
-
-def _recorded(rows: list[dict[str, Any]], live: list[Finding]) -> list[Finding]:
-    """Findings a guard recorded in its history (``row["checks"]``), once per (code, where)
-    with the first and last step, unless a live check found the same thing."""
-    seen = {(f.code, f.where) for f in live}
-    acc: dict[tuple[str, str], Finding] = {}
-    for r in rows:
-        for d in r.get("checks") or []:
-            if not isinstance(d, Mapping) or "code" not in d:
-                continue
-            key = (str(d.get("code")), str(d.get("where", "")))
-            if key in seen:
-                continue
-            step = r.get("step")
-            f = acc.get(key)
-            if f is None:
-                try:
-                    f = Finding.from_dict(d)
-                except (TypeError, ValueError):
-                    continue
-                f.step = step if isinstance(step, int) else f.step
-                f.evidence["first_step"] = step
-                f.evidence["times"] = 0
-                f.position = 2e12 + (step if isinstance(step, int) else 0)
-                acc[key] = f
-            f.evidence["last_step"] = step
-            f.evidence["times"] += 1
-    for f in acc.values():
-        f.advice = f"recorded by the guard at step {f.evidence['first_step']}: {f.advice}"
-    return list(acc.values())
-
-
-# --------------------------------------------------------------------------- the guard
-_CALLS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def parse_checks(checks: Any) -> dict[str, Any] | None:
-    """``NaNGuard(checks=...)``: ``True`` (every ``CHECK_EVERY`` steps), a positive int (every
-    that many steps), or ``{"every": int, "clip_norm": float}``; ``False``/``None``/``0``: off."""
-    if checks is None or checks is False or (isinstance(checks, int) and checks == 0):
-        return None
-    if checks is True:
-        return {"every": CHECK_EVERY, "clip_norm": None}
-    if isinstance(checks, int) and not isinstance(checks, bool):
-        if checks < 1:
-            raise ValueError(
-                f"checks must be True, a positive number of steps or a dict; got {checks!r}."
-            )
-        return {"every": checks, "clip_norm": None}
-    if isinstance(checks, Mapping):
-        unknown = set(checks) - {"every", "clip_norm"}
-        if unknown:
-            raise ValueError(
-                f"checks accepts the keys 'every' and 'clip_norm'; got {sorted(unknown)}."
-            )
-        every = checks.get("every", CHECK_EVERY)
-        clip = checks.get("clip_norm")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"checks['every'] must be a positive int; got {every!r}.")
-        if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
-            raise ValueError(f"checks['clip_norm'] must be a positive number; got {clip!r}.")
-        return {"every": every, "clip_norm": None if clip is None else float(clip)}
-    raise ValueError(f"checks must be True, a positive number of steps or a dict; got {checks!r}.")
-
-
-def run_guard_checks(
-    guard: Any, row: dict[str, Any], *, failing: bool = False
-) -> list[Finding] | None:
-    """Called by :meth:`NaNGuard.check` after it appended ``row`` to its history: every
-    ``every`` calls (and on a failing step) run :func:`guard_findings` and record them in
-    ``row["checks"]`` (warnings and errors; information once) and the Adam moments in
-    ``row["adam"]``. Never raises: a failing check is recorded as an info finding."""
-    opts = parse_checks(getattr(guard, "checks", None))
-    if opts is None:
-        return None
-    state = _CALLS.setdefault(guard, [0, None, set()])
-    n = state[0]
-    state[0] = n + 1
-    if n % opts["every"] and not failing:
-        return None
-    try:
-        findings = guard_findings(guard, row=row, clip_norm=opts["clip_norm"], since_step=state[1])
-    except Exception as e:  # a diagnosis aid must never stop the training loop
-        findings = [
-            Finding(
-                "check_skipped",
-                "info",
-                "guard checks",
-                {"error": f"{type(e).__name__}: {e}"[:300]},
-                "not checked: the health checks failed on this step.",
-            )
-        ]
-    state[1] = row.get("step")
-    keep = []
-    for f in findings:
-        if f.severity == "info":
-            key = (f.code, f.where)
-            if f.code == "check_skipped" or key in state[2]:
-                continue
-            state[2].add(key)
-        keep.append(f.to_dict())
-    row["checks"] = keep
-    return findings
-
-
-def guard_findings(
-    guard: Any,
-    *,
-    row: dict[str, Any] | None = None,
-    clip_norm: float | None = None,
-    since_step: Any = None,
-) -> list[Finding]:
-    """The cheap checks (no forward) on what a :class:`NaNGuard` has: the model's weights and
-    ``.grad`` (non-finite, vanishing/exploding ratios), the total gradient norm against the
-    history, the optimizer's state, the learning rate, clipping and the scaler's scale.
-
-    With ``row`` (the guard's current history row) the Adam moments are stored in
-    ``row["adam"]`` and schedule findings older than ``since_step`` are left out.
-    """
-    model = guard.model
-    rows = [dict(r) for r in guard.history]
-    past = rows[:-1] if row is not None and rows else rows
-    current = row if row is not None else (rows[-1] if rows else {})
-    params = live_param_infos(model)
-    types = {n: type(m).__name__ for n, m in model.named_modules()}
-    out: list[Finding] = []
-    out += weight_findings(params)
-    if any(p.grad_norm is not None for p in params) or not params:
-        out += grad_findings(params, module_types=types)
-    else:
-        out.append(
-            skipped(
-                ["nonfinite_gradient", "vanishing_gradient", "exploding_gradient"],
-                "no parameter has a .grad (call the checks after backward)",
-            )
-        )
-    out += history_grad_findings(past, _num(current.get("grad_norm")))
-    opt = getattr(guard, "optimizer", None)
-    if opt is not None:
-        ops = optimizer_params(opt, model)
-        moments = adam_moments(ops)
-        out += adam_findings(ops, past, moments=moments)
-        if row is not None and moments:
-            row["adam"] = moments
-    sched = lr_findings(rows)
-    if since_step is not None:
-        sched = [
-            f
-            for f in sched
-            if f.step is None or not isinstance(since_step, int) or f.step > since_step
-        ]
-    out += sched
-    out += clip_findings(rows, clip_norm)
-    if getattr(guard, "scaler", None) is not None:
-        out += scaler_findings(rows, _num(current.get("scale")))
-    for f in out:
-        if f.step is None:
-            f.step = current.get("step")
-    return out
-
-
-def _num(v: Any) -> float | None:
-    try:
-        return None if v is None or isinstance(v, bool) else float(v)
-    except (TypeError, ValueError):
-        return None
-
-
-register_health_checks(parse_checks, run_guard_checks)

@@ -4,9 +4,12 @@ and a few small helpers. See :mod:`nbdebug.analysis.checks` for the table of cod
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from typing import Any
+
+from ..core.text import fmt_num
 
 SEVERITIES = ("error", "warning", "info")
 _SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -81,6 +84,35 @@ SCALER_MIN_SCALE = 1.0
 # guard
 #: NaNGuard(checks=True) runs the cheap checks every this many steps.
 CHECK_EVERY = 50
+
+
+# --------------------------------------------------------------------------- ordering
+class Band(IntEnum):
+    """Where a finding sorts within its severity (``Finding.position``): band by band,
+    and inside a band by an offset (see :func:`position`). Findings with no position
+    (optimizer state, clipping, the scaler) come last (``math.inf``)."""
+
+    #: the trace; offset: the event index (a fraction falls between two events)
+    TRACE = 0
+    #: the traced step, with no event to point at (labels when there is no loss event)
+    STEP = 1
+    #: the model or the loss raised: after what the partial trace shows
+    TRACE_ERROR = 2
+    #: the training history (learning-rate schedule); offset: the history row
+    HISTORY = 3
+    #: findings a guard recorded in its history; offset: the step
+    RECORDED = 4
+
+
+#: Offsets inside a band stay below this (event indices, history rows, steps).
+BAND_WIDTH = 1e12
+
+
+def position(band: Band, offset: float = 0.0) -> float:
+    """``Finding.position`` of ``offset`` inside ``band`` (``position(Band.TRACE, i)`` is
+    event ``i``)."""
+    return band * BAND_WIDTH + offset
+
 
 #: Codes that name a cause sort before codes that name a symptom at the same position.
 _CODE_RANK = {
@@ -221,7 +253,8 @@ class Findings(list[Finding]):
         return [f for f in self if f.code == code]
 
     def to_frame(self) -> Any:
-        """One row per finding: severity, code, where, advice, evidence, event, param, module, rows, step."""
+        """One row per finding: severity, code, where, advice, evidence, event, param,
+        module, rows, step."""
         import pandas as pd
 
         columns = [
@@ -286,21 +319,10 @@ def module_label(module: str | None, module_type: str = "") -> str:
     return f"{name} ({module_type})" if module_type else name
 
 
-def rows_text(rows: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(r) for r in rows[:most])
-    return f"[{shown}{', ...' if len(rows) > most else ''}]"
-
-
-def fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return str(v)
-
-
 def _short(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_short(x) for x in list(v)[:4]) + (", ...]" if len(v) > 4 else "]")
-    return fmt(v)
+    return fmt_num(v)
 
 
 def _plain(v: Any) -> Any:
@@ -364,3 +386,118 @@ class TraceView:
     def position_of_param(self, name: str) -> float:
         i = self.param_event.get(name)
         return math.inf if i is None else float(i)
+
+
+# --------------------------------------------------------------------------- families
+#: What a check family may need from its context, and what a skipped finding says when
+#: it is missing (``CheckContext.missing`` gives a more precise reason where known).
+NEEDS: dict[str, str] = {
+    "trace": "nothing was traced",
+    "backward": "the trace stopped at an error before the backward",
+    "inputs": "the batch is not available (pass inputs=)",
+    "optimizer": "no optimizer (pass optimizer=)",
+    "history": "no training history (pass history=, a NaNGuard, or check a guard's snapshot)",
+}
+
+
+@dataclass
+class CheckContext:
+    """Everything :func:`nbdebug.check` resolved its source into; check families read it.
+
+    Attributes
+    ----------
+    trace : Trace or None
+    view : TraceView or None
+        Look-ups over ``trace``.
+    inputs, target, loss_fn : optional
+        The batch, the labels and the loss.
+    mixed_precision : bool
+        A GradScaler (float16 autocast) is in use.
+    optimizer_params : list of OptimParam or None
+        The optimizer's per-parameter state.
+    history : list of dict or None
+        A guard's rolling history rows.
+    scale : float or None
+        The scaler's current scale.
+    clip_norm : float or None
+    found : list of Finding
+        Findings so far (resolution notes, then each family's in turn).
+    missing : dict of str to str
+        Why a need of ``NEEDS`` is missing, where resolution knows better than ``NEEDS``.
+    """
+
+    trace: Any = None
+    view: TraceView | None = None
+    inputs: Any = None
+    target: Any = None
+    loss_fn: Any = None
+    mixed_precision: bool = False
+    optimizer_params: list[Any] | None = None
+    history: list[dict[str, Any]] | None = None
+    scale: float | None = None
+    clip_norm: float | None = None
+    found: list[Finding] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)
+
+    def has(self, need: str) -> bool:
+        """Whether the need (a key of ``NEEDS``) is available."""
+        if need == "trace":
+            return self.trace is not None
+        if need == "backward":
+            return self.trace is not None and not self.trace.error
+        if need == "inputs":
+            return self.inputs is not None
+        if need == "optimizer":
+            return self.optimizer_params is not None
+        if need == "history":
+            return bool(self.history)
+        raise ValueError(f"unknown check need {need!r}; expected one of {sorted(NEEDS)}.")
+
+    def why_missing(self, need: str) -> str:
+        return self.missing.get(need, NEEDS[need])
+
+
+@dataclass(frozen=True)
+class CheckFamily:
+    """A group of health checks that share what they need.
+
+    Attributes
+    ----------
+    codes : tuple of str
+        The finding codes it can give (named in ``check_skipped`` when it cannot run).
+    needs : tuple of str
+        Keys of ``NEEDS``: the family runs only when the context has them all.
+    run : callable
+        ``run(context) -> list[Finding]``.
+    fallback : callable, optional
+        What still applies when a need is missing (``fallback(context) -> list[Finding]``).
+    """
+
+    codes: tuple[str, ...]
+    needs: tuple[str, ...]
+    run: Callable[[CheckContext], list[Finding]]
+    fallback: Callable[[CheckContext], list[Finding]] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.needs if n not in NEEDS]
+        if unknown:
+            raise ValueError(f"unknown check needs {unknown}; expected some of {sorted(NEEDS)}.")
+
+
+def run_families(ctx: CheckContext, families: Iterable[CheckFamily]) -> list[Finding]:
+    """Run every family whose needs ``ctx`` has; one ``check_skipped`` finding per missing
+    need, naming the codes of the families it held back. Returns ``ctx.found``."""
+    held: dict[str, list[str]] = {}
+    for fam in families:
+        missing = next((n for n in fam.needs if not ctx.has(n)), None)
+        if missing is None:
+            ctx.found += fam.run(ctx)
+            continue
+        codes = held.setdefault(missing, [])
+        codes += [c for c in fam.codes if c not in codes]
+        if fam.fallback is not None:
+            ctx.found += fam.fallback(ctx)
+    for need, codes in held.items():
+        if codes:
+            ctx.found.append(skipped(codes, ctx.why_missing(need)))
+    return ctx.found

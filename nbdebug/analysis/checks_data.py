@@ -11,14 +11,17 @@ import torch
 
 from ..core.batch import call_model, named_tensors
 from ..core.state import preserved
+from ..core.text import fmt_num, row_numbers, rows_text
 from .checks_base import (
     CONSTANT_MIN_ROWS,
     CONSTANT_STD,
     UNSCALED_RANGE,
+    Band,
+    CheckContext,
+    CheckFamily,
     Finding,
     TraceView,
-    fmt,
-    rows_text,
+    position,
     skipped,
 )
 from .checks_forward import is_floating, is_torch_loss, loss_name
@@ -43,14 +46,15 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
             continue
         s = e.stats
         if not e.finite:
-            rows = f"rows {rows_text(e.samples)} of " if e.samples else ""
+            rows = f"{rows_text(e.samples)} of " if e.samples else ""
             out.append(
                 Finding(
                     "nonfinite_input",
                     "error",
                     f"{rows}input {e.name}",
                     {"n_nan": s.n_nan, "n_inf": s.n_inf, "n_rows": len(e.samples), "threshold": 0},
-                    "the batch itself holds NaN/Inf: drop or repair these rows in the data pipeline "
+                    "the batch itself holds NaN/Inf: drop or repair these rows in the "
+                    "data pipeline "
                     "(torch.nan_to_num, or filter rows where ~torch.isfinite(x).all(1)).",
                     fix="keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]",
                     event=e.index,
@@ -66,8 +70,10 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
                         "warning",
                         f"input {e.name}",
                         {"min": s.min, "max": s.max, "range": spread, "threshold": UNSCALED_RANGE},
-                        f"inputs span {fmt(s.min)} .. {fmt(s.max)}: standardise them (subtract the mean, "
-                        "divide by the std, per feature) so the first layer's activations and gradients stay O(1).",
+                        f"inputs span {fmt_num(s.min)} .. {fmt_num(s.max)}: "
+                        f"standardise them (subtract the mean, "
+                        "divide by the std, per feature) so the first layer's "
+                        "activations and gradients stay O(1).",
                         fix="x = (x - mean) / (std + 1e-8)  # statistics of the training set",
                         event=e.index,
                     )
@@ -115,7 +121,7 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
             Finding(
                 "constant_feature",
                 "warning",
-                f"{which} {rows_text(const)} of input {name}",
+                f"{which} {row_numbers(const)} of input {name}",
                 {
                     "features": const[:50],
                     "n_constant": len(const),
@@ -123,11 +129,13 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
                     "values": [float(mean[i]) for i in const[:10]],
                     "threshold": CONSTANT_STD,
                 },
-                f"{len(const)} of {x.shape[dim]} {which} do not vary across the {x.shape[0]} rows: a "
-                "standardisation divides them by a zero std (0/0), and they carry no signal; drop them "
+                f"{len(const)} of {x.shape[dim]} {which} do not vary across the "
+                f"{x.shape[0]} rows: a "
+                "standardisation divides them by a zero std (0/0), and they carry no "
+                "signal; drop them "
                 "or add an epsilon to the std.",
                 fix="x = (x - mu) / (sigma + 1e-8)",
-                position=0.5,
+                position=position(Band.TRACE, 0.5),  # after the batch, before the model
             )
         )
     if not checked:
@@ -158,7 +166,11 @@ def label_findings(
     name = loss_name(loss_fn)
     binary = "binary_cross_entropy" in name or name in ("bceloss", "bcewithlogitsloss")
     y = target.detach()
-    position = float(view.loss_event) if view is not None and view.loss_event is not None else 1e9
+    at = (
+        position(Band.TRACE, view.loss_event)
+        if view is not None and view.loss_event is not None
+        else position(Band.STEP)
+    )
     if binary:
         if not y.is_floating_point():
             return []
@@ -170,7 +182,7 @@ def label_findings(
             Finding(
                 "label_out_of_range",
                 "error",
-                f"target rows {rows_text(rows)}",
+                f"target {rows_text(rows)}",
                 {
                     "min": float(y.min()),
                     "max": float(y.max()),
@@ -179,7 +191,7 @@ def label_findings(
                 },
                 "binary cross-entropy targets must lie in [0, 1]: fix the labels of these rows.",
                 rows=rows,
-                position=position,
+                position=at,
             )
         ]
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
@@ -232,7 +244,7 @@ def label_findings(
         Finding(
             "label_out_of_range",
             "error",
-            f"target rows {rows_text(rows)}",
+            f"target {rows_text(rows)}",
             {
                 "bad_labels": vals[:20],
                 "n_classes": int(n_classes),
@@ -241,11 +253,12 @@ def label_findings(
                 "n_bad": int(bad.sum()),
                 "threshold": f"0 <= y < {n_classes}",
             },
-            f"labels {vals[:5]} fall outside the {n_classes} classes the model outputs (the loss raises, or "
+            f"labels {vals[:5]} fall outside the {n_classes} classes the model outputs "
+            f"(the loss raises, or "
             "on CUDA triggers a device-side assert): fix the label mapping or the output size.",
             fix=f"assert 0 <= y.min() and y.max() < {n_classes}",
             rows=rows,
-            position=position,
+            position=at,
         )
     ]
 
@@ -280,3 +293,21 @@ def _rows(bad: torch.Tensor) -> list[int]:
     if bad.ndim == 0:
         return [0]
     return torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten().tolist()
+
+
+def _labels(ctx: CheckContext) -> list[Finding]:
+    return label_findings(ctx.view, ctx.inputs, ctx.target, ctx.loss_fn)
+
+
+#: The data checks, for :func:`nbdebug.check` (see :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        ("nonfinite_input", "unscaled_input"),
+        ("trace",),
+        lambda ctx: trace_input_findings(ctx.view),  # type: ignore[arg-type]
+    ),
+    CheckFamily(
+        ("constant_feature",), ("inputs",), lambda ctx: constant_feature_findings(ctx.inputs)
+    ),
+    CheckFamily(("label_out_of_range",), (), _labels),
+)

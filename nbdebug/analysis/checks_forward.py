@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from ..core.stats import HIST_EDGES
+from ..core.text import fmt_num, rows_text
 from .checks_base import (
     DEAD_RELU_ZERO_FRAC,
     EXP_LIMIT,
@@ -18,11 +19,11 @@ from .checks_base import (
     FP16_RISK_FRACTION,
     SATURATION_EPS,
     SATURATION_SHARE,
+    CheckContext,
+    CheckFamily,
     Finding,
     TraceView,
-    fmt,
     module_label,
-    rows_text,
 )
 
 LOG_OPS = frozenset(
@@ -102,13 +103,14 @@ def origin_findings(view: TraceView) -> list[Finding]:
     if o.source:
         ev["source"] = o.source
     common = {"event": o.index, "module": o.module, "param": o.param, "rows": list(o.samples)}
-    rows = f" (rows {rows_text(o.samples)})" if o.samples else ""
+    rows = f" ({rows_text(o.samples)})" if o.samples else ""
     if any(k in LOG_OPS for k in kinds):
         op = made_by or "log/sqrt"
         back = o.phase == "backward"
         ev["threshold"] = "input <= 0" if not back else "input == 0 (infinite derivative)"
         advice = (
-            f"{op} received a value <= 0{rows}: clamp its input first, e.g. torch.log(x.clamp_min(1e-12)), "
+            f"{op} received a value <= 0{rows}: clamp its input first, e.g. "
+            f"torch.log(x.clamp_min(1e-12)), "
             "or compute in log space (log_softmax instead of log(softmax))."
             if not back
             else f"the derivative of {op} is infinite at 0{rows}: clamp its input away from 0 "
@@ -131,7 +133,8 @@ def origin_findings(view: TraceView) -> list[Finding]:
                 "error",
                 where,
                 ev,
-                f"{made_by} overflowed{rows}: exp(x) is infinite for x > {exp_limit(o.dtype):.4g} in {o.dtype}; "
+                f"{made_by} overflowed{rows}: exp(x) is infinite for x > "
+                f"{exp_limit(o.dtype):.4g} in {o.dtype}; "
                 "subtract the max first (torch.logsumexp, softmax) or clamp x.",
                 fix="torch.exp(x - x.amax(dim=-1, keepdim=True))",
                 **common,
@@ -162,8 +165,10 @@ def origin_findings(view: TraceView) -> list[Finding]:
                 "error",
                 where,
                 ev,
-                f"{made_by or 'this module'} overflowed float16 (largest finite value 65504){rows}: run it "
-                "in float32 (autocast keeps reductions in float32), or scale its inputs or weights down.",
+                f"{made_by or 'this module'} overflowed float16 (largest finite value "
+                f"65504){rows}: run it "
+                "in float32 (autocast keeps reductions in float32), or scale its "
+                "inputs or weights down.",
                 fix="with torch.autocast('cuda', dtype=torch.bfloat16): ...  # or module.float()",
                 **common,
             )
@@ -175,7 +180,8 @@ def origin_findings(view: TraceView) -> list[Finding]:
             "error",
             where,
             ev,
-            f"{made_by or 'this module'} produced the first non-finite value{rows}{note}; step into it.",
+            f"{made_by or 'this module'} produced the first non-finite "
+            f"value{rows}{note}; step into it.",
             **common,
         )
     ]
@@ -217,7 +223,8 @@ def weight_findings(params: Any, view: TraceView | None = None) -> list[Finding]
                 "error",
                 f"parameter {p.name}",
                 {"n_nan": p.n_nan, "n_inf": p.n_inf, "numel": math.prod(p.shape), "threshold": 0},
-                "this weight already holds NaN/Inf (a previous update diverged, or a bad checkpoint): "
+                "this weight already holds NaN/Inf (a previous update diverged, or a "
+                "bad checkpoint): "
                 "reload the last good checkpoint and find the step that broke it (NaNGuard).",
                 event=event,
                 param=p.name,
@@ -288,9 +295,12 @@ def forward_findings(
                                 "threshold": lim,
                                 "input_from": inp.label,
                             },
-                            f"inputs up to {fmt(inp.stats.absmax)} reach this {mtype} (exp overflows above "
-                            f"{lim:.4g} in {e.dtype}); its probabilities saturate to exact 0/1 and a log of "
-                            "them gives -inf: scale the logits down (temperature, normalisation) or keep "
+                            f"inputs up to {fmt_num(inp.stats.absmax)} reach this "
+                            f"{mtype} (exp overflows above "
+                            f"{lim:.4g} in {e.dtype}); its probabilities saturate to "
+                            f"exact 0/1 and a log of "
+                            "them gives -inf: scale the logits down (temperature, "
+                            "normalisation) or keep "
                             "them in log space.",
                             event=e.index,
                             module=e.module,
@@ -308,7 +318,8 @@ def forward_findings(
                         "threshold": FP16_RISK_FRACTION * FP16_MAX,
                         "limit": FP16_MAX,
                     },
-                    f"float16 activations reach {fmt(s.absmax)}, within a factor 2 of the largest float16 "
+                    f"float16 activations reach {fmt_num(s.absmax)}, within a factor 2 "
+                    f"of the largest float16 "
                     "(65504): run this module in float32 or bfloat16, or rescale its inputs.",
                     event=e.index,
                     module=e.module,
@@ -331,7 +342,8 @@ def forward_findings(
                         "threshold": FP16_RISK_FRACTION * FP16_MAX,
                         "limit": FP16_MAX,
                     },
-                    f"activations reach {fmt(s.absmax)}: under float16 autocast (a GradScaler is in use) "
+                    f"activations reach {fmt_num(s.absmax)}: under float16 autocast (a "
+                    f"GradScaler is in use) "
                     "this module's output would overflow 65504; use bfloat16 autocast or rescale.",
                     event=e.index,
                     module=e.module,
@@ -346,7 +358,8 @@ def forward_findings(
                     where,
                     {"zero_frac": s.zero_frac, "threshold": DEAD_RELU_ZERO_FRAC},
                     f"{s.zero_frac:.0%} of this ReLU's outputs are exactly 0, so no gradient flows "
-                    "through them: lower the learning rate, check the initialisation and the bias, or use "
+                    "through them: lower the learning rate, check the initialisation "
+                    "and the bias, or use "
                     "LeakyReLU/GELU.",
                     fix="nn.LeakyReLU(0.01)",
                     event=e.index,
@@ -368,8 +381,10 @@ def forward_findings(
                         "threshold": SATURATION_SHARE,
                         "eps": SATURATION_EPS,
                     },
-                    f"at least {share:.0%} of this {mtype}'s outputs lie within {SATURATION_EPS:g} of its "
-                    "bounds, where its derivative is ~0: normalise its inputs (LayerNorm/BatchNorm before "
+                    f"at least {share:.0%} of this {mtype}'s outputs lie within "
+                    f"{SATURATION_EPS:g} of its "
+                    "bounds, where its derivative is ~0: normalise its inputs "
+                    "(LayerNorm/BatchNorm before "
                     "it) or lower the initial weights.",
                     event=e.index,
                     module=e.module,
@@ -474,7 +489,8 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                 "PoissonNLLLoss with log_input=True computes exp(input)"
                 if poisson_exp
                 else (
-                    "a hand-written loss that exponentiates them (exp, softmax + log) overflows or underflows"
+                    "a hand-written loss that exponentiates them (exp, softmax + log) "
+                    "overflows or underflows"
                 )
             )
             findings.append(
@@ -483,8 +499,10 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                     "warning",
                     "the loss (model output)",
                     {"output_absmax": out.stats.absmax, "threshold": lim},
-                    f"the model's outputs reach {fmt(out.stats.absmax)} (> {lim:.4g} in {out.dtype}): {kind}; "
-                    "use a stable built-in (F.cross_entropy, F.log_softmax, torch.logsumexp) or scale the logits.",
+                    f"the model's outputs reach {fmt_num(out.stats.absmax)} (> "
+                    f"{lim:.4g} in {out.dtype}): {kind}; "
+                    "use a stable built-in (F.cross_entropy, F.log_softmax, "
+                    "torch.logsumexp) or scale the logits.",
                     fix="loss = F.cross_entropy(logits, y)",
                     event=out.index,
                     module="",
@@ -500,7 +518,8 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                     "warning",
                     "the loss (model output)",
                     {"output_min": s.min, "output_max": s.max, "threshold": "0 < p < 1"},
-                    "probabilities of exactly 0 or 1 reach binary_cross_entropy, which takes log(p) and "
+                    "probabilities of exactly 0 or 1 reach binary_cross_entropy, which "
+                    "takes log(p) and "
                     "log(1 - p) (clamped at -100, gradients of 1e12): output logits and use "
                     "binary_cross_entropy_with_logits.",
                     fix="loss = F.binary_cross_entropy_with_logits(logits, y)",
@@ -510,3 +529,32 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _forward(ctx: CheckContext) -> list[Finding]:
+    assert ctx.view is not None
+    return forward_findings(ctx.view, loss_fn=ctx.loss_fn, mixed_precision=ctx.mixed_precision)
+
+
+#: The forward checks, for :func:`nbdebug.check` (see :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        (
+            "log_of_nonpositive",
+            "exp_overflow_risk",
+            "fp16_overflow_risk",
+            "division_by_zero",
+            "nonfinite_origin",
+        ),
+        ("trace",),
+        lambda ctx: origin_findings(ctx.view),  # type: ignore[arg-type]
+    ),
+    CheckFamily(
+        ("nonfinite_weight",), ("trace",), lambda ctx: weight_findings(ctx.trace.params, ctx.view)
+    ),
+    CheckFamily(
+        ("exp_overflow_risk", "fp16_overflow_risk", "dead_relu", "saturated_activation"),
+        ("trace",),
+        _forward,
+    ),
+)

@@ -7,24 +7,60 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from ..core.events import ParamInfo
+from ..core.norms import fused_norms
 from ..core.state import unique_parameters
-from ..core.trace import _norms
+from ..core.text import dtype_name, fmt_num
 from .checks_base import (
     EXPLODING_HISTORY_FACTOR,
     EXPLODING_RATIO,
     HISTORY_MIN_ROWS,
     HISTORY_WINDOW,
     VANISHING_RATIO,
+    CheckContext,
+    CheckFamily,
     Finding,
-    fmt,
     skipped,
 )
+
+#: What a grad/weight norm ratio says (:func:`ratio_verdict`).
+RatioVerdict = Literal["vanishing", "exploding", "ok", "unknown"]
+
+
+def ratio_verdict(ratio: float | None) -> RatioVerdict:
+    """The one judgement of a grad norm / weight norm ratio, shared by the health checks,
+    the Layers tab's table and its bar plot.
+
+    Parameters
+    ----------
+    ratio : float or None
+        ``grad_norm / norm`` of a parameter (``ParamInfo.ratio``).
+
+    Returns
+    -------
+    {"vanishing", "exploding", "ok", "unknown"}
+        ``"vanishing"`` below ``VANISHING_RATIO`` (1e-5, zero included), ``"exploding"``
+        above ``EXPLODING_RATIO`` (100, inf included), ``"ok"`` between, ``"unknown"`` for
+        ``None`` or NaN.
+
+    Examples
+    --------
+    >>> ratio_verdict(1e-7), ratio_verdict(0.01), ratio_verdict(1e3)
+    ('vanishing', 'ok', 'exploding')
+    """
+    if ratio is None or math.isnan(ratio):
+        return "unknown"
+    if ratio < VANISHING_RATIO:
+        return "vanishing"
+    if ratio > EXPLODING_RATIO:
+        return "exploding"
+    return "ok"
+
 
 #: Module types whose weights get sparse gradients (only the rows of the batch's ids):
 #: their small ratio is expected.
@@ -40,8 +76,8 @@ def live_param_infos(model: torch.nn.Module) -> list[ParamInfo]:
         names.setdefault(id(p), n)
     grads = [_dense(p.grad) for p in params if p.grad is not None]
     with torch.no_grad():
-        wn = _norms([p.detach() for p in params]) if params else np.empty(0)
-        gn = _norms(grads) if grads else np.empty(0)
+        wn = fused_norms([p.detach() for p in params]) if params else np.empty(0)
+        gn = fused_norms(grads) if grads else np.empty(0)
     out = []
     gi = 0
     for p, n in zip(params, wn):
@@ -59,7 +95,7 @@ def live_param_infos(model: torch.nn.Module) -> list[ParamInfo]:
                 name=name,
                 module=name.rsplit(".", 1)[0] if "." in name else "",
                 shape=tuple(p.shape),
-                dtype=str(p.dtype).replace("torch.", ""),
+                dtype=dtype_name(p.dtype),
                 requires_grad=p.requires_grad,
                 norm=float(n),
                 grad_norm=g_norm,
@@ -163,7 +199,8 @@ def grad_findings(
                 "error",
                 f"gradients of {names}",
                 ev,
-                "these gradients hold NaN/Inf: skip the step (NaNGuard does), and look at the first "
+                "these gradients hold NaN/Inf: skip the step (NaNGuard does), and look "
+                "at the first "
                 "backward event that is not finite for the cause.",
                 event=None,
                 param=first.name,
@@ -183,29 +220,33 @@ def grad_findings(
         ratio = p.grad_norm / p.norm
         where, at = f"parameter {p.name}", float(pos(p.name))
         ev = {"grad_norm": p.grad_norm, "weight_norm": p.norm, "ratio": ratio}
-        if ratio < VANISHING_RATIO:
+        verdict = ratio_verdict(ratio)
+        if verdict == "vanishing":
             out.append(
                 Finding(
                     "vanishing_gradient",
                     "warning",
                     where,
                     {**ev, "threshold": VANISHING_RATIO},
-                    f"grad/weight norm ratio {fmt(ratio)}: this layer barely learns; add normalisation or "
-                    "residual connections, check for saturated or dead activations before it, or raise "
+                    f"grad/weight norm ratio {fmt_num(ratio)}: this layer barely "
+                    f"learns; add normalisation or "
+                    "residual connections, check for saturated or dead activations "
+                    "before it, or raise "
                     "its learning rate.",
                     param=p.name,
                     module=p.module,
                     position=at,
                 )
             )
-        elif ratio > EXPLODING_RATIO:
+        elif verdict == "exploding":
             out.append(
                 Finding(
                     "exploding_gradient",
                     "warning",
                     where,
                     {**ev, "threshold": EXPLODING_RATIO},
-                    f"grad/weight norm ratio {fmt(ratio)}: one step would move this weight far beyond its "
+                    f"grad/weight norm ratio {fmt_num(ratio)}: one step would move "
+                    f"this weight far beyond its "
                     "size; clip the gradient norm and lower the learning rate.",
                     fix="torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
                     param=p.name,
@@ -243,7 +284,8 @@ def history_grad_findings(
                 "threshold": EXPLODING_HISTORY_FACTOR,
                 "history_rows": len(norms),
             },
-            f"the gradient norm is {current / med:.3g}x its recent median ({fmt(med)}): a loss spike or a bad "
+            f"the gradient norm is {current / med:.3g}x its recent median "
+            f"({fmt_num(med)}): a loss spike or a bad "
             "batch; clip the gradient norm (e.g. at a few times the median) and check this batch.",
             fix=f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={3 * med:.3g})",
         )
@@ -255,3 +297,29 @@ def _finite(v: Any) -> bool:
         return v is not None and not isinstance(v, bool) and math.isfinite(float(v))
     except (TypeError, ValueError):
         return False
+
+
+def _trace_grads(ctx: CheckContext) -> list[Finding]:
+    tr, view = ctx.trace, ctx.view
+    assert tr is not None and view is not None
+    ran = any(e.phase == "backward" for e in tr.events) or not any(
+        p.requires_grad for p in tr.params
+    )
+    return grad_findings(
+        tr.params, module_types=tr.module_types, position=view.position_of_param, backward_ran=ran
+    )
+
+
+#: The gradient checks, for :func:`nbdebug.check` (see :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        ("nonfinite_gradient", "vanishing_gradient", "exploding_gradient", "unused_parameter"),
+        ("trace", "backward"),
+        _trace_grads,
+    ),
+    CheckFamily(
+        ("exploding_gradient",),
+        ("trace", "backward", "history"),
+        lambda ctx: history_grad_findings(ctx.history or [], total_grad_norm(ctx.trace.params)),
+    ),
+)

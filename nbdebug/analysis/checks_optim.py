@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.trace import _norms
+from ..core.norms import fused_norms
+from ..core.text import dtype_name, fmt_num
 from .checks_base import (
     ADAM_SIGMA,
     CLIP_ALWAYS_SHARE,
@@ -36,8 +37,11 @@ from .checks_base import (
     SCALER_MIN_SCALE,
     SCALER_SKIPS,
     SCALER_WINDOW,
+    Band,
+    CheckContext,
+    CheckFamily,
     Finding,
-    fmt,
+    position,
 )
 
 #: A recorded log10 moment series steadier than this (in decades) counts as this steady.
@@ -67,11 +71,7 @@ def optimizer_params(
         hyper = {k: v for k, v in g.items() if k != "params"}
         for pi, p in enumerate(g["params"]):
             name = names.get(id(p), f"group{gi}.param{pi}")
-            out.append(
-                OptimParam(
-                    name, hyper, optimizer.state.get(p, {}), str(p.dtype).replace("torch.", "")
-                )
-            )
+            out.append(OptimParam(name, hyper, optimizer.state.get(p, {}), dtype_name(p.dtype)))
     return out
 
 
@@ -91,7 +91,7 @@ def state_dict_params(
             st = per_index.get(idx, {}) or {}
             dtype = next(
                 (
-                    str(v.dtype).replace("torch.", "")
+                    dtype_name(v.dtype)
                     for v in st.values()
                     if isinstance(v, torch.Tensor) and v.ndim
                 ),
@@ -116,7 +116,7 @@ def adam_moments(params: Sequence[OptimParam]) -> dict[str, list[float]]:
     for p in rows:
         tensors += [_real(p.state["exp_avg"]), _real(p.state["exp_avg_sq"])]
     with torch.no_grad():
-        norms = _norms(tensors)
+        norms = fused_norms(tensors)
     out = {}
     for i, p in enumerate(rows):
         n = max(p.state["exp_avg"].numel(), 1)
@@ -167,8 +167,10 @@ def adam_findings(
                         "numel": v.numel(),
                         "threshold": FP16_SMALLEST,
                     },
-                    f"exp_avg_sq is 0 for {n_zero} elements and eps={eps:g} rounds to 0 in float16, so "
-                    "the update divides by sqrt(v) + eps = 0: use eps >= 1e-4 with float16 states, or keep "
+                    f"exp_avg_sq is 0 for {n_zero} elements and eps={eps:g} rounds to "
+                    f"0 in float16, so "
+                    "the update divides by sqrt(v) + eps = 0: use eps >= 1e-4 with "
+                    "float16 states, or keep "
                     "float32 master weights (autocast + GradScaler).",
                     fix="torch.optim.Adam(params, eps=1e-4)",
                     param=p.name,
@@ -210,8 +212,10 @@ def adam_findings(
                             "threshold": ADAM_SIGMA,
                             "history_rows": len(logs),
                         },
-                        f"the {label} RMS of {name} is {abs(z):.1f} sigma {'above' if z > 0 else 'below'} its "
-                        "history (log scale): a gradient spike reached this parameter; clip gradients, lower "
+                        f"the {label} RMS of {name} is {abs(z):.1f} sigma "
+                        f"{'above' if z > 0 else 'below'} its "
+                        "history (log scale): a gradient spike reached this parameter; "
+                        "clip gradients, lower "
                         "the learning rate, or check the batches of these steps.",
                         param=name,
                     )
@@ -223,7 +227,8 @@ def adam_findings(
 # --------------------------------------------------------------------------- learning rate
 def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
     """``lr_spike`` (the lr grows more than ``LR_SPIKE_RATIO`` x between recorded steps,
-    from a steady or falling lr of at least ``LR_SPIKE_MIN_SHARE`` of its maximum so far) and ``lr_schedule_boundary`` (the
+    from a steady or falling lr of at least ``LR_SPIKE_MIN_SHARE`` of its maximum so far) and
+    ``lr_schedule_boundary`` (the
     lr curve changes regime: warm-up end, decay start, a step decay, a restart); the
     boundary is a warning when the loss rises ``LR_BOUNDARY_LOSS_RISE`` x (or goes
     non-finite) within ``LR_BOUNDARY_WINDOW`` rows after it."""
@@ -258,10 +263,12 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
                         "ratio": float(cur / prev),
                         "threshold": LR_SPIKE_RATIO,
                     },
-                    f"the learning rate jumped {cur / prev:.3g}x at step {steps[k]}: check the scheduler "
-                    "(a restart, a wrong step count, scheduler.step() called per batch instead of per epoch).",
+                    f"the learning rate jumped {cur / prev:.3g}x at step {steps[k]}: "
+                    f"check the scheduler "
+                    "(a restart, a wrong step count, scheduler.step() called per batch "
+                    "instead of per epoch).",
                     step=_int(steps[k]),
-                    position=1e12 + k,
+                    position=position(Band.HISTORY, k),
                 )
             )
     # boundaries: where the sign of the change switches; a one-step jump (step decay)
@@ -287,10 +294,12 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
             if rise is not None:
                 ev["loss_rise"] = rise
             advice = (
-                f"the loss rose {fmt(rise)}x within {LR_BOUNDARY_WINDOW} steps after this {kind}: lengthen the "
+                f"the loss rose {fmt_num(rise)}x within {LR_BOUNDARY_WINDOW} steps "
+                f"after this {kind}: lengthen the "
                 "warm-up, lower the peak learning rate, or smooth the schedule."
                 if bad
-                else f"the learning-rate schedule changes regime here ({kind}); watch the loss around this step."
+                else f"the learning-rate schedule changes regime here ({kind}); watch the "
+                f"loss around this step."
             )
             out.append(
                 Finding(
@@ -300,7 +309,7 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
                     ev,
                     advice,
                     step=_int(steps[min(at + 1, len(steps) - 1)]),
-                    position=1e12 + at,
+                    position=position(Band.HISTORY, at),
                 )
             )
             k += 2 if k + 1 < len(sign) and sign[k + 1] != sign[k] else 1
@@ -371,8 +380,10 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
                 "warning",
                 f"clip_grad_norm_(max_norm={clip_norm:g})",
                 {**ev, "threshold": CLIP_ALWAYS_SHARE},
-                f"the gradient was clipped in {share:.0%} of the last {len(norms)} steps (median norm "
-                f"{fmt(float(np.median(norms)))}): every update has the same length, so max_norm acts as the "
+                f"the gradient was clipped in {share:.0%} of the last {len(norms)} "
+                f"steps (median norm "
+                f"{fmt_num(float(np.median(norms)))}): every update has the same "
+                f"length, so max_norm acts as the "
                 "learning rate; raise max_norm above the typical norm or lower the learning rate.",
                 fix=f"clip_grad_norm_(params, max_norm={2 * float(np.median(norms)):.3g})",
             )
@@ -384,8 +395,10 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
                 "info",
                 f"clip_grad_norm_(max_norm={clip_norm:g})",
                 {**ev, "max_grad_norm": float(norms.max()), "threshold": clip_norm},
-                f"the gradient norm never reached max_norm={clip_norm:g} in {len(norms)} steps (largest "
-                f"{fmt(float(norms.max()))}): clipping is only a safety net here; lower max_norm if spikes "
+                f"the gradient norm never reached max_norm={clip_norm:g} in "
+                f"{len(norms)} steps (largest "
+                f"{fmt_num(float(norms.max()))}): clipping is only a safety net here; "
+                f"lower max_norm if spikes "
                 "between these values hurt.",
             )
         ]
@@ -424,8 +437,10 @@ def scaler_findings(
                 "error",
                 "GradScaler",
                 ev,
-                f"the loss scale fell to {fmt(scale_now)} (< {SCALER_MIN_SCALE:g}): the gradients overflow float16 "
-                "even unscaled, i.e. something is already Inf/NaN; find the first non-finite step (NaNGuard "
+                f"the loss scale fell to {fmt_num(scale_now)} (< "
+                f"{SCALER_MIN_SCALE:g}): the gradients overflow float16 "
+                "even unscaled, i.e. something is already Inf/NaN; find the first "
+                "non-finite step (NaNGuard "
                 "snapshot) rather than scaling further.",
             )
         ]
@@ -436,8 +451,10 @@ def scaler_findings(
                 "warning",
                 "GradScaler",
                 ev,
-                f"the loss scale fell {falls} times in a row and {skips} of the last {len(recent)} steps were "
-                "skipped: float16 gradients keep overflowing; look for activations near 65504, lower the "
+                f"the loss scale fell {falls} times in a row and {skips} of the last "
+                f"{len(recent)} steps were "
+                "skipped: float16 gradients keep overflowing; look for activations "
+                "near 65504, lower the "
                 "learning rate, or use bfloat16.",
             )
         ]
@@ -484,3 +501,33 @@ def _int(v: Any) -> int | None:
         return int(v)
     except (TypeError, ValueError):
         return None
+
+
+def _scaler(ctx: CheckContext) -> list[Finding]:
+    rows = ctx.history or []
+    if ctx.scale is None and not any(r.get("scale") is not None for r in rows):
+        return []
+    return scaler_findings(rows, ctx.scale)
+
+
+#: The optimizer and schedule checks, for :func:`nbdebug.check` (see
+#: :class:`~.checks_base.CheckFamily`).
+FAMILIES = (
+    CheckFamily(
+        ("adam_state_outlier",),
+        ("optimizer",),
+        lambda ctx: adam_findings(ctx.optimizer_params or [], ctx.history or []),
+    ),
+    CheckFamily(
+        ("lr_spike", "lr_schedule_boundary"),
+        ("history",),
+        lambda ctx: lr_findings(ctx.history or []),
+    ),
+    CheckFamily(
+        ("grad_clip_always_on", "grad_clip_never_on"),
+        ("history",),
+        lambda ctx: clip_findings(ctx.history or [], ctx.clip_norm),
+    ),
+    # without a history the current scale is still judged (below SCALER_MIN_SCALE)
+    CheckFamily(("grad_scaler_collapse",), ("history",), _scaler, fallback=_scaler),
+)

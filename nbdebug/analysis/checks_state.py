@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..core.batch import check_model
+from ..core.text import dtype_name
 from .checks_base import Finding, Findings, sort_findings
 
 _PREFIXES = ("module.", "_orig_mod.", "model.")
@@ -64,16 +65,19 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
         parts = []
         if missing:
             parts.append(
-                f"{len(missing)} missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
+                f"{len(missing)} missing "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
             )
         if unexpected:
             parts.append(
-                f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})"
+                f"{len(unexpected)} unexpected "
+                f"({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})"
             )
         if shapes:
             k0 = next(iter(shapes))
             parts.append(
-                f"{len(shapes)} shape change(s) ({k0}: checkpoint {tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})"
+                f"{len(shapes)} shape change(s) ({k0}: checkpoint "
+                f"{tuple(shapes[k0][0])} vs model {tuple(shapes[k0][1])})"
             )
         out.append(
             Finding(
@@ -90,8 +94,10 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                     "threshold": 0,
                 },
                 hint
-                or "the checkpoint does not fit this model: load it into the architecture it was saved "
-                "from, or load with strict=False only for keys you expect to differ (and re-initialise them).",
+                or "the checkpoint does not fit this model: load it into the architecture "
+                "it was saved "
+                "from, or load with strict=False only for keys you expect to differ "
+                "(and re-initialise them).",
                 fix=fix,
                 param=next(iter(missing or list(shapes)), None),
             )
@@ -115,7 +121,8 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                             "numel": v.numel(),
                             "threshold": 0,
                         },
-                        "the checkpoint stores NaN/Inf in this tensor: it was saved after the run diverged; "
+                        "the checkpoint stores NaN/Inf in this tensor: it was saved "
+                        "after the run diverged; "
                         "load an earlier checkpoint.",
                         param=k,
                     )
@@ -133,14 +140,14 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
         n_flushed = int((fin.abs() < tiny).sum()) - int((fin == 0).sum()) if fin.numel() else 0
         n_zero = int((fin == 0).sum()) if fin.numel() else 0
         ev: dict[str, Any] = {
-            "checkpoint_dtype": str(v.dtype).replace("torch.", ""),
-            "model_dtype": str(w.dtype).replace("torch.", ""),
+            "checkpoint_dtype": dtype_name(v.dtype),
+            "model_dtype": dtype_name(w.dtype),
             "max_roundoff": absmax * ulp_half,
             "relative_roundoff": ulp_half,
             "absmax": absmax,
             "n_subnormal": max(n_flushed, 0),
             "n_zero": n_zero,
-            "threshold": f"finfo({str(v.dtype).replace('torch.', '')}).eps / 2 = {ulp_half:.3g}",
+            "threshold": f"finfo({dtype_name(v.dtype)}).eps / 2 = {ulp_half:.3g}",
         }
         if tuple(w.shape) == tuple(x.shape):
             # when the model already holds these weights at full precision: the actual error
@@ -154,9 +161,12 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                 "warning",
                 f"{k}: {ev['checkpoint_dtype']} -> {ev['model_dtype']}",
                 ev,
-                f"these {ev['model_dtype']} weights come from a {ev['checkpoint_dtype']} checkpoint: up to "
-                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and {ev['n_subnormal']} values "
-                "near 0 lost their precision; save full-precision checkpoints (master weights) for training.",
+                f"these {ev['model_dtype']} weights come from a "
+                f"{ev['checkpoint_dtype']} checkpoint: up to "
+                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and "
+                f"{ev['n_subnormal']} values "
+                "near 0 lost their precision; save full-precision checkpoints (master "
+                "weights) for training.",
                 param=k,
             )
         )

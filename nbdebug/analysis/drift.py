@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.display import show as show_result
 from . import drift_stats as st
 from .drift_data import prepare_batches
 from .explain import EXPLAINERS, adapt_model, explain_batches
@@ -48,7 +49,10 @@ class ClassifierTest:
     classifier: str
 
     def __repr__(self) -> str:
-        return f"ClassifierTest(auc={self.auc:.3f}, p={self.p_value:.4g}, p_adjusted={self.p_adjusted:.4g})"
+        return (
+            f"ClassifierTest(auc={self.auc:.3f}, p={self.p_value:.4g}, "
+            f"p_adjusted={self.p_adjusted:.4g})"
+        )
 
 
 @dataclass(repr=False)
@@ -154,9 +158,7 @@ class DriftReport:
 
     def show(self, **kwargs: Any) -> Any:
         """The interactive panel (:class:`nbdebug.widgets.drift.DriftPanel`)."""
-        from ..widgets.drift import DriftPanel
-
-        return DriftPanel(self, **kwargs)
+        return show_result(self, **kwargs)
 
     def __repr__(self) -> str:
         d = len(self.feature_names)
@@ -224,7 +226,8 @@ def _summary(
             + ("changed" if moved else "did not change significantly")
             + f" (chi-square p={ctest.p_value:.3g}, corrected {ctest.p_adjusted:.3g})"
             + (
-                f": cluster {clusters.index[i_top]} ({top['name']}) went from {top['share_reference']:.0%} of the "
+                f": cluster {clusters.index[i_top]} ({top['name']}) went from "
+                f"{top['share_reference']:.0%} of the "
                 f"reference to {top['share_current']:.0%} of the current batch."
                 if moved
                 else "."
@@ -334,7 +337,9 @@ def drift_from_shap(
             or (name != "current" and a.shape[0] != like.shape[0])
         ):
             raise ValueError(
-                f"{name} must have shape {(like.shape[0] if name != 'current' else 'n_current', like.shape[1])}; "
+                f"{name} must have shape "
+                f"{(like.shape[0] if name != 'current' else 'n_current', like.shape[1])}; "
+                f""
                 f"got {a.shape}."
             )
     for name, a in (
@@ -345,7 +350,8 @@ def drift_from_shap(
     ):
         if not np.isfinite(a).all():
             raise ValueError(
-                f"{name} holds {int((~np.isfinite(a)).sum())} NaN/inf values; expected finite numbers."
+                f"{name} holds {int((~np.isfinite(a)).sum())} NaN/inf values; expected "
+                f"finite numbers."
             )
     d = xr.shape[1]
     names = (

@@ -55,7 +55,8 @@ def _to_frame(x: Any, which: str) -> tuple[pd.DataFrame, bool]:
     if isinstance(x, pd.Series):
         raise TypeError(
             f"the {which} batch must be 2-D (rows x features): a DataFrame, a 2-D array or a 2-D "
-            f"tensor; got a pandas Series of length {len(x)} (use series.to_frame() for one feature)."
+            f"tensor; got a pandas Series of length {len(x)} (use series.to_frame() "
+            f"for one feature)."
         )
     try:
         import torch
@@ -64,7 +65,8 @@ def _to_frame(x: Any, which: str) -> tuple[pd.DataFrame, bool]:
     if torch is not None and isinstance(x, torch.Tensor):
         if x.ndim != 2:
             raise ValueError(
-                f"the {which} batch must be 2-D (rows x features); got a tensor of shape {tuple(x.shape)}."
+                f"the {which} batch must be 2-D (rows x features); got a tensor of "
+                f"shape {tuple(x.shape)}."
             )
         if x.is_complex():
             raise TypeError(f"the {which} batch must hold real numbers; got a {x.dtype} tensor.")
@@ -74,7 +76,8 @@ def _to_frame(x: Any, which: str) -> tuple[pd.DataFrame, bool]:
         arr = np.asarray(x, dtype=object) if isinstance(x, (list, tuple)) else x
         if arr.ndim != 2:
             raise ValueError(
-                f"the {which} batch must be 2-D (rows x features); got an array of shape {arr.shape}."
+                f"the {which} batch must be 2-D (rows x features); got an array of "
+                f"shape {arr.shape}."
             )
         return pd.DataFrame(arr), False
     raise TypeError(
@@ -102,9 +105,8 @@ def _align_columns(
             if extra:
                 parts.append(f"only in current: {extra}")
             raise ValueError(
-                f"the batches have different columns (reference {len(rcols)}, current {len(ccols)}); "
-                + "; ".join(parts)
-                + "."
+                f"the batches have different columns (reference {len(rcols)}, current "
+                f"{len(ccols)}); " + "; ".join(parts) + "."
             )
         if rcols != ccols:
             notes.append("the current batch's columns were put in the reference's order")
@@ -226,7 +228,8 @@ def prepare_batches(
         names_given = [str(n) for n in feature_names]
         if len(names_given) != ref.shape[1]:
             raise ValueError(
-                f"feature_names has {len(names_given)} names but the batches have {ref.shape[1]} columns."
+                f"feature_names has {len(names_given)} names but the batches have "
+                f"{ref.shape[1]} columns."
             )
         names = names_given
     if len(set(names)) != len(names):
@@ -256,13 +259,15 @@ def prepare_batches(
             raise ValueError(
                 "NaN/inf values in the features: "
                 + "; ".join(parts)
-                + ". Clean them, or pass nan_policy='impute' to replace them with the reference median."
+                + ". Clean them, or pass nan_policy='impute' to replace them with the "
+                "reference median."
             )
         ref_fin = np.where(np.isfinite(xr), xr, np.nan)
         all_missing = [names[j] for j in range(xr.shape[1]) if np.isnan(ref_fin[:, j]).all()]
         if all_missing:
             raise ValueError(
-                f"cannot impute: these columns have no finite value in the reference batch: {all_missing}."
+                f"cannot impute: these columns have no finite value in the reference "
+                f"batch: {all_missing}."
             )
         med = np.nanmedian(ref_fin, axis=0)
         for w, arr in (("reference", xr), ("current", xc)):
@@ -270,7 +275,8 @@ def prepare_batches(
             if mask.any():
                 arr[mask] = np.broadcast_to(med, arr.shape)[mask]
                 notes.append(
-                    f"imputed {int(mask.sum())} NaN/inf value(s) in the {w} batch with the reference "
+                    f"imputed {int(mask.sum())} NaN/inf value(s) in the {w} batch with "
+                    f"the reference "
                     f"median ({_describe_counts(bad_counts[w])})"
                 )
 

@@ -131,7 +131,8 @@ def _as_2d(out: Any, n: int, what: str) -> np.ndarray:
         arr = arr[:, None]
     if arr.ndim != 2 or arr.shape[0] != n:
         raise BadOutputValue(
-            f"{what} must return an array of shape (n,) or (n, k) for n={n} rows; got shape {arr.shape}."
+            f"{what} must return an array of shape (n,) or (n, k) for n={n} rows; got "
+            f"shape {arr.shape}."
         )
     return arr
 
@@ -335,7 +336,8 @@ def _build(kind: str, adapter: ModelAdapter, bg: np.ndarray, d: int, random_stat
     if kind == "linear":
         if adapter.kind != "sklearn" or not hasattr(adapter.model, "coef_"):
             raise _WrongKind(
-                f"explainer='linear' needs a linear estimator with coef_; got {_kind(adapter.model)}."
+                f"explainer='linear' needs a linear estimator with coef_; got "
+                f"{_kind(adapter.model)}."
             )
         lin = shap.LinearExplainer(adapter.model, shap.maskers.Independent(bg, max_samples=len(bg)))
         return _Built(
@@ -349,7 +351,8 @@ def _build(kind: str, adapter: ModelAdapter, bg: np.ndarray, d: int, random_stat
         if adapter.torch_copy is None:
             if kind == "deep":
                 raise _WrongKind(
-                    "explainer='deep' adds hooks and attributes to the module, so it runs on a copy; "
+                    "explainer='deep' adds hooks and attributes to the module, so it "
+                    "runs on a copy; "
                     "this model could not be copied with copy.deepcopy."
                 )
             target = _TabularOutput.wrap(adapter.model)
@@ -599,7 +602,8 @@ def explain_batches(
                             parts[which].append(built.values(chunk))
                     except Exception as e:
                         raise RuntimeError(
-                            f"{built.name} failed on rows {s}-{s + len(chunk) - 1} of the {which} batch: "
+                            f"{built.name} failed on rows {s}-{s + len(chunk) - 1} of "
+                            f"the {which} batch: "
                             f"{type(e).__name__}: {str(e)[:300]}"
                         ) from e
                     bar.update(len(chunk))

@@ -12,9 +12,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..core.batch import batch_size, call_model, check_inputs, check_model
-from ..core.hooks import HookSet
+from ..core.hooks import HookSet, hookable_named_modules
+from ..core.recorder import clone_structure
 from ..core.state import RngState, preserved
-from .gradcheck import GradcheckResult, _check_options, _first_line, _run_gradcheck, _tensors
+from ..core.text import first_line
+from .gradcheck import run_gradcheck
+from .gradcheck_inputs import GradcheckOptions
+from .gradcheck_problem import leaf_tensors
+from .gradcheck_result import GradcheckResult
+from .gradcheck_verdicts import SKIPPED
 
 
 def gradcheck_modules(
@@ -62,21 +68,14 @@ def gradcheck_modules(
     check_inputs(inputs)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows must be a positive int; got {rows!r}.")
-    _check_options(eps=eps, atol=atol, rtol=rtol, wrt="both", max_elements=max_elements)
+    # the first three in the fields' order; then by name
+    options = GradcheckOptions(
+        eps, atol, rtol, max_elements=max_elements, fast=fast, random_state=random_state
+    )
+    options = options.for_module_sweep().validate()
     records = []
     results: dict[str, GradcheckResult] = {}
-    for rec, res in iter_module_checks(
-        model,
-        inputs,
-        rows=rows,
-        eps=eps,
-        atol=atol,
-        rtol=rtol,
-        max_elements=max_elements,
-        fast=fast,
-        random_state=random_state,
-        progress=progress,
-    ):
+    for rec, res in iter_module_checks(model, inputs, options, rows=rows, progress=progress):
         records.append(rec)
         if res is not None:
             results[rec["module"]] = res
@@ -90,20 +89,16 @@ def gradcheck_modules(
 def iter_module_checks(
     model: torch.nn.Module,
     inputs: Any,
+    options: GradcheckOptions,
     *,
     rows: int = 2,
-    eps: float = 1e-6,
-    atol: float = 1e-5,
-    rtol: float = 1e-3,
-    max_elements: int = 32,
-    fast: bool = False,
-    random_state: int = 0,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> Iterator[tuple[dict[str, Any], GradcheckResult | None]]:
-    """The module sweep of :func:`gradcheck_modules`, one ``(row, result)`` at a time."""
+    """The module sweep of :func:`gradcheck_modules`, one ``(row, result)`` at a time, each
+    module checked with ``options`` (see :meth:`GradcheckOptions.for_module_sweep`)."""
     check_model(model)
     check_inputs(inputs)
-    names, captured = _capture_module_inputs(model, inputs, rows)
+    names, captured = capture_module_inputs(model, inputs, rows)
     modules = dict(model.named_modules())
     total = len(names)
     rng_state = RngState.capture()
@@ -114,7 +109,7 @@ def iter_module_checks(
                 "module": name,
                 "type": type(module).__name__,
                 "passed": None,
-                "verdict": "skipped",
+                "verdict": SKIPPED,
                 "max_error": math.nan,
                 "seconds": 0.0,
                 "reason": "",
@@ -126,7 +121,7 @@ def iter_module_checks(
                 row["reason"] = "not called in the forward pass"
             else:
                 (args, kwargs), n_calls = call
-                floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+                floats = [t for t in leaf_tensors((args, kwargs)) if t.is_floating_point()]
                 own = [
                     p
                     for p in module.parameters(recurse=False)
@@ -136,23 +131,12 @@ def iter_module_checks(
                     row["reason"] = "no floating-point input or parameter to differentiate"
                 else:
                     try:
-                        result = _run_gradcheck(
+                        result = run_gradcheck(
                             module,
                             module,
                             (args, kwargs),
+                            options,
                             fn_name=name or type(module).__name__,
-                            wrt="both",
-                            eps=eps,
-                            atol=atol,
-                            rtol=rtol,
-                            second_order=False,
-                            max_elements=max_elements,
-                            fast=fast,
-                            random_state=random_state,
-                            native_check=False,
-                            all_float=True,
-                            param_recurse=False,
-                            fixed_seed=random_state,
                         )
                     except (TypeError, ValueError) as e:
                         row["reason"] = f"could not be checked: {e}"
@@ -174,7 +158,7 @@ def iter_module_checks(
         rng_state.restore()
 
 
-def _capture_module_inputs(
+def capture_module_inputs(
     model: torch.nn.Module, inputs: Any, rows: int
 ) -> tuple[list[str], dict[str, tuple[tuple[tuple[Any, ...], dict[str, Any]], int]]]:
     """Run ``model`` on the first ``rows`` batch rows and keep a copy of the arguments of the
@@ -189,9 +173,7 @@ def _capture_module_inputs(
 
     sliced = tree_map(head, inputs) if not isinstance(inputs, torch.Tensor) else head(inputs)
     names = []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.jit.ScriptModule):
-            continue  # TorchScript modules take no Python hooks
+    for name, m in hookable_named_modules(model):
         if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False)):
             names.append(name)
     modules = dict(model.named_modules())
@@ -205,10 +187,7 @@ def _capture_module_inputs(
                 call, count = captured[name]
                 captured[name] = (call, count + 1)
                 return
-            clone = tree_map(
-                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs)
-            )
-            captured[name] = (clone, 1)
+            captured[name] = (clone_structure((args, kwargs)), 1)
 
         return hook
 
@@ -224,6 +203,7 @@ def _capture_module_inputs(
                 f" Executed modules up to: {last[0] or '(none)'}." if last[0] or captured else ""
             )
             raise ValueError(
-                f"the model raised {type(e).__name__} on the first {keep} batch rows: {_first_line(e)}.{where}"
+                f"the model raised {type(e).__name__} on the first {keep} batch rows: "
+                f"{first_line(e, with_type=False)}.{where}"
             ) from e
     return names, captured

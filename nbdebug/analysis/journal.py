@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .label_inputs import _torch
+from .label_inputs import loaded_torch
 
 FORMAT = "nbdebug-label-journal"
 VERSION = 1
@@ -40,7 +40,7 @@ def now() -> str:
 
 
 def _hash_data(h: Any, data: Any) -> None:
-    torch = _torch()
+    torch = loaded_torch()
     if torch is not None and isinstance(data, torch.Tensor):
         data = data.detach().cpu().numpy()
     if isinstance(data, (pd.DataFrame, pd.Series)):

@@ -17,20 +17,20 @@ import pandas as pd
 IN_SAMPLE_CONFIDENCE = 0.98
 
 
-def _describe(x: Any) -> str:
+def describe_input(x: Any) -> str:
     shape = getattr(x, "shape", None)
     if shape is not None:
         return f"{type(x).__qualname__} of shape {tuple(shape)}"
     return type(x).__qualname__
 
 
-def _torch() -> Any:
+def loaded_torch() -> Any:
     """The torch module if it is already imported (a tensor cannot exist otherwise)."""
     return sys.modules.get("torch")
 
 
-def _to_numpy(x: Any) -> np.ndarray:
-    torch = _torch()
+def to_numpy(x: Any) -> np.ndarray:
+    torch = loaded_torch()
     if torch is not None and isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     if isinstance(x, (pd.Series, pd.DataFrame)):
@@ -42,10 +42,10 @@ def check_labels(labels: Any) -> np.ndarray:
     """Labels as a fresh int64 array of shape ``(n,)``; raises on anything else."""
     if labels is None:
         raise TypeError("labels must be a 1-D sequence of integer class indices; got None.")
-    arr = _to_numpy(labels)
+    arr = to_numpy(labels)
     if arr.ndim != 1:
         raise ValueError(
-            f"labels must be 1-D (one integer class per sample); got {_describe(labels)}."
+            f"labels must be 1-D (one integer class per sample); got {describe_input(labels)}."
         )
     if len(arr) == 0:
         raise ValueError("labels is empty: expected one integer class per sample.")
@@ -61,7 +61,8 @@ def check_labels(labels: Any) -> np.ndarray:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
-                f"labels must be integer class indices 0..K-1; sample {i} has label {arr[i].item()!r}."
+                f"labels must be integer class indices 0..K-1; sample {i} has label "
+                f"{arr[i].item()!r}."
             )
     return arr.astype(np.int64, copy=True)
 
@@ -74,10 +75,10 @@ def check_pred_probs(
     Rows that do not sum to 1 are normalised with a warning; NaN, inf or negative entries
     are refused. The caller's array is never modified.
     """
-    arr = _to_numpy(pred_probs)
+    arr = to_numpy(pred_probs)
     if arr.ndim != 2:
         raise ValueError(
-            f"{name} must be 2-D, shape (n_samples, n_classes); got {_describe(pred_probs)}."
+            f"{name} must be 2-D, shape (n_samples, n_classes); got {describe_input(pred_probs)}."
         )
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
         raise TypeError(f"{name} must hold numbers; got dtype {arr.dtype}.")
@@ -122,7 +123,7 @@ def check_pred_probs(
     return arr
 
 
-def _check_range(labels: np.ndarray, k: int) -> None:
+def check_label_range(labels: np.ndarray, k: int) -> None:
     bad = (labels < 0) | (labels >= k)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
@@ -132,13 +133,13 @@ def _check_range(labels: np.ndarray, k: int) -> None:
         )
 
 
-def _check_nonnegative(labels: np.ndarray) -> None:
+def check_nonnegative_labels(labels: np.ndarray) -> None:
     if labels.min() < 0:
         i = int(np.argmin(labels))
         raise ValueError(f"labels must be class indices 0..K-1; sample {i} has label {labels[i]}.")
 
 
-def _warn_in_sample(sc: np.ndarray, pred: np.ndarray, labels: np.ndarray) -> None:
+def warn_in_sample(sc: np.ndarray, pred: np.ndarray, labels: np.ndarray) -> None:
     mean_sc = float(sc.mean())
     if mean_sc >= IN_SAMPLE_CONFIDENCE and float((pred != labels).mean()) < 0.005:
         warnings.warn(

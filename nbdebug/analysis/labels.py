@@ -11,7 +11,8 @@ Three methods, all working on out-of-fold predicted probabilities:
 
 The result is a :class:`pandas.DataFrame`, one row per sample, most suspicious first; the
 estimates behind it (confident joint, noise matrix, estimated number of issues next to the
-number flagged) are in ``df.attrs["label_noise"]``, also reachable as ``df.label_issues``.
+number flagged) are in ``df.attrs["label_noise"]``, also reachable as ``df.label_issues``
+(a pandas accessor that the first :func:`find_label_issues` call registers).
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ import pandas as pd
 
 from . import confident_learning as cl
 from .label_inputs import (
-    _check_nonnegative,
-    _check_range,
-    _describe,
-    _to_numpy,
-    _warn_in_sample,
+    check_label_range,
     check_labels,
+    check_nonnegative_labels,
     check_pred_probs,
+    describe_input,
+    to_numpy,
+    warn_in_sample,
 )
-from .oof import _default_ensemble, _default_model, _model_name, _wrap_model, out_of_fold_probs
+from .oof import default_ensemble, default_model, model_name, out_of_fold_probs, wrap_model
 
 METHODS = ("confident_learning", "predicted_neq_given", "ensemble")
 RANK_BY = ("self_confidence", "normalized_margin")
@@ -118,7 +119,6 @@ class LabelNoise:
         )
 
 
-@pd.api.extensions.register_dataframe_accessor("label_issues")
 class _LabelIssuesAccessor:
     """``df.label_issues``: the :class:`LabelNoise` behind a :func:`find_label_issues` frame."""
 
@@ -136,6 +136,13 @@ class _LabelIssuesAccessor:
 
     def __repr__(self) -> str:
         return repr(self._est)
+
+
+def register_accessor() -> None:
+    """Make ``df.label_issues`` available on pandas DataFrames (once; later calls do
+    nothing). :func:`find_label_issues` calls it: importing this module registers nothing."""
+    if not hasattr(pd.DataFrame, "label_issues"):
+        pd.api.extensions.register_dataframe_accessor("label_issues")(_LabelIssuesAccessor)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -240,6 +247,7 @@ def find_label_issues(
         Labels outside ``0..K-1``, lengths that differ, non-finite or negative
         probabilities, an unknown method, missing inputs.
     """
+    register_accessor()  # df.label_issues, on first use (no import-time side effect)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}.")
     if prune not in PRUNE:
@@ -259,17 +267,18 @@ def find_label_issues(
             if isinstance(pred_probs, (list, tuple)):
                 stack_in = list(pred_probs)
             else:
-                arr = _to_numpy(pred_probs)
+                arr = to_numpy(pred_probs)
                 if arr.ndim != 3:
                     raise ValueError(
                         "method='ensemble' needs several models' probabilities: a list of "
                         "(n, K) arrays or an array (n_models, n, K); got "
-                        f"{_describe(pred_probs)}."
+                        f"{describe_input(pred_probs)}."
                     )
                 stack_in = list(arr)
             if len(stack_in) < 2:
                 raise ValueError(
-                    f"method='ensemble' needs at least 2 models' probabilities; got {len(stack_in)}."
+                    f"method='ensemble' needs at least 2 models' probabilities; got "
+                    f"{len(stack_in)}."
                 )
             probs_list = [
                 check_pred_probs(p, n, name=f"pred_probs[{m}]") for m, p in enumerate(stack_in)
@@ -286,18 +295,18 @@ def find_label_issues(
                     "method='ensemble' needs pred_probs (a list of out-of-fold probabilities) "
                     "or X with model=[classifiers]; got neither."
                 )
-            models = _default_ensemble(random_state) if model is None else model
+            models = default_ensemble(random_state) if model is None else model
             if not isinstance(models, (list, tuple)) or len(models) < 2:
                 raise ValueError(
                     "method='ensemble' needs model= a list of at least 2 classifiers; got "
                     f"{type(models).__qualname__}."
                 )
-            _check_nonnegative(y)
+            check_nonnegative_labels(y)
             probs_list = [
                 check_pred_probs(out_of_fold_probs(X, y, m, cv=cv, random_state=random_state), n)
                 for m in models
             ]
-            model_names = [_model_name(_wrap_model(m, random_state)) for m in models]
+            model_names = [model_name(wrap_model(m, random_state)) for m in models]
         stack = np.stack(probs_list)
         P = stack.mean(axis=0)
     else:
@@ -313,19 +322,19 @@ def find_label_issues(
                 )
             P = check_pred_probs(pred_probs, n)
         elif X is not None:
-            _check_nonnegative(y)
+            check_nonnegative_labels(y)
             P = check_pred_probs(
                 out_of_fold_probs(
                     X,
                     y,
-                    _default_model(random_state) if model is None else model,
+                    default_model(random_state) if model is None else model,
                     cv=cv,
                     random_state=random_state,
                 ),
                 n,
             )
             model_names = (
-                [_model_name(_wrap_model(model, random_state))]
+                [model_name(wrap_model(model, random_state))]
                 if model is not None
                 else ["LogisticRegression"]
             )
@@ -336,7 +345,7 @@ def find_label_issues(
             )
         stack = None
     k = P.shape[1]
-    _check_range(y, k)
+    check_label_range(y, k)
 
     # ---- scores
     rows = np.arange(n)
@@ -346,7 +355,7 @@ def find_label_issues(
     margin = (sc - other + 1.0) / 2.0
     pred = top_cls[:, 0]
     if supplied:
-        _warn_in_sample(sc, pred, y)
+        warn_in_sample(sc, pred, y)
 
     est = _estimate(P, y)
     counts = est["counts"]

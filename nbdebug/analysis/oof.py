@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .label_inputs import _torch
+from .label_inputs import loaded_torch
 
 
-def _default_model(random_state: int) -> Any:
+def default_model(random_state: int) -> Any:
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -18,8 +18,8 @@ def _default_model(random_state: int) -> Any:
     return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
 
 
-def _wrap_model(model: Any, random_state: int) -> Any:
-    torch = _torch()
+def wrap_model(model: Any, random_state: int) -> Any:
+    torch = loaded_torch()
     if torch is not None and isinstance(model, torch.nn.Module):
         from .torch_classifier import TorchClassifier
 
@@ -32,7 +32,7 @@ def _wrap_model(model: Any, random_state: int) -> Any:
     return model
 
 
-def _model_name(model: Any) -> str:
+def model_name(model: Any) -> str:
     inner = getattr(model, "module", None)
     if inner is not None and type(model).__name__ == "TorchClassifier":
         return f"torch {type(inner).__name__}"
@@ -55,7 +55,7 @@ def out_of_fold_probs(
     if not isinstance(cv, (int, np.integer)) or isinstance(cv, bool) or cv < 2:
         raise ValueError(f"cv must be an integer number of folds >= 2; got {cv!r}.")
     Xa: Any = X
-    torch = _torch()
+    torch = loaded_torch()
     if torch is not None and isinstance(X, torch.Tensor):
         Xa = X.detach().cpu().numpy()
     n_x = Xa.shape[0] if hasattr(Xa, "shape") else len(Xa)
@@ -70,7 +70,7 @@ def out_of_fold_probs(
             f"cv={cv} folds need at least {cv} samples in some class; the largest class has "
             f"{present.max()}."
         )
-    est = _wrap_model(model, random_state)
+    est = wrap_model(model, random_state)
     folds = StratifiedKFold(n_splits=int(cv), shuffle=True, random_state=random_state)
     with warnings.catch_warnings():
         # small classes: reported once, clearly, by find_label_issues
@@ -84,14 +84,14 @@ def out_of_fold_probs(
     return full
 
 
-def _default_ensemble(random_state: int) -> list[Any]:
+def default_ensemble(random_state: int) -> list[Any]:
     from sklearn.ensemble import RandomForestClassifier
     from sklearn.neighbors import KNeighborsClassifier
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     return [
-        _default_model(random_state),
+        default_model(random_state),
         RandomForestClassifier(n_estimators=200, random_state=random_state),
         make_pipeline(StandardScaler(), KNeighborsClassifier(n_neighbors=10)),
     ]

@@ -370,5 +370,6 @@ class LabelReview:
         pr = self.progress()
         return (
             f"LabelReview(suspects={pr['suspects']}, decided={pr['decided']}, "
-            f"relabeled={pr['relabel']}, excluded={pr['exclude']}, journal={str(self.journal.path)!r})"
+            f"relabeled={pr['relabel']}, excluded={pr['exclude']}, "
+            f"journal={str(self.journal.path)!r})"
         )

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .text import dtype_name
+
 
 def check_model(model: Any) -> torch.nn.Module:
     """The module to debug. A ``torch.compile``'d model is debugged through the module it
@@ -20,7 +22,8 @@ def check_model(model: Any) -> torch.nn.Module:
     nbdebug's hooks nor recompiles for them."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"model must be a torch.nn.Module; got {type(model).__module__}.{type(model).__qualname__}."
+            f"model must be a torch.nn.Module; got "
+            f"{type(model).__module__}.{type(model).__qualname__}."
         )
     return uncompiled(model)
 
@@ -44,12 +47,14 @@ def check_inputs(inputs: Any) -> Any:
     if isinstance(inputs, (tuple, list, Mapping)):
         if len(inputs) == 0:
             raise ValueError(
-                f"the batch is empty: expected a tensor, or a non-empty tuple/list/dict of inputs, got an empty {type(inputs).__name__}."
+                f"the batch is empty: expected a tensor, or a non-empty "
+                f"tuple/list/dict of inputs, got an empty {type(inputs).__name__}."
             )
         tensors = list(iter_tensors(inputs))
         if tensors and all(t.numel() == 0 for t in tensors):
             raise ValueError(
-                f"the batch is empty: every tensor in it has no elements (shapes {[tuple(t.shape) for t in tensors]})."
+                f"the batch is empty: every tensor in it has no elements (shapes "
+                f"{[tuple(t.shape) for t in tensors]})."
             )
         return inputs
     raise TypeError(
@@ -123,7 +128,7 @@ def batch_size(inputs: Any) -> int | None:
 def describe(obj: Any) -> str:
     """Short description of a batch or an output: ``"Tensor(16, 10) float32"``."""
     if isinstance(obj, torch.Tensor):
-        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+        return f"Tensor{tuple(obj.shape)} {dtype_name(obj.dtype)}"
     if isinstance(obj, Mapping):
         return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in obj.items()) + "}"
     if isinstance(obj, (tuple, list)):
@@ -167,7 +172,8 @@ def compute_loss(
         )
     if loss.numel() != 1:
         raise LossError(
-            f"the loss must be a scalar tensor; {source} returned a tensor of shape {tuple(loss.shape)} "
+            f"the loss must be a scalar tensor; {source} returned a tensor of shape "
+            f"{tuple(loss.shape)} "
             "(reduce it, e.g. with .mean())."
         )
     return loss.reshape(())

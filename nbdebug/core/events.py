@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .stats import Histogram, TensorStats
+from .text import rows_text
 
 PHASES = ("input", "forward", "loss", "backward")
 
@@ -151,7 +152,7 @@ class Event:
         if not self.finite:
             bad = f" nan={self.stats.n_nan} inf={self.stats.n_inf}"
             if self.samples:
-                bad += f" rows={_rows(self.samples)}"
+                bad += f" {rows_text(self.samples)}"
         extra = ""
         if self.op or self.source:
             extra = f" op={self.op} at {self.source}"
@@ -163,11 +164,6 @@ class Event:
             f"Event(#{self.index} {self.phase} {self.module or '<model>'!s} {self.name} "
             f"{tuple(self.shape)} {self.dtype} norm={self.stats.norm:.4g}{bad}{extra})"
         )
-
-
-def _rows(rows: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(r) for r in rows[:most])
-    return f"[{shown}{', ...' if len(rows) > most else ''}]"
 
 
 @dataclass

@@ -42,6 +42,7 @@ collapses (below ``min_scale``, or ``scaler_patience`` overflows in a row).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -57,35 +58,20 @@ from typing import Any
 import torch
 
 from .batch import check_model
-from .snapshot import save_snapshot
-from .snapshot_format import parse_recipe, unique_path
+from .guard_step import (
+    ACTIONS,
+    GuardOptions,
+    SnapshotWriter,
+    StepChecks,
+    StepReading,
+    Verdict,
+)
+from .norms import fused_norms, total_norm
+from .snapshot_format import parse_recipe
 from .state import RngState, unique_parameters
-
-ACTIONS = ("skip", "raise", "continue")
+from .text import fmt_num
 
 _last: NonFiniteError | None = None
-
-
-# The health checks live in nbdebug.analysis, above core in the layering: core never
-# imports them. nbdebug.analysis.checks registers its (parse, run) pair here when it is
-# imported, and ``nbdebug.NaNGuard`` imports it along with this module.
-_HEALTH_CHECKS: tuple[Callable[..., Any], Callable[..., Any]] | None = None
-
-
-def register_health_checks(parse: Callable[..., Any], run: Callable[..., Any]) -> None:
-    """Called by :mod:`nbdebug.analysis.checks`: how ``NaNGuard(checks=...)`` validates its
-    option and runs the cheap checks on a step."""
-    global _HEALTH_CHECKS
-    _HEALTH_CHECKS = (parse, run)
-
-
-def _health_checks() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if _HEALTH_CHECKS is None:
-        raise RuntimeError(
-            "NaNGuard(checks=...) needs nbdebug's health checks: use nbdebug.NaNGuard, or "
-            "import nbdebug.analysis.checks first."
-        )
-    return _HEALTH_CHECKS
 
 
 class NonFiniteError(RuntimeError):
@@ -131,10 +117,29 @@ def last_error() -> NonFiniteError | None:
     return None
 
 
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "None"
-    return f"{v:.4g}" if math.isfinite(v) else str(v)
+def _training_objects(optimizer: Any, scaler: Any, scheduler: Any) -> tuple[Any, Any, Any]:
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer or None; got "
+            f"{type(optimizer).__qualname__}."
+        )
+    if scaler is not None and not (hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__qualname__}."
+        )
+    if scheduler is not None and not hasattr(scheduler, "state_dict"):
+        raise TypeError(
+            "scheduler must have a state_dict() (an LR scheduler); got "
+            f"{type(scheduler).__qualname__}."
+        )
+    return optimizer, scaler, scheduler
+
+
+def _option(owner: str, name: str) -> Any:
+    """A read-only guard attribute that is ``guard.<owner>.<name>``."""
+    return property(
+        lambda self: getattr(getattr(self, owner), name), doc=f"``{owner}.{name}`` (read-only)."
+    )
 
 
 class GuardedStep:
@@ -190,10 +195,14 @@ class NaNGuard:
         With a scaler: this many overflow-skipped steps in a row is a failure.
     max_snapshots : int or None
         At most this many snapshot files per guard (later bad steps are only recorded).
-    checks : bool, int or dict
-        Health checks (:func:`nbdebug.check`'s cheap ones, no extra forward) every 50 steps
-        (``True``), every ``checks`` steps (an int) or ``{"every": n, "clip_norm": c}``, and
-        on a failing step; their findings go into the history row (``"checks"``).
+    checks : StepChecks, bool, int or dict
+        Health checks on the live model (:func:`nbdebug.check`'s cheap ones, no extra
+        forward), run after each decision; their findings go into the history row
+        (``"checks"``). Here a :class:`StepChecks` object, e.g.
+        ``nbdebug.analysis.checks_guard.GuardChecks(every=50, clip_norm=1.0)`` (one per
+        guard: it keeps the cadence). ``nbdebug.NaNGuard`` (this class, extended by
+        :mod:`nbdebug.analysis.checks_guard`) also takes ``True`` (every 50 steps), a
+        number of steps, or ``{"every": n, "clip_norm": c}``; ``False``/``None``: off.
     param_norm_every : int
         Measure the total parameter norm every this many checks (and on every bad step);
         other history rows hold ``None``. Reading all weights is a pass over memory as
@@ -209,6 +218,15 @@ class NaNGuard:
     snapshots : list of pathlib.Path
     ok : bool or None
         Result of the last check.
+    options : GuardOptions
+        The decision rules (``patience``, ``on_nonfinite``, ``min_scale``, ...).
+    checks : StepChecks or None
+
+    Examples
+    --------
+    >>> guard = nbdebug.NaNGuard(model, optimizer, directory="snapshots", checks=True)
+    >>> if guard.check(loss, inputs=x, target=y, step=step):
+    ...     optimizer.step()
     """
 
     def __init__(
@@ -228,75 +246,48 @@ class NaNGuard:
         min_scale: float = 1.0,
         scaler_patience: int = 20,
         max_snapshots: int | None = 20,
-        checks: bool | int | dict[str, Any] = False,
+        checks: Any = False,
         param_norm_every: int = 10,
     ):
         self.model = check_model(model)
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__qualname__}."
-            )
-        if scaler is not None and not (
-            hasattr(scaler, "state_dict") and hasattr(scaler, "get_scale")
-        ):
-            raise TypeError(
-                f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__qualname__}."
-            )
-        if scheduler is not None and not hasattr(scheduler, "state_dict"):
-            raise TypeError(
-                f"scheduler must have a state_dict() (an LR scheduler); got {type(scheduler).__qualname__}."
-            )
-        if on_nonfinite not in ACTIONS:
-            raise ValueError(f"on_nonfinite must be one of {ACTIONS}; got {on_nonfinite!r}.")
-        if patience is not None and (
-            isinstance(patience, bool) or not isinstance(patience, int) or patience < 0
-        ):
-            raise ValueError(f"patience must be a non-negative int or None; got {patience!r}.")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
-            raise ValueError(f"history must be a positive int; got {history!r}.")
+        self.optimizer, self.scaler, self.scheduler = _training_objects(
+            optimizer, scaler, scheduler
+        )
+        self.options = GuardOptions(
+            patience=patience,
+            on_nonfinite=on_nonfinite,
+            history=history,
+            min_scale=min_scale,
+            scaler_patience=scaler_patience,
+            max_snapshots=max_snapshots,
+            param_norm_every=param_norm_every,
+        )
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
                 f"directory must be a str or os.PathLike; got {type(directory).__qualname__}."
             )
-        if max_snapshots is not None and (not isinstance(max_snapshots, int) or max_snapshots < 1):
-            raise ValueError(
-                f"max_snapshots must be a positive int or None; got {max_snapshots!r}."
-            )
-        if (
-            isinstance(param_norm_every, bool)
-            or not isinstance(param_norm_every, int)
-            or param_norm_every < 1
-        ):
-            raise ValueError(f"param_norm_every must be a positive int; got {param_norm_every!r}.")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__qualname__}.")
-        self.optimizer = optimizer
-        self.scaler = scaler
-        self.scheduler = scheduler
-        self.directory = Path(directory)
-        self.patience = patience
-        self.on_nonfinite = on_nonfinite
-        self.loss_fn = loss_fn
-        self.recipe = parse_recipe(recipe, recipe_kwargs)
-        self.min_scale = float(min_scale)
-        self.scaler_patience = int(scaler_patience)
-        self.max_snapshots = max_snapshots
-        self.param_norm_every = param_norm_every
-        self._checks = 0
-        self.checks = checks
-        if checks:  # validated by the health checks, which register themselves (see below)
-            _health_checks()[0](checks)
+        self.writer = SnapshotWriter(
+            directory,
+            max_snapshots=max_snapshots,
+            loss_fn=loss_fn,
+            recipe=parse_recipe(recipe, recipe_kwargs),
+        )
+        self.checks: StepChecks | None = self.resolve_checks(checks)
+        if self.checks is not None:
+            self.checks.attach(self)
 
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
-        self.snapshots: list[Path] = []
+        self.snapshots: list[Path] = self.writer.paths
         self.ok: bool | None = None
         self.bad_streak = 0
         self.scaler_streak = 0
         self._streak_first: tuple[Path | None, int, dict[str, Any]] | None = None
         self._next_step = 0
+        self._checks = 0
 
         self._params = unique_parameters(model)
-        self._names = [n for n, _ in model.named_parameters()]
         seen = {id(p) for p in self._params}
         self._extra = []  # optimizer parameters outside the model: their gradients are cleared too
         if optimizer is not None:
@@ -307,9 +298,33 @@ class NaNGuard:
                         self._extra.append(p)
         devices = {p.device for p in self._params}
         self._device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-        self._one_device = len(devices) <= 1
         self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
         self._rng_cuda = self._cuda_rng()
+
+    @staticmethod
+    def resolve_checks(checks: Any) -> StepChecks | None:
+        """The ``checks=`` option as a :class:`StepChecks` (or ``None``: off). Core takes a
+        ``StepChecks`` object; ``nbdebug.NaNGuard`` extends this to ``True``/int/dict."""
+        if checks is None or checks is False:
+            return None
+        if isinstance(checks, StepChecks):
+            return checks
+        raise TypeError(
+            "nbdebug.core.guard.NaNGuard(checks=...) takes a StepChecks object, e.g. "
+            "nbdebug.analysis.checks_guard.GuardChecks(every=50); use nbdebug.NaNGuard for "
+            f"checks=True, a number of steps or a dict; got {checks!r}."
+        )
+
+    # the options, readable as before
+    directory = _option("writer", "directory")
+    loss_fn = _option("writer", "loss_fn")
+    recipe = _option("writer", "recipe")
+    max_snapshots = _option("options", "max_snapshots")
+    patience = _option("options", "patience")
+    on_nonfinite = _option("options", "on_nonfinite")
+    min_scale = _option("options", "min_scale")
+    scaler_patience = _option("options", "scaler_patience")
+    param_norm_every = _option("options", "param_norm_every")
 
     # ------------------------------------------------------------------ checking
     @staticmethod
@@ -318,31 +333,12 @@ class NaNGuard:
             return torch.cuda.get_rng_state_all()
         return None
 
-    def _norm_total(
-        self, tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        """L2 norm of all ``tensors`` together, on ``self._device``, without a host sync."""
-        if not tensors:
-            return torch.zeros((), dtype=dtype, device=self._device)
-        if self._one_device:
-            norms = torch._foreach_norm(list(tensors), 2, dtype=dtype)
-            return torch.linalg.vector_norm(torch.stack(norms))
-        by_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dev.setdefault(t.device, []).append(t)
-        parts = [
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2, dtype=dtype))).to(
-                self._device
-            )
-            for ts in by_dev.values()
-        ]
-        return torch.linalg.vector_norm(torch.stack(parts))
-
     def _exact_norm(self, tensors: Sequence[torch.Tensor]) -> float:
         """The norm in float64: finite elements whose float32 sum of squares overflowed
         (a diverging run, |x| ~ 1e19) still give a finite norm. Only when float32 said inf."""
         with torch.no_grad():
-            return float(self._norm_total([t.detach() for t in tensors], torch.float64))
+            ts = [t.detach() for t in tensors]
+            return float(total_norm(ts, device=self._device, dtype=torch.float64))
 
     def _scale_info(self) -> tuple[Any, bool]:
         """(the scaler's scale as a tensor or float or None, whether grads are still scaled)."""
@@ -389,6 +385,22 @@ class NaNGuard:
         NonFiniteError
             ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
         """
+        step = self._step_number(step)
+        measure_params = self._checks % self.options.param_norm_every == 0
+        self._checks += 1
+        reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))
+        row = self._record(reading)
+        verdict = self.decide(reading)
+        reading = verdict.reading  # a bad step's weight norm is always measured
+        row["param_norm"], row["skipped"] = reading.param_norm, verdict.scaler_skip
+        if self.checks is not None:  # health checks, recorded in the row (e.g. row["checks"])
+            row.update(self.checks.run(self, reading, failing=verdict.kind is not None))
+        if verdict.kind is None:
+            self._passed()
+            return True
+        return self._fail(verdict, row, reading, inputs, target)
+
+    def _step_number(self, step: Any) -> int:
         if step is None:
             step = self._next_step
         elif isinstance(step, bool) or not isinstance(step, int):
@@ -397,110 +409,140 @@ class NaNGuard:
             except (TypeError, ValueError):
                 raise TypeError(f"step must be an int; got {type(step).__qualname__}.") from None
         self._next_step = step + 1
+        return step
+
+    def _loss_tensor(self, loss: Any) -> torch.Tensor:
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(
                     f"loss must be a scalar; got a tensor of shape {tuple(loss.shape)}."
                 )
-            loss_t = loss.detach().reshape(()).to(self._device, torch.float32)
-        elif loss is None:
-            loss_t = torch.zeros((), dtype=torch.float32, device=self._device)
-        elif isinstance(loss, (int, float)):
-            loss_t = torch.tensor(float(loss), dtype=torch.float32, device=self._device)
-        else:
-            raise TypeError(
-                f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}."
-            )
+            return loss.detach().reshape(()).to(self._device, torch.float32)
+        if loss is None:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        if isinstance(loss, (int, float)):
+            return torch.tensor(float(loss), dtype=torch.float32, device=self._device)
+        raise TypeError(
+            f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}."
+        )
 
+    def _grads(self) -> list[torch.Tensor]:
         grads = [g for g in (p.grad for p in self._params) if g is not None]
         if any(g.is_sparse for g in grads):  # nn.Embedding(sparse=True)
             grads = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+        return grads
+
+    def measure_step(self, loss: Any, *, step: int, measure_params: bool = True) -> StepReading:
+        """Read the step: loss, total gradient norm (unscaled), weight norm (when
+        ``measure_params``), learning rate and scale, with one host synchronisation.
+        Changes nothing, in the model or in the guard.
+
+        Parameters
+        ----------
+        loss : Tensor (scalar) or float or None
+        step : int
+        measure_params : bool
+            Also read the total weight norm (a pass over all weights).
+
+        Returns
+        -------
+        StepReading
+        """
+        loss_t = self._loss_tensor(loss)
+        grads = self._grads()
         scale, scaled = self._scale_info()
-        measure_params = self._checks % self.param_norm_every == 0
-        self._checks += 1
+        dev = self._device
         with torch.no_grad():
-            parts = [loss_t, self._norm_total(grads)]
+            parts = [loss_t, total_norm(grads, device=dev)]
             if measure_params:
-                parts.append(self._norm_total(self._params))
+                parts.append(total_norm(self._params, device=dev))
         if isinstance(scale, torch.Tensor):
-            parts.append(scale.detach().reshape(()).to(self._device, torch.float32))
+            parts.append(scale.detach().reshape(()).to(dev, torch.float32))
         lr: Any = None
         if self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
             if isinstance(lr, torch.Tensor):
-                parts.append(lr.detach().reshape(()).to(self._device, torch.float32))
-        values = torch.stack(parts).tolist()  # the one host synchronisation
-        loss_v = values[0] if loss is not None else None
-        gnorm = values[1]
-        pnorm: float | None = values[2] if measure_params else None
-        i = 3 if measure_params else 2
+                parts.append(lr.detach().reshape(()).to(dev, torch.float32))
+        values = iter(torch.stack(parts).tolist())  # the one host synchronisation
+        loss_v = next(values)
+        gnorm = next(values)
+        pnorm: float | None = next(values) if measure_params else None
         if isinstance(scale, torch.Tensor):
-            scale = values[i]
-            i += 1
+            scale = next(values)
         if isinstance(lr, torch.Tensor):
-            lr = values[i]
+            lr = next(values)
         if math.isinf(gnorm):
             gnorm = self._exact_norm(grads)
         if pnorm is not None and math.isinf(pnorm):
             pnorm = self._exact_norm(self._params)
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
+        return StepReading(
+            step=step,
+            loss=loss_v if loss is not None else None,
+            grad_norm=gnorm,
+            param_norm=pnorm,
+            lr=float(lr) if isinstance(lr, (int, float)) else None,
+            scale=scale,
+            scaled=scaled,
+        )
 
+    def agree(self, reading: StepReading) -> StepReading:
+        """The reading the decision acts on. One process: its own. (The seam where ranks
+        of a distributed run agree on one verdict.)"""
+        return reading
+
+    def _record(self, reading: StepReading) -> dict[str, Any]:
         row: dict[str, Any] = {
-            "step": step,
-            "loss": loss_v,
-            "grad_norm": gnorm,
-            "param_norm": pnorm,
-            "lr": float(lr) if isinstance(lr, (int, float)) else None,
-            "scale": scale,
+            "step": reading.step,
+            "loss": reading.loss,
+            "grad_norm": reading.grad_norm,
+            "param_norm": reading.param_norm,
+            "lr": reading.lr,
+            "scale": reading.scale,
             "skipped": False,
             "nonfinite": None,
             "time": time.time(),
         }
         self.history.append(row)
-        loss_bad = loss_v is not None and not math.isfinite(loss_v)
-        kind: str | None = None
-        detail: dict[str, Any] = {}
-        if loss_bad or not math.isfinite(gnorm) or (pnorm is not None and not math.isfinite(pnorm)):
-            kind, detail = self._diagnose(loss_bad, gnorm, pnorm, scale)
-            if pnorm is None:  # a bad step: the weights are measured too
-                pnorm = row["param_norm"] = math.sqrt(
-                    sum(v * v for v in detail["param_norms"].values())
-                )
-        if kind == "grad" and scale is not None:
+        return row
+
+    def decide(self, reading: StepReading) -> Verdict:
+        """Fail, or go on: what is not finite (an element-wise look only on a non-finite
+        reading) and the GradScaler rules (an overflow the scaler skips is no failure until
+        ``scaler_patience`` in a row or a scale below ``min_scale``). Updates the scaler
+        streak."""
+        opts = self.options
+        scale = reading.scale
+        verdict = Verdict(reading=reading)
+        if not reading.finite:
+            verdict.kind, verdict.detail = self._diagnose(reading)
+            if reading.param_norm is None:  # a bad step: the weights are measured too
+                norms = verdict.detail["param_norms"].values()
+                pnorm = math.sqrt(sum(v * v for v in norms))
+                verdict.reading = dataclasses.replace(reading, param_norm=pnorm)
+        if verdict.kind == "grad" and scale is not None:
             # the scaler sees the inf/NaN gradients and skips this update itself
-            kind = None
-            row["skipped"] = True
+            verdict.kind = None
+            verdict.scaler_skip = True
             self.scaler_streak += 1
-            if self.scaler_streak >= self.scaler_patience:
-                kind = "scale"
-                detail["message_extra"] = f"{self.scaler_streak} overflow steps in a row"
+            if self.scaler_streak >= opts.scaler_patience:
+                verdict.kind = "scale"
+                verdict.detail["message_extra"] = f"{self.scaler_streak} overflow steps in a row"
         elif scale is not None:
             self.scaler_streak = 0
-        if kind is None and scale is not None and scale < self.min_scale:
-            kind = "scale"
-            detail["message_extra"] = (
-                f"the scale fell to {_fmt(scale)} (< min_scale={self.min_scale:g})"
+        if verdict.kind is None and scale is not None and scale < opts.min_scale:
+            verdict.kind = "scale"
+            verdict.detail["message_extra"] = (
+                f"the scale fell to {fmt_num(scale, none='None')} (< min_scale={opts.min_scale:g})"
             )
-
-        if self.checks:  # health checks every N steps, recorded in row["checks"]
-            _health_checks()[1](self, row, failing=kind is not None)
-
-        if kind is None:
-            self.bad_streak = 0
-            self._streak_first = None
-            self._rng_torch = torch.get_rng_state()
-            self._rng_cuda = self._cuda_rng()
-            self.ok = True
-            return True
-        return self._fail(kind, detail, row, step, loss_v, gnorm, pnorm, scale, inputs, target)
+        return verdict
 
     @torch.no_grad()
-    def _diagnose(
-        self, loss_bad: bool, gnorm: float, pnorm: float | None, scale: Any
-    ) -> tuple[str | None, dict[str, Any]]:
+    def _diagnose(self, reading: StepReading) -> tuple[str | None, dict[str, Any]]:
         """Element-wise look at what is not finite (only on a bad step)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
+        pnorm, gnorm, scale = reading.param_norm, reading.grad_norm, reading.scale
 
         def bad_of(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, dict[str, int]]:
             out = {}
@@ -518,41 +560,27 @@ class NaNGuard:
         bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
         grad_norms = {}
         if with_grad:
-            norms = torch.stack(
-                torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float64)
-            ).tolist()
-            div = (
-                scale if isinstance(scale, float) and scale > 0 and self.scaler is not None else 1.0
-            )
+            norms = fused_norms([g for _, g in with_grad], dtype=torch.float64).tolist()
+            div = scale if scale is not None and scale > 0 and self.scaler is not None else 1.0
             grad_norms = {n: v / div for (n, _), v in zip(with_grad, norms)}
+        weight_norms = fused_norms([p.detach() for p in self._params], dtype=torch.float64)
         detail: dict[str, Any] = {
             "nonfinite_weights": weights,
             "nonfinite_grads": bad_grads,
             "grad_norms": grad_norms,
             "param_norms": dict(
-                zip(
-                    [names.get(id(p), "?") for p in self._params],
-                    torch.stack(
-                        torch._foreach_norm(
-                            [p.detach() for p in self._params], 2, dtype=torch.float64
-                        )
-                    ).tolist()
-                    if self._params
-                    else [],
-                )
+                zip([names.get(id(p), "?") for p in self._params], weight_norms.tolist())
             ),
         }
         if weights:
             return "weights", detail
-        if loss_bad:
+        if reading.loss_bad:
             return "loss", detail
         if bad_grads:
             return "grad", detail
         return None, detail  # a norm overflowed but every element is finite
 
-    def _message(
-        self, kind: str, step: int, loss: float | None, gnorm: float, detail: dict[str, Any]
-    ) -> str:
+    def _message(self, kind: str, step: int, loss: float | None, detail: dict[str, Any]) -> str:
         def listing(d: dict[str, dict[str, int]]) -> str:
             items = [f"{n} ({v['nan']} NaN, {v['inf']} Inf)" for n, v in list(d.items())[:5]]
             more = f" and {len(d) - 5} more" if len(d) > 5 else ""
@@ -563,79 +591,68 @@ class NaNGuard:
         if kind == "loss":
             grads = detail["nonfinite_grads"]
             tail = f"; non-finite gradients in {listing(grads)}" if grads else ""
-            return f"non-finite loss ({_fmt(loss)}) at step {step}{tail}"
+            return f"non-finite loss ({fmt_num(loss, none='None')}) at step {step}{tail}"
         if kind == "grad":
             return (
-                f"non-finite gradients at step {step} with a finite loss ({_fmt(loss)}): "
+                f"non-finite gradients at step {step} with a finite loss "
+                f"({fmt_num(loss, none='None')}): "
                 f"{listing(detail['nonfinite_grads'])}"
             )
         return f"GradScaler scale collapsing at step {step}: {detail.get('message_extra', '')}"
 
+    def _passed(self) -> None:
+        self.bad_streak = 0
+        self._streak_first = None
+        self._rng_torch = torch.get_rng_state()
+        self._rng_cuda = self._cuda_rng()
+        self.ok = True
+
     def _fail(
         self,
-        kind: str,
-        detail: dict[str, Any],
+        verdict: Verdict,
         row: dict[str, Any],
-        step: int,
-        loss: float | None,
-        gnorm: float,
-        pnorm: float | None,
-        scale: Any,
+        reading: StepReading,
         inputs: Any,
         target: Any,
     ) -> bool:
-        message = self._message(kind, step, loss, gnorm, detail)
+        kind, detail, step, action = verdict.kind, verdict.detail, reading.step, self.on_nonfinite
+        assert kind is not None
+        message = self._message(kind, step, reading.loss, detail)
         detail.pop("message_extra", None)
         reason: dict[str, Any] = {
             "kind": kind,
             "message": message,
             "step": step,
-            "loss": loss,
-            "grad_norm": gnorm,
-            "param_norm": pnorm,
-            "scale": scale,
-            "action": self.on_nonfinite,
+            "loss": reading.loss,
+            "grad_norm": reading.grad_norm,
+            "param_norm": reading.param_norm,
+            "scale": reading.scale,
+            "action": action,
             **detail,
         }
         row["nonfinite"] = kind
-        row["skipped"] = self.on_nonfinite != "continue"
-        path: Path | None = None
-        if self.max_snapshots is None or len(self.snapshots) < self.max_snapshots:
-            rng = RngState.capture()
-            rng.torch_cpu = self._rng_torch
-            rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
-            path = save_snapshot(
-                unique_path(self.directory, step),
-                self.model,
-                inputs,
-                target,
-                optimizer=self.optimizer,
-                scaler=self.scaler,
-                scheduler=self.scheduler,
-                step=step,
-                reason=reason,
-                history=list(self.history),
-                recipe=self.recipe,
-                loss_fn=self.loss_fn,
-                rng=rng,
-            )
-            self.snapshots.append(path)
+        row["skipped"] = action != "continue"
+        rng = RngState.capture()
+        rng.torch_cpu = self._rng_torch  # the state at the start of the failing step
+        rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
+        path = self.writer.write(self, step, reason, inputs, target, rng=rng)
         self.bad_streak += 1
         if self._streak_first is None:
             self._streak_first = (path, step, reason)
-        if self.on_nonfinite != "continue":
+        if action != "continue":
             self.clear_grads()
         self.ok = False
         self._rng_torch = torch.get_rng_state()
         self._rng_cuda = self._cuda_rng()
         too_many = self.patience is not None and self.bad_streak > self.patience
-        if self.on_nonfinite == "raise" or too_many:
+        if action == "raise" or too_many:
             first_path, first_step, first_reason = self._streak_first
-            if self.on_nonfinite == "raise":
+            if action == "raise":
                 text = f"{message}. Snapshot: {first_path}"
             else:
                 text = (
-                    f"{self.bad_streak} non-finite steps in a row (patience={self.patience}); the first, "
+                    f"{self.bad_streak} non-finite steps in a row "
+                    f"(patience={self.patience}); the first, "
                     f"step {first_step}: {first_reason['message']}. Snapshot: {first_path}"
                 )
             err = NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)
@@ -736,11 +753,26 @@ class NaNGuard:
 
     def __repr__(self) -> str:
         last = self.history[-1] if self.history else None
-        where = f"last step {last['step']} loss={_fmt(last['loss'])}" if last else "no step yet"
+        where = (
+            f"last step {last['step']} loss={fmt_num(last['loss'], none='None')}"
+            if last
+            else "no step yet"
+        )
         return (
             f"NaNGuard({type(self.model).__qualname__}, on_nonfinite={self.on_nonfinite!r}, "
-            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in {self.directory})"
+            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in "
+            f"{self.directory})"
         )
 
 
-__all__ = ["NaNGuard", "NonFiniteError", "last_error"]
+__all__ = [
+    "ACTIONS",
+    "GuardOptions",
+    "NaNGuard",
+    "NonFiniteError",
+    "SnapshotWriter",
+    "StepChecks",
+    "StepReading",
+    "Verdict",
+    "last_error",
+]

@@ -45,6 +45,11 @@ class HookSet:
 def hookable_modules(model: Any) -> list[Any]:
     """``model.modules()`` without TorchScript modules, which take no Python hooks (they
     run as one opaque step inside their parent)."""
+    return [m for _, m in hookable_named_modules(model)]
+
+
+def hookable_named_modules(model: Any) -> list[tuple[str, Any]]:
+    """``model.named_modules()`` without TorchScript modules (see :func:`hookable_modules`)."""
     import torch
 
-    return [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+    return [(n, m) for n, m in model.named_modules() if not isinstance(m, torch.jit.ScriptModule)]

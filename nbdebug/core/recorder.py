@@ -23,9 +23,21 @@ import numpy as np
 import torch
 
 from .batch import named_tensors
-from .capture import CallCapture
+from .capture import CallCapture, clone_structure
 from .hooks import HookSet, hookable_modules
-from .stats import assemble_quick, exact_vector, quick_parts, row_dim, row_flags, vector_is_finite
+from .stats import (
+    IDX_NNAN,
+    assemble_quick,
+    exact_vector,
+    quick_parts,
+    row_dim,
+    row_flags,
+    vector_is_finite,
+)
+from .text import dtype_name, qualified_name
+
+# clone_structure lives in capture.py; re-exported here for the gradcheck sweep
+__all__ = ["CallRecord", "RawEvent", "Recorder", "Slot", "clone_structure"]
 
 
 @dataclass
@@ -76,7 +88,7 @@ class Slot:
 
 
 def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+    return dtype_name(t.dtype)
 
 
 class Recorder:
@@ -111,7 +123,7 @@ class Recorder:
         self.param_names: dict[int, tuple[str, str, str]] = {}
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
-                qual = f"{mname}.{pname}" if mname else pname
+                qual = qualified_name(mname, pname)
                 self.param_names.setdefault(id(p), (mname, pname, qual))
         self.capture_closed = False  # exact mode: a call made NaN from NaN-free inputs
         self.recomputing = False  # set once the backward starts (activation checkpointing)
@@ -195,7 +207,7 @@ class Recorder:
             i = self._record("input", "input", "", name, t, -1, 0)
             if self.exact:
                 fin = vector_is_finite(self.raw[i].vector)
-                self.raw[i].slot = self.new_slot(t, -1, fin, bool(self.raw[i].vector[6] > 0))
+                self.raw[i].slot = self.new_slot(t, -1, fin, bool(self.raw[i].vector[IDX_NNAN] > 0))
 
     def record_loss(self, loss: torch.Tensor) -> int:
         return self._record("loss", "loss", "", "loss", loss, -1, 0)
@@ -282,7 +294,7 @@ class Recorder:
                     if s >= 0:
                         self.slots[s].producer = call
                     else:
-                        s = self.new_slot(t, call, fin, bool(vector[6] > 0))
+                        s = self.new_slot(t, call, fin, bool(vector[IDX_NNAN] > 0))
                     self.slots[s].from_output = True
                     self.raw[i].slot = s
                     rec.output_slots.append(s)

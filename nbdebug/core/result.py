@@ -7,6 +7,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .events import Event, ParamInfo
+from .text import rows_text
+
+#: Columns of :meth:`Trace.params_frame` (``name`` becomes the index).
+PARAMS_COLUMNS = (
+    "name",
+    "module",
+    "shape",
+    "dtype",
+    "requires_grad",
+    "norm",
+    "grad_norm",
+    "ratio",
+    "n_nan",
+    "n_inf",
+    "grad_n_nan",
+    "grad_n_inf",
+)
 
 
 @dataclass
@@ -144,21 +161,7 @@ class Trace:
             )
             for p in self.params
         ]
-        columns = [
-            "name",
-            "module",
-            "shape",
-            "dtype",
-            "requires_grad",
-            "norm",
-            "grad_norm",
-            "ratio",
-            "n_nan",
-            "n_inf",
-            "grad_n_nan",
-            "grad_n_inf",
-        ]
-        return pd.DataFrame.from_records(rows, columns=columns).set_index("name")
+        return pd.DataFrame.from_records(rows, columns=list(PARAMS_COLUMNS)).set_index("name")
 
     def summary(self) -> str:
         """One line: healthy, or where the NaN/Inf was produced."""
@@ -169,7 +172,10 @@ class Trace:
             if self.masks and self.first_nonfinite is not None:
                 return f"no NaN/Inf produced outside intended masks ({'; '.join(self.masks)})"
             if self.first_nonfinite is not None:
-                return f"non-finite values first seen at {self.first_nonfinite.label} (origin not found)"
+                return (
+                    f"non-finite values first seen at {self.first_nonfinite.label} (origin "
+                    f"not found)"
+                )
             return "healthy"
         kind = "NaN" if o.stats.n_nan else "Inf"
         where = o.module or (
@@ -183,11 +189,7 @@ class Trace:
             bits.append(o.source)
         if o.param:
             bits.append(f"param {o.param}")
-        rows = (
-            f", rows {', '.join(map(str, o.samples[:8]))}{' ...' if len(o.samples) > 8 else ''}"
-            if o.samples
-            else ""
-        )
+        rows = f", {rows_text(o.samples)}" if o.samples else ""
         made = f": {made}" if made else ""
         return f"{kind} produced in {where} ({', '.join(bits)}){made}{rows}"
 
@@ -198,7 +200,8 @@ class Trace:
             else (f"{self.loss:.6g}" if math.isfinite(self.loss) else str(self.loss))
         )
         lines = [
-            f"Trace({self.model_name}: {len(self.events)} events, batch {self.batch or '?'}, loss={loss})",
+            f"Trace({self.model_name}: {len(self.events)} events, batch "
+            f"{self.batch or '?'}, loss={loss})",
             f"  {self.summary()}",
         ]
         if self.origin is not None:

@@ -1,32 +1,15 @@
 """Snapshot files: everything needed to replay one training step, saved when it failed.
 
 A snapshot is one file (``step-000048213.nbsnap``) written by :func:`save_snapshot`
-(usually through :class:`~nbdebug.NaNGuard`). It is a ``torch.save`` zip archive holding
-one dictionary of tensors and plain Python values:
+(usually through :class:`~nbdebug.NaNGuard`): a ``torch.save`` zip archive holding one
+dictionary of tensors and plain Python values (the model state, the batch, the optimizer,
+scaler and scheduler states, the RNG states, the guard's history, versions, how to
+rebuild the model and the loss). Its fields, their types and defaults are the table
+:data:`nbdebug.core.snapshot_format.FIELDS`, which also says how to add one.
 
-``format``, ``version``
-    ``"nbdebug-snapshot"`` and :data:`FORMAT_VERSION`.
-``step``, ``time``, ``reason``
-    The training step, the wall-clock time (seconds since the epoch) and why it was
-    written (``{"kind": ..., "message": ..., ...}``).
-``model_state``, ``model_class``, ``model_training``
-    The model's ``state_dict``, its class as ``"module:qualname"`` and its train flag.
-``inputs``, ``target``
-    The batch (tensors, tuples, lists, dicts of them).
-``optimizer``, ``optimizer_class``, ``optimizer_params``, ``scaler``, ``scheduler``, ``scheduler_class``
-    ``state_dict()`` of each (or ``None``), and for the optimizer the model parameter
-    name behind each of its parameter indices.
-``rng``
-    torch (CPU and CUDA), numpy and Python RNG states at the start of the step.
-``history``
-    The guard's rolling history (list of dicts).
-``environment``
-    torch / python / numpy versions, platform, devices and dtypes of the parameters.
-``recipe``, ``loss_fn``
-    How to rebuild the model (``{"factory": "package.module:factory", "kwargs": {...}}``)
-    and the loss (``{"name": "module:qualname", ...}``), when known.
-``dropped``
-    Paths of values that could not be stored as plain data (and were stored as ``None``).
+This module captures (:func:`save_snapshot`), loads (:func:`load_snapshot`,
+:meth:`Snapshot.from_payload`), replays (:meth:`Snapshot.trace`) and lists
+(:func:`list_snapshots`) snapshots.
 
 Loading goes through ``torch.load(..., weights_only=True)``: no code from the file runs.
 The model architecture comes from the caller, or from the recorded recipe when the caller
@@ -38,10 +21,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import os
-import re
 import time
-import warnings
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,29 +30,33 @@ import numpy as np
 import torch
 
 from .batch import describe
-from .snapshot_format import (
-    _BATCH_KEYS,
-    _REQUIRED,
-    _ZIP_MAGIC,
-    FORMAT,
-    FORMAT_VERSION,
-    SUFFIX,
-    SnapshotError,
-    _plain,
-    _to_device,
-    _trusted,
-    atomic_save,
+from .snapshot_data import (
     build_loss,
     environment,
     import_object,
+    is_trusted,
     loss_spec,
     object_name,
+    to_device,
+    to_plain,
+)
+from .snapshot_format import (
+    FORMAT_VERSION,
+    SUFFIX,
+    SnapshotError,
+    atomic_save,
+    build_payload,
     parse_recipe,
+    read_archive,
+    read_payload,
     rng_from_payload,
     rng_to_payload,
+    snapshot_attributes,
     unique_path,
+    validate_payload,
 )
 from .state import RngState
+from .text import first_line
 
 # --------------------------------------------------------------------------- saving
 
@@ -92,6 +76,7 @@ def save_snapshot(
     recipe: Any = None,
     loss_fn: Any = None,
     rng: RngState | None = None,
+    **fields: Any,
 ) -> Path:
     """Write one snapshot file atomically and return its path.
 
@@ -119,10 +104,19 @@ def save_snapshot(
         Stored by import path when it has one (see :func:`loss_spec`).
     rng : RngState, optional
         RNG states to store (default: the current ones).
+    **fields
+        Values of further fields of the snapshot table
+        (:data:`nbdebug.core.snapshot_format.FIELDS`), by key; stored as plain data.
 
     Returns
     -------
     pathlib.Path
+
+    Raises
+    ------
+    TypeError
+        A keyword is not a snapshot field (or one written from the arguments above), or
+        its value has a type the field does not accept.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__qualname__}.")
@@ -145,38 +139,43 @@ def save_snapshot(
     opt_params = None
     if optimizer is not None:
         opt_params = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
-    payload: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
+    values: dict[str, Any] = {
         "step": None if step is None else int(step),
         "time": time.time(),
-        "reason": _plain(reason, "reason", dropped, clone=False),
-        "model_state": _plain(dict(model.state_dict()), "model_state", dropped, clone=False),
+        "reason": to_plain(reason, "reason", dropped, clone=False),
+        "model_state": to_plain(dict(model.state_dict()), "model_state", dropped, clone=False),
         "model_class": object_name(type(model))
         or f"{type(model).__module__}:{type(model).__qualname__}",
         "model_training": bool(model.training),
-        "inputs": _plain(inputs, "inputs", dropped, clone=True),
-        "target": _plain(target, "target", dropped, clone=True),
-        "optimizer": _plain(optimizer.state_dict(), "optimizer", dropped, clone=False)
+        "inputs": to_plain(inputs, "inputs", dropped, clone=True),
+        "target": to_plain(target, "target", dropped, clone=True),
+        "optimizer": to_plain(optimizer.state_dict(), "optimizer", dropped, clone=False)
         if optimizer is not None
         else None,
         "optimizer_class": _class_name(optimizer),
         "optimizer_params": opt_params,
-        "scaler": _plain(scaler.state_dict(), "scaler", dropped, clone=False)
+        "scaler": to_plain(scaler.state_dict(), "scaler", dropped, clone=False)
         if scaler is not None
         else None,
-        "scheduler": _plain(scheduler.state_dict(), "scheduler", dropped, clone=False)
+        "scheduler": to_plain(scheduler.state_dict(), "scheduler", dropped, clone=False)
         if scheduler is not None
         else None,
         "scheduler_class": _class_name(scheduler),
         "rng": rng_to_payload(rng if rng is not None else RngState.capture()),
-        "history": [_plain(dict(h), "history", dropped, clone=False) for h in (history or [])],
-        "environment": _plain(environment(model), "environment", dropped, clone=False),
+        "history": [to_plain(dict(h), "history", dropped, clone=False) for h in (history or [])],
+        "environment": to_plain(environment(model), "environment", dropped, clone=False),
         "recipe": parse_recipe(recipe),
-        "loss_fn": _plain(loss_spec(loss_fn), "loss_fn", dropped, clone=False),
-        "dropped": dropped,
+        "loss_fn": to_plain(loss_spec(loss_fn), "loss_fn", dropped, clone=False),
     }
-    return atomic_save(payload, target_path)
+    for key, value in fields.items():
+        if key in values or key == "dropped":
+            raise TypeError(
+                f"save_snapshot() writes the field {key!r} from its own arguments; "
+                "it cannot be given by keyword."
+            )
+        values[key] = to_plain(value, key, dropped, clone=True)
+    values["dropped"] = dropped
+    return atomic_save(build_payload(values), target_path)
 
 
 def _class_name(obj: Any) -> str | None:
@@ -186,145 +185,6 @@ def _class_name(obj: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------- loading
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
-def read_payload(
-    path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
-) -> dict[str, Any]:
-    """The validated dictionary stored in a snapshot file (no code runs).
-
-    Raises
-    ------
-    SnapshotError
-        The file is missing, empty, not a torch zip archive, truncated or corrupt, not a
-        snapshot, written by a newer nbdebug, or lacks a key.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__qualname__}.")
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            head = f.read(4)
-    except FileNotFoundError as e:
-        raise SnapshotError(f"{p}: no such file.") from e
-    except IsADirectoryError as e:
-        raise SnapshotError(
-            f"{p} is a directory, not a snapshot file (list_snapshots() lists one)."
-        ) from e
-    except OSError as e:
-        raise SnapshotError(f"{p}: cannot read it ({_first_line(e)}).") from e
-    if not head:
-        raise SnapshotError(f"{p} is empty (0 bytes): not a snapshot.")
-    if head != _ZIP_MAGIC:
-        raise SnapshotError(
-            f"{p} is not a snapshot: it is not a torch.save zip archive (it starts with {head!r})."
-        )
-    if not zipfile.is_zipfile(p):  # no end-of-archive record: cut short while written or copied
-        raise SnapshotError(f"{p} is truncated or corrupt: its zip archive has no end record.")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            obj = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:
-        msg = str(e)
-        if "Weights only load failed" in msg:
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
-            what = f" (such as {found.group(1)})" if found else ""
-            raise SnapshotError(
-                f"{p} holds Python objects other than tensors and plain containers{what}: it is "
-                "corrupt or was not written by nbdebug, and is refused (loading it could run code)."
-            ) from e
-        if "central directory" in msg or "failed reading zip archive" in msg:
-            raise SnapshotError(
-                f"{p} is truncated or corrupt: its zip archive cannot be read."
-            ) from e
-        raise SnapshotError(f"{p} is corrupt: torch.load failed ({_first_line(e)}).") from e
-    return validate_payload(obj, p)
-
-
-def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any]:
-    """Check the structure of a loaded snapshot dictionary; raise :class:`SnapshotError`."""
-    if not isinstance(obj, dict):
-        raise SnapshotError(
-            f"{path} is a torch file but not an nbdebug snapshot: it holds a {type(obj).__name__}, "
-            "not a snapshot dictionary."
-        )
-    if obj.get("format") != FORMAT:
-        keys = [k for k in list(obj)[:6] if isinstance(k, str)]
-        raise SnapshotError(
-            f"{path} is a torch file but not an nbdebug snapshot (no format {FORMAT!r} field; keys "
-            f"{keys}{' ...' if len(obj) > 6 else ''}): a plain checkpoint? Load it with torch.load."
-        )
-    version = obj.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise SnapshotError(f"{path} has an invalid format version {version!r}.")
-    if version > FORMAT_VERSION:
-        raise SnapshotError(
-            f"{path} was written by a newer nbdebug (snapshot format version {version}; this "
-            f"nbdebug reads versions up to {FORMAT_VERSION}): upgrade nbdebug to load it."
-        )
-    missing = [k for k in (*_REQUIRED, *_BATCH_KEYS) if k not in obj]
-    if missing:
-        raise SnapshotError(
-            f"{path} is an incomplete snapshot: it lacks {', '.join(map(repr, missing))}."
-        )
-    for key, types in _REQUIRED.items():
-        v = obj[key]
-        if isinstance(v, bool) and bool not in types:
-            v = object()  # bool is an int, but not a step
-        if not isinstance(v, types):
-            want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-            raise SnapshotError(
-                f"{path} is corrupt: {key!r} should be {want}, got {type(obj[key]).__name__}."
-            )
-    try:
-        _dt.datetime.fromtimestamp(float(obj["time"]))
-    except (ValueError, OverflowError, OSError) as e:
-        raise SnapshotError(
-            f"{path} is corrupt: its time stamp {obj['time']!r} is not a date ({e})."
-        ) from e
-    bad = [
-        k
-        for k, v in obj["model_state"].items()
-        if not isinstance(k, str) or not isinstance(v, torch.Tensor)
-    ]
-    if bad:
-        raise SnapshotError(
-            f"{path} is corrupt: model_state entries {bad[:5]} are not named tensors."
-        )
-    reason = obj["reason"]
-    if not isinstance(reason.get("kind"), str) or not isinstance(reason.get("message"), str):
-        raise SnapshotError(f"{path} is corrupt: its reason lacks a 'kind' and a 'message' string.")
-    if not all(isinstance(h, dict) for h in obj["history"]):
-        raise SnapshotError(f"{path} is corrupt: history rows are not dictionaries.")
-    if obj["rng"] is not None:
-        try:
-            st = rng_from_payload(obj["rng"])
-            st.cuda = None
-            caller = RngState.capture()
-            try:
-                st.restore()  # the only full check of the generators' own formats
-            finally:
-                caller.restore()
-        except Exception as e:
-            raise SnapshotError(
-                f"{path} is corrupt: its RNG state cannot be read ({_first_line(e)})."
-            ) from e
-    recipe = obj["recipe"]
-    if recipe is not None and (
-        not isinstance(recipe.get("factory"), str) or not isinstance(recipe.get("kwargs"), dict)
-    ):
-        raise SnapshotError(
-            f"{path} is corrupt: its recipe is not {{'factory': str, 'kwargs': dict}}."
-        )
-    if obj["optimizer"] is not None and not isinstance(obj["optimizer"].get("param_groups"), list):
-        raise SnapshotError(f"{path} is corrupt: its optimizer state has no param_groups list.")
-    return obj
 
 
 def check_state_fits(
@@ -359,10 +219,9 @@ def check_state_fits(
 
 
 def _build_model(
-    model: Any, payload: Mapping[str, Any], where: Path, *, trust_recipe: bool
+    model: Any, recipe: Mapping[str, Any] | None, where: Path, *, trust_recipe: bool
 ) -> torch.nn.Module | None:
     if model is None:
-        recipe = payload["recipe"]
         if recipe is None or not trust_recipe:
             return None
         spec = recipe["factory"]
@@ -370,10 +229,11 @@ def _build_model(
             factory = import_object(spec)
             built = factory(**recipe["kwargs"])
         except Exception as e:
-            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {_first_line(e)}") from e
+            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {first_line(e)}") from e
         if not isinstance(built, torch.nn.Module):
             raise SnapshotError(
-                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, not an nn.Module."
+                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, "
+                f"not an nn.Module."
             )
         return built
     if isinstance(model, torch.nn.Module):
@@ -381,18 +241,20 @@ def _build_model(
             return copy.deepcopy(model)  # the caller's model stays as it is
         except Exception as e:
             raise TypeError(
-                f"cannot copy the given {type(model).__qualname__} ({_first_line(e)}); pass a "
+                f"cannot copy the given {type(model).__qualname__} ({first_line(e)}); pass a "
                 "zero-argument factory instead: load_snapshot(path, model=lambda: MyNet())."
             ) from e
     if callable(model):
         built = model()
         if not isinstance(built, torch.nn.Module):
             raise TypeError(
-                f"the model factory returned {type(built).__qualname__}; expected a torch.nn.Module."
+                f"the model factory returned {type(built).__qualname__}; expected a "
+                f"torch.nn.Module."
             )
         return built
     raise TypeError(
-        f"model must be a torch.nn.Module, a zero-argument factory returning one, or None; got {type(model).__qualname__}."
+        f"model must be a torch.nn.Module, a zero-argument factory returning one, or "
+        f"None; got {type(model).__qualname__}."
     )
 
 
@@ -429,16 +291,18 @@ def load_snapshot(
         A missing, truncated, corrupt, foreign or newer-format file, or a state that does
         not fit the model (missing/unexpected keys and shape mismatches listed).
     """
-    payload = read_payload(path, map_location=map_location)
     where = Path(path)
+    snap = Snapshot.from_payload(
+        read_archive(path, map_location=map_location), where, trust_recipe=trust_recipe
+    )
     caller_rng = RngState.capture()  # building a model draws initial weights
     try:
-        built = _build_model(model, payload, where, trust_recipe=trust_recipe)
+        built = _build_model(model, snap.recipe, where, trust_recipe=trust_recipe)
     finally:
         caller_rng.restore()
-    snap = Snapshot(payload, where, built, trust_recipe=trust_recipe)
     if built is not None:
-        check_state_fits(built, payload["model_state"], str(where))
+        check_state_fits(built, snap.model_state, str(where))
+        snap.model = built
         snap.reset_model()
     return snap
 
@@ -486,7 +350,35 @@ class Snapshot:
     optimizer_state, scaler_state, scheduler_state : dict or None
     rng : dict or None
         Stored RNG states (see :meth:`restore_rng`).
+    version : int
+        The format version of the file.
+
+    Every field of the snapshot table (``nbdebug.core.snapshot_format.FIELDS``) is an
+    attribute (fields newer than the file hold their defaults).
     """
+
+    # one attribute per field of the snapshot table (snapshot_format.FIELDS), set by
+    # __init__ from the payload; annotated here for type checkers
+    step: int | None
+    time: float
+    reason: dict[str, Any]
+    model_state: dict[str, torch.Tensor]
+    model_class: str | None
+    model_training: bool
+    inputs: Any
+    target: Any
+    optimizer_state: dict[str, Any] | None
+    optimizer_class: str | None
+    optimizer_params: list[str | None] | None
+    scaler_state: dict[str, Any] | None
+    scheduler_state: dict[str, Any] | None
+    scheduler_class: str | None
+    rng: dict[str, Any] | None
+    history: list[dict[str, Any]]
+    environment: dict[str, Any]
+    recipe: dict[str, Any] | None
+    loss_fn_spec: dict[str, Any] | None
+    dropped: list[str]
 
     def __init__(
         self,
@@ -498,28 +390,49 @@ class Snapshot:
     ):
         self.path = path
         self.version: int = payload["version"]
-        self.step: int | None = payload["step"]
-        self.time: float = float(payload["time"])
-        self.reason: dict[str, Any] = payload["reason"]
+        for name, value in snapshot_attributes(payload).items():
+            setattr(self, name, value)
+        self.time = float(self.time)
         self.model = model
-        self.model_state: dict[str, torch.Tensor] = payload["model_state"]
-        self.model_class: str | None = payload["model_class"]
-        self.model_training: bool = payload["model_training"]
-        self.inputs = payload["inputs"]
-        self.target = payload["target"]
-        self.optimizer_state: dict[str, Any] | None = payload["optimizer"]
-        self.optimizer_class: str | None = payload["optimizer_class"]
-        self.optimizer_params: list[str | None] | None = payload["optimizer_params"]
-        self.scaler_state: dict[str, Any] | None = payload["scaler"]
-        self.scheduler_state: dict[str, Any] | None = payload["scheduler"]
-        self.scheduler_class: str | None = payload["scheduler_class"]
-        self.rng: dict[str, Any] | None = payload["rng"]
-        self.history: list[dict[str, Any]] = payload["history"]
-        self.environment: dict[str, Any] = payload["environment"]
-        self.recipe: dict[str, Any] | None = payload["recipe"]
-        self.loss_fn_spec: dict[str, Any] | None = payload["loss_fn"]
-        self.dropped: list[str] = payload["dropped"]
         self.trust_recipe = trust_recipe
+
+    @classmethod
+    def from_payload(
+        cls,
+        payload: Any,
+        path: str | os.PathLike[str] | None = None,
+        model: torch.nn.Module | None = None,
+        *,
+        trust_recipe: bool = False,
+    ) -> Snapshot:
+        """The snapshot held by a loaded snapshot dictionary (``torch.load`` of a file).
+
+        The dictionary is checked against the field table
+        (:func:`~nbdebug.core.snapshot_format.validate_payload`); the fields that an older
+        format version lacks get their defaults.
+
+        Parameters
+        ----------
+        payload : dict
+        path : str or PathLike, optional
+            Where it was read from (named in errors, kept as :attr:`path`).
+        model : torch.nn.Module, optional
+            The module to replay on, used as it is (:func:`load_snapshot` gives a copy).
+        trust_recipe : bool
+            As for :func:`load_snapshot`.
+
+        Returns
+        -------
+        Snapshot
+
+        Raises
+        ------
+        SnapshotError
+            Not a snapshot dictionary, a newer format, a missing field or a corrupt value.
+        """
+        where = Path(path) if path is not None else None
+        checked = validate_payload(payload, where if where is not None else "<snapshot>")
+        return cls(checked, where, model, trust_recipe=trust_recipe)
 
     # ----------------------------------------------------------------- views
     @property
@@ -562,9 +475,13 @@ class Snapshot:
             return self.model
         hint = ""
         if self.recipe is not None:
-            hint = f", or trust_recipe=True to build it with the recorded recipe {self.recipe['factory']!r}"
+            hint = (
+                f", or trust_recipe=True to build it with the recorded recipe "
+                f"{self.recipe['factory']!r}"
+            )
         raise SnapshotError(
-            f"this snapshot was loaded without a model: give load_snapshot(path, model=...) (a module or a "
+            f"this snapshot was loaded without a model: give load_snapshot(path, "
+            f"model=...) (a module or a "
             f"zero-argument factory for {self.model_class}){hint}."
         )
 
@@ -594,9 +511,10 @@ class Snapshot:
             or self.optimizer_params is None
         ):
             raise SnapshotError("this snapshot holds no optimizer state.")
-        if not _trusted(self.optimizer_class) and not self.trust_recipe:
+        if not is_trusted(self.optimizer_class) and not self.trust_recipe:
             raise SnapshotError(
-                f"the optimizer class {self.optimizer_class!r} lies outside torch: load with trust_recipe=True."
+                f"the optimizer class {self.optimizer_class!r} lies outside torch: "
+                f"load with trust_recipe=True."
             )
         try:
             cls = import_object(self.optimizer_class)
@@ -611,7 +529,7 @@ class Snapshot:
             return opt
         except Exception as e:
             raise SnapshotError(
-                f"cannot rebuild the optimizer {self.optimizer_class!r}: {_first_line(e)}"
+                f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
             ) from e
 
     def trace(self, loss_fn: Any = None) -> Any:
@@ -635,11 +553,12 @@ class Snapshot:
             loss_fn = self.loss_fn()
         if loss_fn is None and self.target is not None:
             raise SnapshotError(
-                "this snapshot recorded no loss function but has a target: pass snap.trace(loss_fn=...)."
+                "this snapshot recorded no loss function but has a target: pass "
+                "snap.trace(loss_fn=...)."
             )
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        inputs = _to_device(self.inputs, device)
-        target = _to_device(self.target, device)
+        inputs = to_device(self.inputs, device)
+        target = to_device(self.target, device)
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn = loss_fn.to(device)
         caller = RngState.capture()

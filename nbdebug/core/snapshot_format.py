@@ -1,20 +1,63 @@
-"""The snapshot file format: its constants, :class:`SnapshotError`, and the helpers that
-turn training state into plain data (and back) and write a file atomically.
+"""The snapshot file format: one table of fields drives the writer, the checks and the reader.
 
-:mod:`nbdebug.core.snapshot` saves, loads and replays snapshots with these.
+A snapshot is one ``torch.save`` zip archive holding one dictionary of tensors and plain
+Python values: ``"format"`` (:data:`FORMAT`), ``"version"`` (the format version it was
+written in) and one entry per row of :data:`FIELDS`. Each row (a :class:`Field`) says the
+key, the accepted types, the default, the format version that introduced it, whether a
+file of that version or newer must hold it, and what it means in one line.
+
+- :func:`build_payload` (used by :func:`~nbdebug.core.snapshot.save_snapshot`) writes
+  every row in table order, filling the rows its producer left out with their defaults;
+- :func:`validate_payload` checks a loaded dictionary against the table and fills in the
+  rows that an older file lacks with their defaults;
+- :func:`snapshot_attributes` gives the values that
+  :class:`~nbdebug.core.snapshot.Snapshot` holds, one attribute per row.
+
+:data:`FORMAT_VERSION` is the newest row's ``since``. A file of an older version loads
+(its missing rows get their defaults); a file of a newer version is refused with a
+:class:`SnapshotError` that says to upgrade nbdebug.
+
+How to add a snapshot field
+---------------------------
+1. **One row** at the end of :data:`FIELDS`, with ``since`` one more than the newest
+   row's (this raises :data:`FORMAT_VERSION`), a one-line ``doc`` and a ``default`` (or a
+   ``default_factory`` for a list or dict): files written before the field existed read
+   as that default. For example::
+
+       Field("rank", (int, NoneType), "the process's rank in torch.distributed (None: "
+             "single process)", since=2, default=None),
+
+   ``required=True`` (the default) makes a file of version ``since`` or newer that lacks
+   the key an incomplete file; ``required=False`` lets any file omit it. ``check=`` takes
+   a function that raises ``ValueError("what is wrong")`` for a value of the right type
+   that is still unusable; ``attr=`` names the :class:`~nbdebug.core.snapshot.Snapshot`
+   attribute when it must differ from the key.
+2. **The producer** passes the value by keyword: ``save_snapshot(..., rank=rank)`` (the
+   guard, a trainer callback). It is stored as plain data and checked against the row's
+   types before the file is written.
+3. **Reading**: ``snap.rank`` on a loaded :class:`~nbdebug.core.snapshot.Snapshot` (add
+   ``rank: int | None`` to the annotations at the top of its class body so type checkers
+   know it). Nothing else changes: the writer, the checks, :func:`load_snapshot` and
+   :func:`list_snapshots` follow the table.
+4. **The test**: the value round-trips, and a file of the previous version (see
+   ``tests/test_snapshot_fields.py``) loads with the default.
+
+Never change the types or meaning of an existing row, and never remove one: files
+already written hold it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import importlib
 import json
 import os
-import platform
 import re
 import tempfile
-from collections.abc import Mapping
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +65,15 @@ import numpy as np
 import torch
 
 from .state import RngState
+from .text import first_line
 
 FORMAT = "nbdebug-snapshot"
-#: Version of the file layout this nbdebug writes; it reads this one and older ones.
-FORMAT_VERSION = 1
 SUFFIX = ".nbsnap"
+#: an import path ``"package.module:qualname"`` (a model factory, a loss, a class)
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+NoneType = type(None)
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-# module prefixes whose objects may be imported by name without trust_recipe
-_TRUSTED_MODULES = ("torch",)
-
-_REQUIRED: dict[str, tuple[type, ...]] = {
-    "step": (int, type(None)),
-    "time": (float, int),
-    "reason": (dict,),
-    "model_state": (dict,),
-    "model_class": (str, type(None)),
-    "model_training": (bool,),
-    "optimizer": (dict, type(None)),
-    "optimizer_class": (str, type(None)),
-    "optimizer_params": (list, type(None)),
-    "scaler": (dict, type(None)),
-    "scheduler": (dict, type(None)),
-    "scheduler_class": (str, type(None)),
-    "rng": (dict, type(None)),
-    "history": (list,),
-    "environment": (dict,),
-    "recipe": (dict, type(None)),
-    "loss_fn": (dict, type(None)),
-    "dropped": (list,),
-}
-_BATCH_KEYS = ("inputs", "target")
 
 
 class SnapshotError(Exception):
@@ -70,155 +90,437 @@ class SnapshotError(Exception):
     """
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- the table
 
 
-def import_object(spec: str) -> Any:
-    """The object named by ``"package.module:qualname"`` (imports the module).
+class _NoDefault:
+    def __repr__(self) -> str:
+        return "NO_DEFAULT"
+
+
+#: the ``default`` of a :class:`Field` that has none (its producer must always give it)
+NO_DEFAULT: Any = _NoDefault()
+_IMMUTABLE = (NoneType, bool, int, float, str, bytes, tuple, frozenset)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One entry of the snapshot dictionary (one row of :data:`FIELDS`).
+
+    Parameters
+    ----------
+    key : str
+        The dictionary key in the file.
+    types : tuple of type, or None
+        The accepted types (``NoneType`` for ``None``); ``None`` accepts any plain data
+        (a batch). ``bool`` is only accepted where it is listed, not as an ``int``.
+    doc : str
+        What the value is, in one line.
+    since : int
+        The format version that introduced the field.
+    required : bool
+        A file of version ``since`` or newer must hold it; otherwise any file may omit it.
+    default, default_factory
+        The value of a file that lacks the field, and of a writer that does not produce
+        it (``default_factory`` for mutable values such as lists and dicts).
+    attr : str
+        The :class:`~nbdebug.core.snapshot.Snapshot` attribute; empty: the key.
+    check : callable, optional
+        ``check(value)`` raises ``ValueError`` saying what is wrong with a value of the
+        right type (a structural check beyond the type).
+    """
+
+    key: str
+    types: tuple[type, ...] | None
+    doc: str
+    _: KW_ONLY
+    since: int = 1
+    required: bool = True
+    default: Any = NO_DEFAULT
+    default_factory: Callable[[], Any] | None = None
+    attr: str = ""
+    check: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        where = f"snapshot field {self.key!r}"
+        if not isinstance(self.key, str) or not self.key.isidentifier():
+            raise ValueError(f"a snapshot field key must be an identifier; got {self.key!r}.")
+        if isinstance(self.since, bool) or not isinstance(self.since, int) or self.since < 1:
+            raise ValueError(f"{where}: since must be a format version >= 1; got {self.since!r}.")
+        if self.default is not NO_DEFAULT and self.default_factory is not None:
+            raise ValueError(f"{where}: give a default or a default_factory, not both.")
+        if not isinstance(self.default, _IMMUTABLE) and self.default is not NO_DEFAULT:
+            raise ValueError(
+                f"{where}: a mutable default ({type(self.default).__name__}) would be shared by "
+                "every snapshot; use default_factory."
+            )
+        if not self.has_default and (self.since > 1 or not self.required):
+            why = f"files older than version {self.since}" if self.since > 1 else "files without it"
+            raise ValueError(f"{where} needs a default (or a default_factory) for {why}.")
+
+    @property
+    def attribute(self) -> str:
+        """The name of the :class:`~nbdebug.core.snapshot.Snapshot` attribute."""
+        return self.attr or self.key
+
+    @property
+    def has_default(self) -> bool:
+        return self.default is not NO_DEFAULT or self.default_factory is not None
+
+    def make_default(self) -> Any:
+        """A fresh default value."""
+        if self.default_factory is not None:
+            return self.default_factory()
+        if self.default is NO_DEFAULT:
+            raise ValueError(f"the snapshot field {self.key!r} has no default.")
+        return self.default
+
+    def type_problem(self, value: Any) -> str | None:
+        """What is wrong with the type of ``value`` (``None`` when it is accepted)."""
+        if self.types is None:
+            return None
+        ok = isinstance(value, self.types)
+        if isinstance(value, bool) and bool not in self.types:
+            ok = False  # bool is an int, but not a step
+        if ok:
+            return None
+        want = " or ".join("None" if t is NoneType else t.__name__ for t in self.types)
+        return f"{self.key!r} should be {want}, got {type(value).__name__}"
+
+
+# checks beyond the type: each raises ValueError("what is wrong"), read after "is corrupt: "
+
+
+def _check_time(value: Any) -> None:
+    try:
+        _dt.datetime.fromtimestamp(float(value))
+    except (ValueError, OverflowError, OSError) as e:
+        raise ValueError(f"its time stamp {value!r} is not a date ({e})") from e
+
+
+def _check_reason(value: dict[str, Any]) -> None:
+    if not isinstance(value.get("kind"), str) or not isinstance(value.get("message"), str):
+        raise ValueError("its reason lacks a 'kind' and a 'message' string")
+
+
+def _check_model_state(value: dict[Any, Any]) -> None:
+    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f"model_state entries {bad[:5]} are not named tensors")
+
+
+def _check_optimizer(value: dict[str, Any] | None) -> None:
+    if value is not None and not isinstance(value.get("param_groups"), list):
+        raise ValueError("its optimizer state has no param_groups list")
+
+
+def _check_rng(value: dict[str, Any] | None) -> None:
+    if value is None:
+        return
+    try:
+        st = rng_from_payload(value)
+        st.cuda = None
+        caller = RngState.capture()
+        try:
+            st.restore()  # the only full check of the generators' own formats
+        finally:
+            caller.restore()
+    except Exception as e:
+        raise ValueError(f"its RNG state cannot be read ({first_line(e)})") from e
+
+
+def _check_history(value: list[Any]) -> None:
+    if not all(isinstance(h, dict) for h in value):
+        raise ValueError("history rows are not dictionaries")
+
+
+def _check_recipe(value: dict[str, Any] | None) -> None:
+    if value is not None and (
+        not isinstance(value.get("factory"), str) or not isinstance(value.get("kwargs"), dict)
+    ):
+        raise ValueError("its recipe is not {'factory': str, 'kwargs': dict}")
+
+
+#: The snapshot's fields, in the order they are written. Add a field: see the module doc.
+FIELDS: tuple[Field, ...] = (
+    Field("step", (int, NoneType), "the training step (None: not known)", default=None),
+    Field("time", (float, int), "when it was written, seconds since the epoch", check=_check_time),
+    Field(
+        "reason",
+        (dict,),
+        "why it was written: {'kind': str, 'message': str, ...what the guard measured}",
+        check=_check_reason,
+    ),
+    Field(
+        "model_state",
+        (dict,),
+        "the model's state_dict (parameters and buffers, on their devices)",
+        check=_check_model_state,
+    ),
+    Field("model_class", (str, NoneType), "the model's class as 'module:qualname'", default=None),
+    Field("model_training", (bool,), "the model's train flag"),
+    Field("inputs", None, "the batch inputs (tensors, tuples, lists, dicts of them)", default=None),
+    Field("target", None, "the batch target (as inputs)", default=None),
+    Field(
+        "optimizer",
+        (dict, NoneType),
+        "the optimizer's state_dict",
+        default=None,
+        attr="optimizer_state",
+        check=_check_optimizer,
+    ),
+    Field(
+        "optimizer_class", (str, NoneType), "the optimizer's class, 'module:qualname'", default=None
+    ),
+    Field(
+        "optimizer_params",
+        (list, NoneType),
+        "the model parameter name behind each optimizer parameter index",
+        default=None,
+    ),
+    Field(
+        "scaler",
+        (dict, NoneType),
+        "the GradScaler's state_dict",
+        default=None,
+        attr="scaler_state",
+    ),
+    Field(
+        "scheduler",
+        (dict, NoneType),
+        "the learning-rate scheduler's state_dict",
+        default=None,
+        attr="scheduler_state",
+    ),
+    Field(
+        "scheduler_class", (str, NoneType), "the scheduler's class, 'module:qualname'", default=None
+    ),
+    Field(
+        "rng",
+        (dict, NoneType),
+        "torch (CPU, CUDA), numpy and Python RNG states at the start of the step",
+        default=None,
+        check=_check_rng,
+    ),
+    Field(
+        "history",
+        (list,),
+        "the guard's rolling history, one dict per step",
+        default_factory=list,
+        check=_check_history,
+    ),
+    Field(
+        "environment",
+        (dict,),
+        "torch / python / numpy versions, platform, devices and dtypes of the model",
+    ),
+    Field(
+        "recipe",
+        (dict, NoneType),
+        "how to rebuild the model: {'factory': 'package.module:factory', 'kwargs': {...}}",
+        default=None,
+        check=_check_recipe,
+    ),
+    Field(
+        "loss_fn",
+        (dict, NoneType),
+        "how to rebuild the loss: {'name': 'module:qualname', ...}",
+        default=None,
+        attr="loss_fn_spec",
+    ),
+    Field(
+        "dropped",
+        (list,),
+        "paths of values that could not be stored as plain data (stored as None)",
+        default_factory=list,
+    ),
+)
+
+
+def format_version() -> int:
+    """The format version this nbdebug writes and the newest it reads: the newest row's
+    ``since``."""
+    return max(f.since for f in FIELDS)
+
+
+#: Version of the file layout this nbdebug writes; it reads this one and older ones.
+FORMAT_VERSION = format_version()
+
+
+# --------------------------------------------------------------------------- writer and reader
+
+
+def build_payload(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The snapshot dictionary of ``values`` (plain data by key): the format header, then
+    every field of :data:`FIELDS` in table order, a missing one as its default.
 
     Raises
     ------
-    ValueError
-        ``spec`` is not of that form, the module cannot be imported or has no such name.
+    TypeError
+        A key is not a field, a value has a type its field does not accept, or a field
+        without a default has no value.
     """
-    if not isinstance(spec, str) or not _SPEC.match(spec):
-        raise ValueError(f"expected an import path like 'package.module:factory'; got {spec!r}.")
-    modname, qualname = spec.split(":", 1)
-    try:
-        obj: Any = importlib.import_module(modname)
-    except Exception as e:  # ImportError, or the module raising while it is imported
-        raise ValueError(
-            f"cannot import module {modname!r} of {spec!r}: {type(e).__name__}: {e}"
-        ) from e
-    for part in qualname.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise ValueError(
-                f"module {modname!r} has no attribute {qualname!r} (from {spec!r})."
-            ) from e
-    return obj
-
-
-def object_name(obj: Any) -> str | None:
-    """``"module:qualname"`` when importing that name gives back ``obj``, else ``None``."""
-    mod = getattr(obj, "__module__", None)
-    qual = getattr(obj, "__qualname__", None)
-    if not isinstance(mod, str) or not isinstance(qual, str) or "<" in qual:
-        return None
-    spec = f"{mod}:{qual}"
-    if not _SPEC.match(spec):
-        return None
-    try:
-        return spec if import_object(spec) is obj else None
-    except ValueError:
-        return None
-
-
-def _trusted(spec: str) -> bool:
-    mod = spec.split(":", 1)[0]
-    return any(mod == m or mod.startswith(m + ".") for m in _TRUSTED_MODULES)
-
-
-def parse_recipe(recipe: Any, kwargs: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """Normalise a model recipe to ``{"factory": "package.module:factory", "kwargs": {...}}``.
-
-    ``recipe`` is ``None``, an import path string (with ``kwargs`` as a JSON-serialisable
-    mapping), a ``(path, kwargs)`` pair, or a ``{"factory": ..., "kwargs": ...}`` dict.
-    """
-    if recipe is None:
-        if kwargs:
-            raise ValueError("recipe_kwargs was given without a recipe.")
-        return None
-    if isinstance(recipe, (tuple, list)) and len(recipe) == 2:
-        recipe, kwargs = recipe
-    elif isinstance(recipe, Mapping):
-        kwargs = recipe.get("kwargs") or {}
-        recipe = recipe.get("factory")
-    if not isinstance(recipe, str) or not _SPEC.match(recipe):
-        raise ValueError(
-            f"recipe must be an import path like 'package.module:factory'; got {recipe!r}."
+    fields = FIELDS
+    keys = [f.key for f in fields]
+    unknown = [k for k in values if k not in keys]
+    if unknown:
+        raise TypeError(
+            f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a "
+            f"snapshot field; the fields are {', '.join(keys)}."
         )
-    kwargs = dict(kwargs or {})
-    try:
-        kwargs = json.loads(json.dumps(kwargs, allow_nan=True))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"recipe kwargs must be JSON-serialisable; got {kwargs!r} ({e}).") from e
-    return {"factory": recipe, "kwargs": kwargs}
+    payload: dict[str, Any] = {"format": FORMAT, "version": format_version()}
+    for f in fields:
+        if f.key in values:
+            value = values[f.key]
+        elif f.has_default:
+            value = f.make_default()
+        else:
+            raise TypeError(f"cannot write the snapshot: no value for the field {f.key!r}.")
+        problem = f.type_problem(value)
+        if problem:
+            raise TypeError(f"cannot write the snapshot: {problem}.")
+        payload[f.key] = value
+    return payload
 
 
-def loss_spec(loss_fn: Any) -> dict[str, Any] | None:
-    """How to rebuild ``loss_fn`` from a snapshot: ``{"name": "module:qualname", ...}``.
-
-    A function stores its import path; an ``nn.Module`` loss stores its class path, its
-    plain attributes (``reduction``, ``label_smoothing``, ...) and its state (``weight``).
-    A lambda, a closure or a partial stores only its ``repr`` (``name`` is ``None``).
-    """
-    if loss_fn is None:
-        return None
-    if isinstance(loss_fn, torch.nn.Module):
-        attrs = {
-            k: v
-            for k, v in vars(loss_fn).items()
-            if not k.startswith("_")
-            and k != "training"
-            and isinstance(v, (bool, int, float, str, type(None)))
-        }
-        return {
-            "name": object_name(type(loss_fn)),
-            "module": True,
-            "attrs": attrs,
-            "state": {k: v.detach().clone() for k, v in loss_fn.state_dict().items()},
-            "repr": repr(loss_fn)[:200],
-        }
-    return {"name": object_name(loss_fn), "module": False, "repr": repr(loss_fn)[:200]}
-
-
-def build_loss(spec: Mapping[str, Any] | None, *, trust: bool = False) -> Any:
-    """The loss function recorded by :func:`loss_spec` (``None`` when none was recorded).
+def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any]:
+    """Check a loaded snapshot dictionary against :data:`FIELDS`; return it with the
+    fields that an older format lacks filled in with their defaults (a new dictionary).
 
     Raises
     ------
     SnapshotError
-        It was not importable (a lambda or closure), it lies outside ``torch`` and
-        ``trust`` is false, or it cannot be rebuilt.
+        Not a snapshot dictionary, a newer format, a missing field, a value of the
+        wrong type or one that fails its field's check.
     """
-    if not spec:
-        return None
-    name = spec.get("name")
-    if not isinstance(name, str):
+    if not isinstance(obj, dict):
         raise SnapshotError(
-            f"the snapshot's loss function {spec.get('repr', '?')} has no import path (a lambda, "
-            "closure or partial); pass it again: snap.trace(loss_fn=...)."
+            f"{path} is a torch file but not an nbdebug snapshot: it holds a {type(obj).__name__}, "
+            "not a snapshot dictionary."
         )
-    if not _trusted(name) and not trust:
+    if obj.get("format") != FORMAT:
+        keys = [k for k in list(obj)[:6] if isinstance(k, str)]
         raise SnapshotError(
-            f"the snapshot's loss function is {name!r}, outside torch: load the snapshot with "
-            "trust_recipe=True to import it, or pass snap.trace(loss_fn=...)."
+            f"{path} is a torch file but not an nbdebug snapshot (no format {FORMAT!r} field; keys "
+            f"{keys}{' ...' if len(obj) > 6 else ''}): a plain checkpoint? Load it with torch.load."
         )
+    version = obj.get("version")
+    newest = format_version()
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise SnapshotError(f"{path} has an invalid format version {version!r}.")
+    if version > newest:
+        raise SnapshotError(
+            f"{path} was written by a newer nbdebug (snapshot format version {version}; this "
+            f"nbdebug reads versions up to {newest}): upgrade nbdebug to load it."
+        )
+    fields = FIELDS
+    missing = [f.key for f in fields if f.key not in obj and f.required and f.since <= version]
+    if missing:
+        raise SnapshotError(
+            f"{path} is an incomplete snapshot: it lacks {', '.join(map(repr, missing))}."
+        )
+    out = dict(obj)
+    for f in fields:
+        if f.key not in out:
+            out[f.key] = f.make_default()
+    for f in fields:
+        problem = f.type_problem(out[f.key])
+        if problem:
+            raise SnapshotError(f"{path} is corrupt: {problem}.")
+    for f in fields:
+        if f.check is None:
+            continue
+        try:
+            f.check(out[f.key])
+        except ValueError as e:
+            raise SnapshotError(f"{path} is corrupt: {e}.") from e
+        except Exception as e:
+            raise SnapshotError(
+                f"{path} is corrupt: its {f.key!r} field cannot be checked ({first_line(e)})."
+            ) from e
+    return out
+
+
+def snapshot_attributes(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """``{Snapshot attribute: value}`` for every field of a validated payload."""
+    return {f.attribute: payload[f.key] for f in FIELDS}
+
+
+def read_archive(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
+) -> Any:
+    """The object stored in the torch zip archive at ``path``, loaded with
+    ``weights_only=True`` (no code from the file runs), not yet validated.
+
+    Raises
+    ------
+    SnapshotError
+        The file is missing, empty, not a torch zip archive, truncated or corrupt, or
+        holds Python objects other than tensors and plain containers.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__qualname__}.")
+    p = Path(path)
     try:
-        obj = import_object(name)
-        if not spec.get("module"):
-            return obj
-        loss = obj()
-        for k, v in dict(spec.get("attrs") or {}).items():
-            setattr(loss, k, v)
-        state = dict(spec.get("state") or {})
-        for k, v in state.items():  # buffers such as CrossEntropyLoss.weight (None by default)
-            if "." not in k and k not in loss._parameters:
-                loss.register_buffer(k, v)
-        if state:
-            loss.load_state_dict(state)
-        return loss
-    except Exception as e:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError as e:
+        raise SnapshotError(f"{p}: no such file.") from e
+    except IsADirectoryError as e:
         raise SnapshotError(
-            f"cannot rebuild the snapshot's loss function {name!r} ({type(e).__name__}: {e}); "
-            "pass it again: snap.trace(loss_fn=...)."
+            f"{p} is a directory, not a snapshot file (list_snapshots() lists one)."
         ) from e
+    except OSError as e:
+        raise SnapshotError(f"{p}: cannot read it ({first_line(e)}).") from e
+    if not head:
+        raise SnapshotError(f"{p} is empty (0 bytes): not a snapshot.")
+    if head != _ZIP_MAGIC:
+        raise SnapshotError(
+            f"{p} is not a snapshot: it is not a torch.save zip archive (it starts with {head!r})."
+        )
+    if not zipfile.is_zipfile(p):  # no end-of-archive record: cut short while written or copied
+        raise SnapshotError(f"{p} is truncated or corrupt: its zip archive has no end record.")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:
+        msg = str(e)
+        if "Weights only load failed" in msg:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
+            what = f" (such as {found.group(1)})" if found else ""
+            raise SnapshotError(
+                f"{p} holds Python objects other than tensors and plain containers{what}: it is "
+                "corrupt or was not written by nbdebug, and is refused (loading it could run code)."
+            ) from e
+        if "central directory" in msg or "failed reading zip archive" in msg:
+            raise SnapshotError(
+                f"{p} is truncated or corrupt: its zip archive cannot be read."
+            ) from e
+        raise SnapshotError(f"{p} is corrupt: torch.load failed ({first_line(e)}).") from e
+
+
+def read_payload(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
+) -> dict[str, Any]:
+    """The validated dictionary stored in a snapshot file (no code runs), with the fields
+    that an older format lacks filled in with their defaults.
+
+    Raises
+    ------
+    SnapshotError
+        The file is missing, empty, not a torch zip archive, truncated or corrupt, not a
+        snapshot, written by a newer nbdebug, or lacks a key.
+    """
+    obj = read_archive(path, map_location=map_location, mmap=mmap)
+    return validate_payload(obj, Path(path))
+
+
+# --------------------------------------------------------------------------- field encodings
 
 
 def rng_to_payload(rng: RngState) -> dict[str, Any]:
-    """An :class:`RngState` as plain data (tensors, ints, floats)."""
+    """An :class:`RngState` as plain data (tensors, ints, floats): the ``rng`` field."""
     name, keys, pos, has_gauss, cached = rng.numpy
     version, state, gauss_next = rng.python
     return {
@@ -254,96 +556,35 @@ def rng_from_payload(d: Mapping[str, Any]) -> RngState:
     )
 
 
-_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+def parse_recipe(recipe: Any, kwargs: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """Normalise a model recipe to ``{"factory": "package.module:factory", "kwargs": {...}}``
+    (the ``recipe`` field).
+
+    ``recipe`` is ``None``, an import path string (with ``kwargs`` as a JSON-serialisable
+    mapping), a ``(path, kwargs)`` pair, or a ``{"factory": ..., "kwargs": ...}`` dict.
+    """
+    if recipe is None:
+        if kwargs:
+            raise ValueError("recipe_kwargs was given without a recipe.")
+        return None
+    if isinstance(recipe, (tuple, list)) and len(recipe) == 2:
+        recipe, kwargs = recipe
+    elif isinstance(recipe, Mapping):
+        kwargs = recipe.get("kwargs") or {}
+        recipe = recipe.get("factory")
+    if not isinstance(recipe, str) or not IMPORT_PATH.match(recipe):
+        raise ValueError(
+            f"recipe must be an import path like 'package.module:factory'; got {recipe!r}."
+        )
+    kwargs = dict(kwargs or {})
+    try:
+        kwargs = json.loads(json.dumps(kwargs, allow_nan=True))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"recipe kwargs must be JSON-serialisable; got {kwargs!r} ({e}).") from e
+    return {"factory": recipe, "kwargs": kwargs}
 
 
-def _plain(obj: Any, path: str, dropped: list[str], *, clone: bool) -> Any:
-    """``obj`` as data that ``torch.load(weights_only=True)`` accepts; the paths of values
-    that cannot be stored go to ``dropped`` and are stored as ``None``."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if type(t) is not torch.Tensor:  # subclasses are pickled by class name
-            t = t.as_subclass(torch.Tensor)
-        if clone:  # a batch can be a view of a whole data set: store only its own elements
-            t = t.clone()
-        return t
-    if isinstance(obj, _PLAIN):
-        if type(obj) in _PLAIN:
-            return obj
-        # subclasses (TorchVersion, IntEnum, ...) are pickled by class name: exact types
-        if isinstance(obj, bool):
-            return bool(obj)
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
-        if isinstance(obj, str):
-            return str(obj)
-        if isinstance(obj, bytes):
-            return bytes(obj)
-        return obj
-    if isinstance(obj, np.ndarray):
-        try:
-            return torch.from_numpy(obj.copy())
-        except TypeError:
-            dropped.append(path)
-            return None
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, Mapping):
-        out = {}
-        for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
-                dropped.append(f"{path}[{k!r}]")
-                continue
-            out[k] = _plain(v, f"{path}[{k!r}]", dropped, clone=clone)
-        return out
-    if isinstance(obj, (tuple, list)):
-        items = [_plain(v, f"{path}[{i}]", dropped, clone=clone) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)  # namedtuple -> tuple
-    if isinstance(obj, (set, frozenset)):
-        return {_plain(v, path, dropped, clone=clone) for v in obj if isinstance(v, _PLAIN)}
-    dropped.append(path)
-    return None
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_device(v, device) for v in obj)
-    return obj
-
-
-def environment(model: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Versions and hardware: torch, python, numpy, platform, CUDA, the model's devices
-    and dtypes."""
-    from .. import __version__
-
-    env: dict[str, Any] = {
-        "nbdebug": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-        "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "num_threads": torch.get_num_threads(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "default_dtype": str(torch.get_default_dtype()).replace("torch.", ""),
-    }
-    if model is not None:
-        tensors = [*model.parameters(), *model.buffers()]
-        env["devices"] = sorted({str(t.device) for t in tensors})
-        env["dtypes"] = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
-        cuda = [d for d in env["devices"] if d.startswith("cuda")]
-        if cuda and torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name(torch.device(cuda[0]))
-    return env
+# --------------------------------------------------------------------------- files
 
 
 def snapshot_name(step: int | None) -> str:

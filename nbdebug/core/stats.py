@@ -31,13 +31,15 @@ HIST_EDGES = np.linspace(HIST_LO, HIST_HI, HIST_BINS + 1)
 #: The quick kernel draws its histogram from at most this many evenly strided elements.
 HIST_SAMPLE = 1024
 
-# Layout of a statistics vector.
-_NUMEL, _SUM, _NORM, _MIN, _MAX, _NNZ, _NNAN, _NINF, _NFIN = range(9)
-_HIST0 = 9
-_HZERO = _HIST0 + HIST_BINS
-_HNONFIN = _HZERO + 1
-_HTOTAL = _HNONFIN + 1
-VECTOR_LEN = _HTOTAL + 1
+# Layout of a statistics vector: the index of each entry (public: the recorder and the
+# origin finder read single entries of the vectors they hold).
+IDX_NUMEL, IDX_SUM, IDX_NORM, IDX_MIN, IDX_MAX, IDX_NNZ, IDX_NNAN, IDX_NINF, IDX_NFIN = range(9)
+#: first of the ``HIST_BINS`` histogram counts
+IDX_HIST0 = 9
+IDX_HZERO = IDX_HIST0 + HIST_BINS
+IDX_HNONFIN = IDX_HZERO + 1
+IDX_HTOTAL = IDX_HNONFIN + 1
+VECTOR_LEN = IDX_HTOTAL + 1
 
 
 @dataclass(slots=True)
@@ -225,13 +227,13 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     counted): a finite min and max mean there are none (see :func:`vector_is_finite`)."""
     n = len(parts)
     out = np.zeros((n, VECTOR_LEN))
-    out[:, _NNAN] = out[:, _NINF] = out[:, _NFIN] = -1.0
+    out[:, IDX_NNAN] = out[:, IDX_NINF] = out[:, IDX_NFIN] = -1.0
     live = [i for i in range(n) if parts[i]]
     for i in range(n):
-        out[i, _NUMEL] = numels[i]
+        out[i, IDX_NUMEL] = numels[i]
         if not parts[i]:
-            out[i, _MIN] = out[i, _MAX] = np.nan
-            out[i, _NNAN] = out[i, _NINF] = 0.0
+            out[i, IDX_MIN] = out[i, IDX_MAX] = np.nan
+            out[i, IDX_NNAN] = out[i, IDX_NINF] = 0.0
     if not live:
         return out
     scal = torch.stack([x for i in live for x in parts[i][:4]]).to(torch.float64)
@@ -244,14 +246,14 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     sc = host[: 4 * len(live)].reshape(len(live), 4)
     hs = host[4 * len(live) :].reshape(len(live), HIST_BINS + 3)
     rows = np.asarray(live)
-    out[rows, _SUM] = sc[:, 0]
-    out[rows, _NORM] = sc[:, 1]
-    out[rows, _MIN] = sc[:, 2]
-    out[rows, _MAX] = sc[:, 3]
-    out[rows, _HIST0:] = hs
+    out[rows, IDX_SUM] = sc[:, 0]
+    out[rows, IDX_NORM] = sc[:, 1]
+    out[rows, IDX_MIN] = sc[:, 2]
+    out[rows, IDX_MAX] = sc[:, 3]
+    out[rows, IDX_HIST0:] = hs
     # zeros: scaled up from the sample
     zero_share = hs[:, HIST_BINS] / np.maximum(hs[:, HIST_BINS + 2], 1)
-    out[rows, _NNZ] = out[rows, _NUMEL] * (1.0 - zero_share)
+    out[rows, IDX_NNZ] = out[rows, IDX_NUMEL] * (1.0 - zero_share)
     return out
 
 
@@ -321,8 +323,8 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
 
 def empty_vector(device: torch.device) -> torch.Tensor:
     v = torch.zeros(VECTOR_LEN, dtype=torch.float64, device=device)
-    v[_MIN] = v[_MAX] = float("nan")
-    v[_NNAN] = v[_NINF] = 0.0
+    v[IDX_MIN] = v[IDX_MAX] = float("nan")
+    v[IDX_NNAN] = v[IDX_NINF] = 0.0
     return v
 
 
@@ -336,29 +338,29 @@ def row_flags(t: torch.Tensor, dim: int) -> torch.Tensor:
 def quick_is_complete(v: np.ndarray) -> bool:
     """Whether a quick vector can stand as it is: the tensor was finite and its float32
     sum and norm did not overflow (else the exact, float64 kernel must measure it)."""
-    return vector_is_finite(v) and bool(np.isfinite(v[_SUM]) and np.isfinite(v[_NORM]))
+    return vector_is_finite(v) and bool(np.isfinite(v[IDX_SUM]) and np.isfinite(v[IDX_NORM]))
 
 
 def vector_is_finite(v: np.ndarray) -> bool:
     """Whether a finalized-quick or exact host vector describes an all-finite tensor."""
-    if v[_NNAN] >= 0:
-        return v[_NNAN] == 0 and v[_NINF] == 0
-    return bool(np.isfinite(v[_MIN]) and np.isfinite(v[_MAX]))
+    if v[IDX_NNAN] >= 0:
+        return v[IDX_NNAN] == 0 and v[IDX_NINF] == 0
+    return bool(np.isfinite(v[IDX_MIN]) and np.isfinite(v[IDX_MAX]))
 
 
 def finalize(v: np.ndarray) -> tuple[TensorStats, Histogram]:
     """Host-side conversion of one statistics vector."""
-    numel = int(v[_NUMEL])
-    counted = v[_NNAN] >= 0
+    numel = int(v[IDX_NUMEL])
+    counted = v[IDX_NNAN] >= 0
     if counted:
-        n_nan, n_inf, n_fin = int(v[_NNAN]), int(v[_NINF]), int(v[_NFIN])
+        n_nan, n_inf, n_fin = int(v[IDX_NNAN]), int(v[IDX_NINF]), int(v[IDX_NFIN])
     else:
         # quick vector: only reached for finite tensors (callers re-run the exact kernel
         # for the others); keep NaN-propagating moments honest if one slips through.
         n_nan = n_inf = 0
         n_fin = numel
-    total, norm = float(v[_SUM]), float(v[_NORM])
-    mn, mx = float(v[_MIN]), float(v[_MAX])
+    total, norm = float(v[IDX_SUM]), float(v[IDX_NORM])
+    mn, mx = float(v[IDX_MIN]), float(v[IDX_MAX])
     if n_fin:
         mean = total / n_fin
         var = max(norm * norm / n_fin - mean * mean, 0.0)
@@ -366,7 +368,7 @@ def finalize(v: np.ndarray) -> tuple[TensorStats, Histogram]:
     else:
         mean = std = float("nan")
     absmax = max(abs(mn), abs(mx)) if n_fin else float("nan")
-    zero_frac = (numel - float(v[_NNZ])) / numel if numel else 0.0
+    zero_frac = (numel - float(v[IDX_NNZ])) / numel if numel else 0.0
     stats = TensorStats(
         numel=numel,
         norm=norm,
@@ -379,12 +381,12 @@ def finalize(v: np.ndarray) -> tuple[TensorStats, Histogram]:
         n_nan=n_nan,
         n_inf=n_inf,
     )
-    counts = v[_HIST0:_HZERO].astype(np.int64)
-    total_h = int(v[_HTOTAL])
+    counts = v[IDX_HIST0:IDX_HZERO].astype(np.int64)
+    total_h = int(v[IDX_HTOTAL])
     hist = Histogram(
         counts=counts,
-        n_zero=int(v[_HZERO]),
-        n_nonfinite=int(v[_HNONFIN]),
+        n_zero=int(v[IDX_HZERO]),
+        n_nonfinite=int(v[IDX_HNONFIN]),
         total=total_h,
         sampled=total_h < numel,
     )
@@ -401,24 +403,24 @@ def finalize_many(vectors: list[np.ndarray]) -> list[tuple[TensorStats, Histogra
     if not vectors:
         return []
     m = np.vstack(vectors)
-    numel = m[:, _NUMEL]
-    counted = m[:, _NNAN] >= 0
-    n_nan = np.where(counted, m[:, _NNAN], 0.0)
-    n_inf = np.where(counted, m[:, _NINF], 0.0)
-    n_fin = np.where(counted, m[:, _NFIN], numel)
-    total, norm, mn, mx = m[:, _SUM], m[:, _NORM], m[:, _MIN], m[:, _MAX]
+    numel = m[:, IDX_NUMEL]
+    counted = m[:, IDX_NNAN] >= 0
+    n_nan = np.where(counted, m[:, IDX_NNAN], 0.0)
+    n_inf = np.where(counted, m[:, IDX_NINF], 0.0)
+    n_fin = np.where(counted, m[:, IDX_NFIN], numel)
+    total, norm, mn, mx = m[:, IDX_SUM], m[:, IDX_NORM], m[:, IDX_MIN], m[:, IDX_MAX]
     with np.errstate(invalid="ignore", divide="ignore"):
         safe = np.maximum(n_fin, 1)
         mean = np.where(n_fin > 0, total / safe, np.nan)
         var = np.maximum(norm * norm / safe - mean * mean, 0.0)
         std = np.where(n_fin > 0, np.sqrt(var), np.nan)
         absmax = np.where(n_fin > 0, np.maximum(np.abs(mn), np.abs(mx)), np.nan)
-        zero_frac = np.where(numel > 0, (numel - m[:, _NNZ]) / np.maximum(numel, 1), 0.0)
-    counts = m[:, _HIST0:_HZERO].astype(np.int64)
+        zero_frac = np.where(numel > 0, (numel - m[:, IDX_NNZ]) / np.maximum(numel, 1), 0.0)
+    counts = m[:, IDX_HIST0:IDX_HZERO].astype(np.int64)
     hz, hn, ht = (
-        m[:, _HZERO].astype(np.int64),
-        m[:, _HNONFIN].astype(np.int64),
-        m[:, _HTOTAL].astype(np.int64),
+        m[:, IDX_HZERO].astype(np.int64),
+        m[:, IDX_HNONFIN].astype(np.int64),
+        m[:, IDX_HTOTAL].astype(np.int64),
     )
     cols = zip(
         numel.astype(np.int64).tolist(),

@@ -33,12 +33,14 @@ from .batch import (
 from .capture import CallCapture, clone_structure, copy_arguments, has_state
 from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
-from .origin import Located, MaskInfo, batch_masks, locate
+from .norms import fused_norms
+from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
 from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
 from .recorder import RawEvent, Recorder
 from .result import Trace, TraceError
 from .state import PreservedState, preserved
 from .stats import finalize_many, quick_is_complete, tensor_stats
+from .text import dtype_name, qualified_name
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -235,7 +237,8 @@ def _trace_error(
             msg = f"{type(e).__name__} in {where} ({mtype}) during the forward pass: {e}.{upto}"
     elif stage == "loss":
         msg = (
-            f"the loss function raised {err} (output {describe(output)}, target {describe(target)})."
+            f"the loss function raised {err} (output {describe(output)}, target "
+            f"{describe(target)})."
             f"{upto}"
         )
     else:
@@ -384,7 +387,7 @@ def _checked(f: OpFinding, rec: Recorder, call: int) -> OpFinding:
     depends on something besides its inputs (state its first run changed, a closure over
     external state), so an op found on other values could be the wrong one."""
     vecs = [rec.raw[e].vector for e in rec.calls[call].output_events]
-    recorded = (int(sum(v[6] for v in vecs)), int(sum(v[7] for v in vecs)))
+    recorded = (int(sum(nan_count(v) for v in vecs)), int(sum(inf_count(v) for v in vecs)))
     if f.counts == recorded or f.mask:
         return f
     module = rec.calls[call].module or "<model>"
@@ -548,16 +551,16 @@ class _ParamHealth:
         tensors: list[tuple[str, str, torch.Tensor, bool]] = []
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
-                tensors.append((mname, f"{mname}.{pname}" if mname else pname, p, True))
+                tensors.append((mname, qualified_name(mname, pname), p, True))
             for bname, b in m.named_buffers(recurse=False):
                 if b is not None and (b.is_floating_point() or b.is_complex()):
-                    tensors.append((mname, f"{mname}.{bname}" if mname else bname, b, False))
+                    tensors.append((mname, qualified_name(mname, bname), b, False))
         norms: dict[int, float] = {}
         counts: dict[int, tuple[int, int]] = {}
         bad: dict[str, list[str]] = {}
         if not tensors:
             return cls(norms, counts, bad)
-        values = _norms([t.detach() for _, _, t, _ in tensors])
+        values = fused_norms([t.detach() for _, _, t, _ in tensors])
         for (mname, qual, t, _), n in zip(tensors, values):
             norms[id(t)] = float(n)
             if not np.isfinite(n):
@@ -566,24 +569,6 @@ class _ParamHealth:
                 if s.n_nan or s.n_inf:
                     bad.setdefault(mname, []).append(qual)
         return cls(norms, counts, bad)
-
-
-def _norms(tensors: list[torch.Tensor]) -> np.ndarray:
-    """L2 norms of many tensors with one fused kernel per device and one transfer."""
-    out = np.empty(len(tensors))
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for idx in groups.values():
-        ts = [tensors[i] for i in idx]
-        ns: list[torch.Tensor]
-        try:
-            ns = list(torch._foreach_norm(ts))
-        except (RuntimeError, TypeError):
-            ns = [torch.linalg.vector_norm(t.double()) for t in ts]
-        host = torch.stack([n.double() for n in ns]).cpu().numpy()
-        out[idx] = host
-    return out
 
 
 def _result(
@@ -601,7 +586,7 @@ def _result(
     seen: set[int] = set()
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
-            qual = f"{mname}.{pname}" if mname else pname
+            qual = qualified_name(mname, pname)
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -612,7 +597,7 @@ def _result(
                     name=qual,
                     module=mname,
                     shape=tuple(p.shape),
-                    dtype=str(p.dtype).replace("torch.", ""),
+                    dtype=dtype_name(p.dtype),
                     requires_grad=p.requires_grad,
                     norm=health.norms.get(id(p), float("nan")),
                     grad_norm=None if g is None else g.stats.norm,

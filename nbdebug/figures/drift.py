@@ -10,17 +10,20 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from ..core.text import fmt_num
+from .palette import BLUE, LIGHT_GREY, ORANGE
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
 
-REFERENCE_COLOR = "#1f77b4"
-CURRENT_COLOR = "#ff7f0e"
+REFERENCE_COLOR = BLUE
+CURRENT_COLOR = ORANGE
 REFERENCE_SYMBOL = "circle"
 CURRENT_SYMBOL = "x"
 # quadrant -> (r, g, b)
@@ -53,14 +56,6 @@ def cluster_color(c: int) -> str:
     return CLUSTER_COLORS[c % len(CLUSTER_COLORS)]
 
 
-def _fmt(v: Any, spec: str) -> str:
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    if isinstance(v, float) and math.isnan(v):
-        return "–"
-    return format(v, spec)
-
-
 def feature_table(report: DriftReport, *, max_rows: int | None = None) -> go.Figure:
     """The feature table, in the report's order (flagged first, then by KS).
 
@@ -85,19 +80,19 @@ def feature_table(report: DriftReport, *, max_rows: int | None = None) -> go.Fig
     values = [
         [str(i) for i in f.index],
         list(f["quadrant"]),
-        [_fmt(float(v), ".3f") for v in f["ks"]],
-        [_fmt(float(v), ".2g") for v in f["ks_p_adj"]],
-        [_fmt(float(v), ".2f") for v in f["wasserstein"]],
-        [_fmt(float(v), ".3f") for v in f["shap_ks"]],
-        [_fmt(float(v), ".2g") for v in f["shap_ks_p_adj"]],
-        [_fmt(float(v), ".2f") for v in f["shap_wasserstein"]],
-        [_fmt(float(v), ".3g") for v in f["shap_importance"]],
+        [fmt_num(float(v), ".3f", nan="–") for v in f["ks"]],
+        [fmt_num(float(v), ".2g", nan="–") for v in f["ks_p_adj"]],
+        [fmt_num(float(v), ".2f", nan="–") for v in f["wasserstein"]],
+        [fmt_num(float(v), ".3f", nan="–") for v in f["shap_ks"]],
+        [fmt_num(float(v), ".2g", nan="–") for v in f["shap_ks_p_adj"]],
+        [fmt_num(float(v), ".2f", nan="–") for v in f["shap_wasserstein"]],
+        [fmt_num(float(v), ".3g", nan="–") for v in f["shap_importance"]],
     ]
     fills = [quad_fill, quad_fill, ks_fill, white, white, sks_fill, white, white, white]
     fig = go.Figure(
         go.Table(
             columnwidth=[3, 2.2, 1.2, 1.2, 1.1, 1.2, 1.2, 1.2, 1.3],
-            header=dict(values=header, fill_color="#e8e8e8", align="left", font=dict(size=12)),
+            header=dict(values=header, fill_color=LIGHT_GREY, align="left", font=dict(size=12)),
             cells=dict(
                 values=values, fill_color=fills, align="left", font=dict(size=11), height=22
             ),
@@ -116,7 +111,8 @@ def _index(report: DriftReport, feature: str) -> int:
         return report.feature_names.index(feature)
     except ValueError:
         raise ValueError(
-            f"unknown feature {feature!r}; expected one of the report's {len(report.feature_names)} "
+            f"unknown feature {feature!r}; expected one of the report's "
+            f"{len(report.feature_names)} "
             f"features, e.g. {report.feature_names[:3]}."
         ) from None
 

@@ -14,16 +14,27 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..analysis.gradcheck import GradcheckResult, PairCheck
+from ..analysis.gradcheck_result import GradcheckResult, PairCheck, element_index
+from ..analysis.gradcheck_verdicts import (
+    BACKWARD_WRONG,
+    FLOAT32_PRECISION,
+    NON_DIFFERENTIABLE,
+    OK,
+    SKIPPED,
+    index_text,
+)
+from .palette import BLUE, GREEN, GREY, ORANGE, RED
 
 PANELS = ("analytic", "numerical", "|difference|")
 #: names of the three marker traces (after the three heatmaps)
 WORST_TRACE = "worst element"
-_VERDICT_COLOR = {
-    "ok": "#2ca02c",
-    "float32 precision": "#1f77b4",
-    "non-differentiable point": "#ff7f0e",
-    "backward is wrong": "#d62728",
+#: the colour of each verdict (and of a module the sweep skipped), in titles and badges
+VERDICT_COLOR = {
+    OK: GREEN,
+    FLOAT32_PRECISION: BLUE,
+    NON_DIFFERENTIABLE: ORANGE,
+    BACKWARD_WRONG: RED,
+    SKIPPED: GREY,
 }
 
 
@@ -94,20 +105,19 @@ def gradcheck_figure(
     ys = list(range(r0, r1))
     text = _hover(pair, r0, r1, c0, c1)
     fig = make_subplots(rows=1, cols=3, subplot_titles=PANELS, horizontal_spacing=0.06)
-    for j, (name, z) in enumerate(zip(PANELS, blocks), start=1):
-        fig.add_trace(
-            go.Heatmap(
-                z=z,
-                x=xs,
-                y=ys,
-                name=name,
-                coloraxis="coloraxis",
-                text=text,
-                hovertemplate=f"<b>{name}</b><br>%{{text}}<br>value %{{z:.4g}}<extra></extra>",
-            ),
-            row=1,
-            col=j,
+    heatmaps = [
+        go.Heatmap(
+            z=z,
+            x=xs,
+            y=ys,
+            name=name,
+            coloraxis="coloraxis",
+            text=text,
+            hovertemplate=f"<b>{name}</b><br>%{{text}}<br>value %{{z:.4g}}<extra></extra>",
         )
+        for name, z in zip(PANELS, blocks)
+    ]
+    fig.add_traces(heatmaps, rows=[1, 1, 1], cols=[1, 2, 3])
     r, c = pair.worst
     for j in range(1, 4):
         fig.add_trace(
@@ -141,7 +151,7 @@ def gradcheck_figure(
     R, C = pair.analytic.shape
     if (r1 - r0, c1 - c0) != (R, C):
         shown = f" (rows {r0}-{r1 - 1} of {R}, columns {c0}-{c1 - 1} of {C})"
-    color = _VERDICT_COLOR.get(pair.verdict, "black")
+    color = VERDICT_COLOR.get(pair.verdict, "black")
     fig.update_layout(
         title={
             "text": f"{pair.label}: <span style='color:{color}'>{pair.verdict}</span>{shown}",
@@ -179,16 +189,17 @@ def _finite(z: np.ndarray) -> np.ndarray:
 def _hover(pair: PairCheck, r0: int, r1: int, c0: int, c1: int) -> list[list[str]]:
     if pair.mode == "projections":
         return [[f"projection {c}" for c in range(c0, c1)] for _ in range(r0, r1)]
-    outs = [_index_text(int(pair.rows[r]), pair.output_shape) for r in range(r0, r1)]
-    ins = [_index_text(int(pair.cols[c]), pair.input_shape) for c in range(c0, c1)]
+    outs = [index_text(element_index(int(pair.rows[r]), pair.output_shape)) for r in range(r0, r1)]
+    ins = [index_text(element_index(int(pair.cols[c]), pair.input_shape)) for c in range(c0, c1)]
     return [[f"d {pair.output}{o} / d {pair.input}{i}" for i in ins] for o in outs]
 
 
-def _index_text(flat: int, shape: tuple[int, ...]) -> str:
-    if not shape:
-        return ""
-    idx = np.unravel_index(flat, shape)
-    return "[" + ", ".join(str(int(v)) for v in idx) + "]"
-
-
-__all__ = ["PANELS", "WORST_TRACE", "empty_figure", "gradcheck_figure", "pick_pair", "window"]
+__all__ = [
+    "PANELS",
+    "VERDICT_COLOR",
+    "WORST_TRACE",
+    "empty_figure",
+    "gradcheck_figure",
+    "pick_pair",
+    "window",
+]

@@ -1,17 +1,22 @@
-"""Histogram of one event's log10|x| (the 32 fixed bins of :class:`~nbdebug.core.stats.Histogram`)."""
+"""Histogram of one event's log10|x| (the 32 fixed bins of
+:class:`~nbdebug.core.stats.Histogram`)."""
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
 from ..core.events import Event
+from .palette import BLUE
 
 
 def histogram_title(ev: Event) -> str:
     """Title of :func:`histogram_figure`: what the counts cover, zeros and non-finite values."""
     h = ev.hist
     sampled = f" (every k-th of {ev.stats.numel})" if h.sampled else ""
-    return f"log10|x| of #{ev.index}: {h.total} values{sampled}, {h.n_zero} zeros, {h.n_nonfinite} NaN/Inf"
+    return (
+        f"log10|x| of #{ev.index}: {h.total} values{sampled}, {h.n_zero} zeros, "
+        f"{h.n_nonfinite} NaN/Inf"
+    )
 
 
 def histogram_bins(ev: Event) -> tuple[list[float], list[int]]:
@@ -46,7 +51,7 @@ def histogram_figure(ev: Event) -> go.Figure:
             x=x,
             y=y,
             width=width * 0.9,
-            marker={"color": "#1f77b4"},
+            marker={"color": BLUE},
             name="log10|x|",
             hovertemplate="log10|x| ~ %{x:.2f}: %{y}<extra></extra>",
         )

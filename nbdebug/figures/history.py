@@ -8,12 +8,14 @@ panel, marks skipped steps, and draws a vertical line at the failing step.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from ..core.text import fmt_num
+from .palette import BLUE, ORANGE, RED
 
 #: (column, panel title) in display order. ``loss`` is always shown; the others only when
 #: the history holds at least one value for them.
@@ -26,9 +28,9 @@ PANELS: tuple[tuple[str, str], ...] = (
 )
 
 _ALWAYS_RECORDED = frozenset({"loss", "grad_norm"})
-_LINE = "#1f77b4"
-_BAD = "#d62728"
-_SKIP = "#ff7f0e"
+_LINE = BLUE
+_BAD = RED
+_SKIP = ORANGE
 
 
 def _column(history: Any, name: str) -> np.ndarray:
@@ -71,7 +73,8 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
 
     if not isinstance(history, pd.DataFrame):
         raise TypeError(
-            f"history must be a pandas DataFrame (Snapshot.history_frame()); got {type(history).__qualname__}."
+            f"history must be a pandas DataFrame (Snapshot.history_frame()); got "
+            f"{type(history).__qualname__}."
         )
     if "step" not in history.columns:
         raise ValueError(f"history must have a 'step' column; got columns {list(history.columns)}.")
@@ -140,7 +143,7 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
                     name=f"{col} non-finite",
                     mode="markers",
                     marker={"symbol": "x", "size": 10, "color": _BAD},
-                    text=[_fmt(v) for v in y[bad]],
+                    text=[fmt_num(v) for v in y[bad]],
                     showlegend=False,
                     hovertemplate=f"step %{{x}}<br>{title} %{{text}}<extra></extra>",
                 ),
@@ -188,9 +191,3 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         template="plotly_white",
     )
     return fig
-
-
-def _fmt(v: float) -> str:
-    if math.isnan(v):
-        return "nan"
-    return "inf" if v > 0 else "-inf"

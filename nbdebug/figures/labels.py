@@ -12,6 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ..analysis.labels import LabelNoise
+from .palette import LIGHT_GREY
 
 
 def _noise(issues: Any) -> LabelNoise:
@@ -94,7 +95,7 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
             z=_json_safe(diag),
             x=list(range(k)),
             y=list(range(k)),
-            colorscale=[[0, "#e8e8e8"], [1, "#e8e8e8"]],
+            colorscale=[[0, LIGHT_GREY], [1, LIGHT_GREY]],
             showscale=False,
             hoverinfo="skip",
             name="diagonal",

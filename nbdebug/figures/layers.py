@@ -9,10 +9,12 @@ import plotly.graph_objects as go
 
 from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
 from ..analysis.checks_base import VANISHING_RATIO as VANISHING
+from ..analysis.checks_grad import ratio_verdict
 from ..core.result import Trace
+from .palette import BLUE, PURPLE, RED
 
 # grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
-# explodes. One threshold for the plot and the health checks.
+# explodes. One judgement (analysis's ratio_verdict) for the plot and the health checks.
 
 
 def ratio_figure(trace: Trace) -> go.Figure:
@@ -43,10 +45,10 @@ def ratio_figure(trace: Trace) -> go.Figure:
         assert r is not None
         bad_grad = p.grad_n_nan + p.grad_n_inf
         if bad_grad or not math.isfinite(r) or r <= 0:
-            y, color = (hi if r == math.inf and not bad_grad else lo), "#d62728"
+            y, color = (hi if r == math.inf and not bad_grad else lo), RED
         else:
             y = r
-            color = "#d62728" if r < VANISHING or r > EXPLODING else "#1f77b4"
+            color = BLUE if ratio_verdict(r) == "ok" else RED
         note = f"grad NaN {p.grad_n_nan}, Inf {p.grad_n_inf}" if bad_grad else f"ratio {r:.3g}"
         names.append(p.name)
         ys.append(y)
@@ -66,24 +68,20 @@ def ratio_figure(trace: Trace) -> go.Figure:
         )
     )
     llo, lhi = math.log10(lo), math.log10(hi)
-    fig.add_hrect(
-        y0=lo,
-        y1=VANISHING,
-        fillcolor="#9467bd",
-        opacity=0.12,
-        line_width=0,
-        annotation_text=f"vanishing (< {VANISHING:g})",
-        annotation_position="bottom left",
+    bands = (
+        (lo, VANISHING, PURPLE, f"vanishing (< {VANISHING:g})", "bottom left"),
+        (EXPLODING, hi, RED, f"exploding (> {EXPLODING:g})", "top left"),
     )
-    fig.add_hrect(
-        y0=EXPLODING,
-        y1=hi,
-        fillcolor="#d62728",
-        opacity=0.12,
-        line_width=0,
-        annotation_text=f"exploding (> {EXPLODING:g})",
-        annotation_position="top left",
-    )
+    for y0, y1, color, label, where in bands:
+        fig.add_hrect(
+            y0=y0,
+            y1=y1,
+            fillcolor=color,
+            opacity=0.12,
+            line_width=0,
+            annotation_text=label,
+            annotation_position=where,
+        )
     fig.update_layout(
         title={"text": "Gradient / weight norm per parameter", "x": 0.01},
         yaxis={"type": "log", "title": "grad norm / weight norm", "range": [llo, lhi]},

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import plotly.graph_objects as go
 
 from ..core.events import Event
 from ..core.result import Trace
+from .palette import BLUE, GREEN, ORANGE, RED
 
 #: Names of the figure's traces, in order; the widget finds the marker by
 #: ``CURRENT_TRACE``, which is always ``fig.data[-1]``.
@@ -59,7 +61,10 @@ class NormPoints:
     categories: list[str]
 
     def __repr__(self) -> str:
-        return f"NormPoints({len(self.x)} events, {len(self.categories)} categories, floor={self.floor:.3g})"
+        return (
+            f"NormPoints({len(self.x)} events, {len(self.categories)} categories, "
+            f"floor={self.floor:.3g})"
+        )
 
 
 def event_categories(trace: Trace) -> list[str]:
@@ -160,43 +165,40 @@ def norm_figure(
     style = {
         FORWARD_TRACE: {
             "mode": "lines+markers",
-            "line": {"color": "#1f77b4"},
+            "line": {"color": BLUE},
             "marker": {"size": 6},
         },
         BACKWARD_TRACE: {
             "mode": "lines+markers",
-            "line": {"color": "#ff7f0e"},
+            "line": {"color": ORANGE},
             "marker": {"size": 6},
         },
         PARAM_TRACE: {
             "mode": "markers",
-            "marker": {"color": "#2ca02c", "size": 5, "symbol": "diamond"},
+            "marker": {"color": GREEN, "size": 5, "symbol": "diamond"},
         },
     }
     fig = go.Figure()
     hovers = [_hover(e) for e in trace.events]
-    for name, idx in groups.items():
-        fig.add_trace(
-            go.Scatter(
-                x=[pts.x[i] for i in idx],
-                y=[pts.y[i] for i in idx],
-                customdata=idx,
-                text=[hovers[i] for i in idx],
-                hovertemplate="%{text}<extra></extra>",
-                name=name,
-                **style[name],
-            )
+
+    def scatter_of(idx: list[int], **kw: Any) -> go.Scatter:
+        return go.Scatter(
+            x=[pts.x[i] for i in idx],
+            y=[pts.y[i] for i in idx],
+            customdata=idx,
+            text=[hovers[i] for i in idx],
+            hovertemplate="%{text}<extra></extra>",
+            **kw,
         )
+
+    for name, idx in groups.items():
+        fig.add_trace(scatter_of(idx, name=name, **style[name]))
     bad = [e.index for e in trace.events if not e.stats.finite]
     fig.add_trace(
-        go.Scatter(
-            x=[pts.x[i] for i in bad],
-            y=[pts.y[i] for i in bad],
-            customdata=bad,
-            text=[hovers[i] for i in bad],
-            hovertemplate="%{text}<extra></extra>",
+        scatter_of(
+            bad,
             mode="markers",
-            marker={"color": "#d62728", "size": 11, "symbol": "x"},
+            marker={"color": RED, "size": 11, "symbol": "x"},
             name=NONFINITE_TRACE,
         )
     )

@@ -15,19 +15,8 @@ from typing import Any
 from ..core.batch import describe
 from ..core.result import Trace
 from ..core.snapshot import Snapshot
-
-
-def fmt(v: Any) -> str:
-    """A number as the tables show it: 4 significant digits, ``nan``/``inf`` spelled out."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, (int, float)):
-        if isinstance(v, float) and not math.isfinite(v):
-            return str(v)
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-    return str(v)
+from ..core.text import fmt_num, row_numbers
+from .palette import MUTED_TEXT, RED, RULE, TEXT
 
 
 def largest(values: dict[str, float], k: int = 10) -> list[tuple[str, float]]:
@@ -73,7 +62,7 @@ def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
             ("tensor", f"{o.kind} {o.name} {tuple(o.shape)} {o.dtype}"),
             ("op", o.op or "-"),
             ("source", o.source or "-"),
-            ("samples", _rows(o.samples)),
+            ("samples", row_numbers(o.samples, 16) or "-"),
         ]
         if o.param:
             rows.append(("parameter", o.param))
@@ -82,13 +71,6 @@ def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
     elif trace.first_nonfinite is not None:
         rows.append(("first non-finite", trace.first_nonfinite.label))
     return rows
-
-
-def _rows(samples: list[int], most: int = 16) -> str:
-    if not samples:
-        return "-"
-    more = f" ... ({len(samples)} rows)" if len(samples) > most else ""
-    return ", ".join(map(str, samples[:most])) + more
 
 
 def _join(v: Any) -> str:
@@ -108,16 +90,17 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     )
     rows = [
         ("file", f"{snap.path} (format {snap.version}, written {when})"),
-        ("step", fmt(snap.step)),
+        ("step", fmt_num(snap.step)),
         ("reason", f"{snap.kind}: {snap.message}"),
         ("model", model),
         (
             "batch",
-            f"inputs {describe(snap.inputs)}; target {describe(snap.target) if snap.target is not None else '-'}",
+            f"inputs {describe(snap.inputs)}; target "
+            f"{describe(snap.target) if snap.target is not None else '-'}",
         ),
         (
             "loss",
-            f"{fmt(snap.reason.get('loss'))}"
+            f"{fmt_num(snap.reason.get('loss'))}"
             + (f", action {snap.reason['action']}" if "action" in snap.reason else ""),
         ),
         (
@@ -153,10 +136,10 @@ def history_table(snap: Snapshot, rows: int = 10) -> Any:
     out = pd.DataFrame(index=df.index)
     for c in df.columns:
         if c in ("loss", "grad_norm"):
-            out[c] = [fmt(float(v)) for v in df[c]]
+            out[c] = [fmt_num(float(v)) for v in df[c]]
         else:
             out[c] = [
-                "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v)
+                "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt_num(v)
                 for v in df[c]
             ]
     return out
@@ -171,7 +154,8 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
     if not items:
         return ""
     body = "".join(
-        f'<tr><td>{html.escape(n)}</td><td class="{"bad" if not math.isfinite(v) else ""}">{fmt(v)}</td></tr>'
+        f"<tr><td>{html.escape(n)}</td><td "
+        f'class="{"bad" if not math.isfinite(v) else ""}">{fmt_num(v)}</td></tr>'
         for n, v in items
     )
     return (
@@ -180,15 +164,21 @@ def _norm_table(title: str, items: list[tuple[str, float]]) -> str:
     )
 
 
-_CSS = """
-body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: .5em 0; font-size: .9em; }
-th, td { padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top; }
-table.facts th { color: #555; white-space: nowrap; }
-.bad { color: #d62728; font-weight: 600; }
-.note { color: #666; font-style: italic; }
-.cols { display: flex; gap: 3em; flex-wrap: wrap; }
+_CSS = f"""
+body {{
+  font-family: system-ui, -apple-system, Segoe UI, sans-serif;
+  margin: 2em auto; max-width: 1100px; color: {TEXT};
+}}
+h1 {{ font-size: 1.5em; }}
+h2 {{ font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid {RULE}; }}
+table {{ border-collapse: collapse; margin: .5em 0; font-size: .9em; }}
+th, td {{
+  padding: 3px 10px; text-align: left; border-bottom: 1px solid #eee; vertical-align: top;
+}}
+table.facts th {{ color: {MUTED_TEXT}; white-space: nowrap; }}
+.bad {{ color: {RED}; font-weight: 600; }}
+.note {{ color: #666; font-style: italic; }}
+.cols {{ display: flex; gap: 3em; flex-wrap: wrap; }}
 """
 
 
@@ -236,7 +226,7 @@ def report_html(
             full_html=False, include_plotlyjs=False, div_id=div_id, config={"displaylogo": False}
         )
 
-    title = f"nbdebug snapshot: step {fmt(snap.step)}"
+    title = f"nbdebug snapshot: step {fmt_num(snap.step)}"
     parts = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="bad">{html.escape(snap.kind)}: {html.escape(snap.message)}</p>',

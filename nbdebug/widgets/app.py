@@ -16,17 +16,20 @@ import html
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ipywidgets as widgets
 
 from ..core.events import Event
 from ..core.result import Trace, TraceError
+from ..figures.palette import RED
 from .cursor import Cursor
 from .history import HistoryPanel
 from .layers import LayersPanel
-from .step import STYLE, StepPanel
-from .tabs import add_feature_tabs
+from .step import StepPanel
+from .style import STYLE
+from .tabs import TabContext, add_feature_tabs
 
 TraceSource = Callable[[], Trace]
 
@@ -87,7 +90,10 @@ def header_html(
     )
     status = trace.summary()
     ok = trace.healthy and error is None
-    badge = f"<span class='nbdebug-badge {'nbdebug-badge-ok' if ok else 'nbdebug-badge-bad'}'>{e(status)}</span>"
+    badge = (
+        f"<span class='nbdebug-badge "
+        f"{'nbdebug-badge-ok' if ok else 'nbdebug-badge-bad'}'>{e(status)}</span>"
+    )
     parts = [
         f"<b>{e(trace.model_name)}</b>",
         f"{trace.n_params:,} parameters",
@@ -98,7 +104,8 @@ def header_html(
     lines = [" · ".join(parts), f"<div style='margin-top:4px'>{badge} {extra}</div>"]
     if error and error not in status:
         lines.append(
-            f"<div class='nbdebug-error' style='color:#d62728;margin-top:4px'><b>TraceError:</b> {e(error)}</div>"
+            f"<div class='nbdebug-error' "
+            f"style='color:{RED};margin-top:4px'><b>TraceError:</b> {e(error)}</div>"
         )
     if snapshot:
         lines.append(f"<div><small>{e(snapshot)}</small></div>")
@@ -137,7 +144,8 @@ class Debugger:
     ):
         if not isinstance(trace, Trace):
             raise TypeError(
-                f"Debugger expects an nbdebug Trace; got {type(trace).__qualname__} (use nbdebug.debug())."
+                f"Debugger expects an nbdebug Trace; got {type(trace).__qualname__} "
+                f"(use nbdebug.debug())."
             )
         self.trace = trace
         self.error = error
@@ -238,7 +246,8 @@ class Debugger:
         w = getattr(widget, "widget", widget)
         if not isinstance(w, widgets.Widget):
             raise TypeError(
-                f"add_tab expects an ipywidget or an object with .widget; got {type(widget).__qualname__}."
+                f"add_tab expects an ipywidget or an object with .widget; got "
+                f"{type(widget).__qualname__}."
             )
         self._extra.append((title, w))
         self._panels[title] = widget
@@ -288,7 +297,10 @@ class Debugger:
     def __repr__(self) -> str:
         ev = self.current_event
         at = f"at #{ev.index} {ev.label}" if ev is not None else "no events"
-        return f"Debugger({self.trace.model_name}: {len(self.trace.events)} events, {at}; {self.trace.summary()})"
+        return (
+            f"Debugger({self.trace.model_name}: {len(self.trace.events)} events, {at}; "
+            f"{self.trace.summary()})"
+        )
 
 
 def debug(
@@ -338,6 +350,9 @@ def debug(
     """
     import torch
 
+    tabs = TabContext(
+        reference=reference, labels=labels, pred_probs=pred_probs, journal=journal, backend=backend
+    )
     if model is not None and not isinstance(obj, (str, os.PathLike)):
         raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     if isinstance(obj, Trace):
@@ -346,7 +361,7 @@ def debug(
                 "debug(trace) takes no inputs/target/loss_fn: the trace is already recorded."
             )
         dbg = Debugger(obj, backend=backend)
-        add_feature_tabs(dbg, backend=backend)
+        add_feature_tabs(dbg, TabContext(backend=backend))
         return dbg
     if isinstance(obj, torch.nn.Module):
         if inputs is None:
@@ -361,16 +376,7 @@ def debug(
         # bad arguments (not a module, empty batch, no loss) raise here, before any widget
         tr, err = _run(source, type(net).__name__)
         dbg = Debugger(tr, error=err, source=source, backend=backend)
-        add_feature_tabs(
-            dbg,
-            model=net,
-            inputs=inputs,
-            reference=reference,
-            labels=labels,
-            pred_probs=pred_probs,
-            journal=journal,
-            backend=backend,
-        )
+        add_feature_tabs(dbg, replace(tabs, model=net, inputs=inputs))
         return dbg
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
@@ -399,16 +405,7 @@ def debug(
             reason=reason,
             backend=backend,
         )
-        add_feature_tabs(
-            dbg,
-            model=snap.model,
-            inputs=snap.inputs,
-            reference=reference,
-            labels=labels,
-            pred_probs=pred_probs,
-            journal=journal,
-            backend=backend,
-        )
+        add_feature_tabs(dbg, replace(tabs, model=snap.model, inputs=snap.inputs))
         return dbg
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "

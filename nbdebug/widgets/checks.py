@@ -18,23 +18,20 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.checks_base import SEVERITIES, Finding
+from ..analysis.checks_base import SEVERITIES, Finding, Findings
+from ..core.text import fmt_num, rows_text
+from ..figures.palette import GREEN, GREY, SEVERITY_COLORS
+from .style import STYLE
+from .tabs import FeatureTab, TabContext
 
-COLORS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+COLORS = SEVERITY_COLORS
 _BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
-STYLE = """<style>
-.nbdebug-checks .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
-.nbdebug-checks .widget-button { text-align: left; justify-content: flex-start; }
-.nbdebug-checks-detail table { border-collapse: collapse; font-size: 12px; }
-.nbdebug-checks-detail td { padding: 1px 8px; }
-.nbdebug-checks-detail pre { margin: 4px 0; }
-</style>"""
 
 
 def counts_summary(findings: Sequence[Finding]) -> str:
     """``"2 errors, 1 warning"`` (``"no errors or warnings"`` when there are none)."""
-    n_err = sum(1 for f in findings if f.severity == "error")
-    n_warn = sum(1 for f in findings if f.severity == "warning")
+    counts = Findings(findings).counts
+    n_err, n_warn = counts["error"], counts["warning"]
     parts = []
     if n_err:
         parts.append(f"{n_err} error{'s' if n_err != 1 else ''}")
@@ -44,7 +41,7 @@ def counts_summary(findings: Sequence[Finding]) -> str:
 
 
 def badge(text: str, severity: str) -> str:
-    color = COLORS.get(severity, "#7f7f7f")
+    color = COLORS.get(severity, GREY)
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(text)}</span>"
 
 
@@ -135,14 +132,10 @@ class ChecksPanel:
             b.close()
 
     def _header_html(self) -> str:
-        n_info = sum(1 for f in self.findings if f.severity == "info")
-        info = f" · {n_info} info" if n_info else ""
-        sev = (
-            "error"
-            if any(f.severity == "error" for f in self.findings)
-            else ("warning" if any(f.severity == "warning" for f in self.findings) else "ok")
-        )
-        color = "#2ca02c" if sev == "ok" else COLORS[sev]
+        counts = self.counts
+        info = f" · {counts['info']} info" if counts["info"] else ""
+        sev = "error" if counts["error"] else ("warning" if counts["warning"] else "ok")
+        color = GREEN if sev == "ok" else COLORS[sev]
         return (
             f"<b>Health checks</b> <span class='nbdebug-badge' style='background:{color}'>"
             f"{html.escape(self.summary)}</span>{html.escape(info)}"
@@ -155,7 +148,8 @@ class ChecksPanel:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
+        """The number of findings per severity (:attr:`Findings.counts`)."""
+        return Findings(self.findings).counts
 
     # ------------------------------------------------------------------ selection
     def select(self, index: int) -> Finding:
@@ -196,9 +190,7 @@ def detail_html(f: Finding) -> str:
     if f.param:
         jump.append(f"parameter {e(f.param)}")
     if f.rows:
-        jump.append(
-            f"rows {e(', '.join(map(str, f.rows[:20])))}{' ...' if len(f.rows) > 20 else ''}"
-        )
+        jump.append(e(rows_text(f.rows, 20)))
     if f.step is not None:
         jump.append(f"step {f.step}")
     parts = [
@@ -216,6 +208,42 @@ def detail_html(f: Finding) -> str:
 
 def _value(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return fmt_num(v, ".6g")
     text = str(v)
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Checks tab: findings of the trace shown, wired to the Step and Layers tabs."""
+    from ..analysis.checks import check
+
+    def on_select(finding: Any) -> None:
+        if finding.event is not None:
+            dbg.step.goto(finding.event)
+            dbg.select_tab("Step")
+        elif finding.param is not None:
+            dbg.layers.select(finding.param)
+            dbg.select_tab("Layers")
+
+    def refresh(findings: Any) -> None:
+        worst = (
+            "error"
+            if any(f.severity == "error" for f in findings)
+            else ("warning" if any(f.severity == "warning" for f in findings) else "info")
+        )
+        dbg.set_header_extra(badge(counts_summary(findings), worst))
+
+    findings = check(dbg.trace)
+    panel = ChecksPanel(findings, on_select=on_select)
+    refresh(findings)
+    dbg.add_tab("Checks", panel)
+
+    def on_retrace(d: Any) -> None:
+        fresh = check(d.trace)
+        panel.update(fresh)
+        refresh(fresh)
+
+    dbg.on_retrace(on_retrace)
+
+
+FEATURE_TAB = FeatureTab("Checks", applies=lambda ctx: True, build=build_tab, order=10)

@@ -146,4 +146,7 @@ class Cursor:
     def __repr__(self) -> str:
         ev = self.event
         where = "empty" if ev is None else f"#{ev.index} {ev.label}"
-        return f"Cursor({where}; {len(self.visible)}/{len(self.trace.events)} visible, phase={self.phase!r}, module={self.module!r})"
+        return (
+            f"Cursor({where}; {len(self.visible)}/{len(self.trace.events)} visible, "
+            f"phase={self.phase!r}, module={self.module!r})"
+        )

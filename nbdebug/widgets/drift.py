@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 
 from ..figures import drift as figs
+from ..figures.palette import GREEN, RED
 from .plot import PlotView
+from .tabs import FeatureTab, TabContext, as_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
@@ -43,7 +45,8 @@ class DriftPanel:
 
         if not isinstance(report, DriftReport):
             raise TypeError(
-                f"DriftPanel needs a DriftReport (from nbdebug.drift); got {type(report).__qualname__}."
+                f"DriftPanel needs a DriftReport (from nbdebug.drift); got "
+                f"{type(report).__qualname__}."
             )
         self.report = report
         order = [str(f) for f in report.features.index]
@@ -77,7 +80,7 @@ class DriftPanel:
 
     def _summary_html(self) -> str:
         r = self.report
-        color = "#d62728" if r.alarm else "#2ca02c"
+        color = RED if r.alarm else GREEN
         badge = "DRIFT" if r.alarm else "no drift"
         return (
             f'<div style="line-height:1.4"><span style="background:{color};color:white;'
@@ -106,4 +109,25 @@ class DriftPanel:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def __repr__(self) -> str:
-        return f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, features={len(self.report.feature_names)})"
+        return (
+            f"DriftPanel(alarm={self.report.alarm}, feature={self.feature.value!r}, "
+            f"features={len(self.report.feature_names)})"
+        )
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Drift tab: the reference batch against the debugger's current batch."""
+    if ctx.model is None or ctx.inputs is None:
+        raise TypeError(
+            "reference= needs the model and its current batch "
+            "(debug(model, inputs, reference=...))."
+        )
+    from ..analysis.drift import drift
+
+    report = drift(ctx.model, ctx.reference, as_table(ctx.inputs))
+    dbg.add_tab("Drift", DriftPanel(report, backend=ctx.backend))
+
+
+FEATURE_TAB = FeatureTab(
+    "Drift", applies=lambda ctx: ctx.reference is not None, build=build_tab, order=30
+)

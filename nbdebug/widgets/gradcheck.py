@@ -18,26 +18,18 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.gradcheck import GradcheckResult
+from ..analysis.gradcheck_result import GradcheckResult
 from ..analysis.gradcheck_sweep import gradcheck_modules
+from ..analysis.gradcheck_verdicts import SKIPPED
 from ..core.batch import check_inputs, check_model
-from ..figures.gradcheck import gradcheck_figure
+from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
+from ..figures.palette import RED
 from .plot import PlotView
+from .style import STYLE
+from .tabs import FeatureTab, TabContext
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
-_COLOR = {
-    "ok": "#2ca02c",
-    "float32 precision": "#1f77b4",
-    "non-differentiable point": "#ff7f0e",
-    "backward is wrong": "#d62728",
-    "skipped": "#7f7f7f",
-}
-STYLE = """<style>
-.nbdebug-gc-table select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-gc-head { font-family: var(--jp-code-font-family, monospace); font-size: 12px; white-space: pre; }
-.nbdebug-gc-verdict .nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
-</style>"""
 
 
 class GradcheckPanel:
@@ -70,7 +62,8 @@ class GradcheckPanel:
     ) -> None:
         if result is not None and not isinstance(result, GradcheckResult):
             raise TypeError(
-                f"result must be a GradcheckResult (from nbdebug.gradcheck); got {type(result).__qualname__}."
+                "result must be a GradcheckResult (from nbdebug.gradcheck); got "
+                f"{type(result).__qualname__}."
             )
         if model is not None:
             check_model(model)
@@ -162,7 +155,8 @@ class GradcheckPanel:
             self.title.value = (
                 f"<b>{html.escape(title or 'gradcheck of ' + result.fn_name)}</b> "
                 + html.escape(
-                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, rtol={result.rtol:g}, "
+                    f"({result.dtype}, eps={result.eps:g}, atol={result.atol:g}, "
+                    f"rtol={result.rtol:g}, "
                     f"{result.seconds:.2f}s)"
                 )
             )
@@ -238,7 +232,7 @@ class GradcheckPanel:
                 self.model, self.inputs, rows=self.rows, progress=progress, **self.sweep_options
             )
         except (TypeError, ValueError) as e:
-            self.status.value = f"<span style='color:#d62728'>{html.escape(str(e))}</span>"
+            self.status.value = f"<span style='color:{RED}'>{html.escape(str(e))}</span>"
             return None
         finally:
             self.sweep_button.disabled = False
@@ -293,7 +287,7 @@ class GradcheckPanel:
             self.result = None
             self.pair_select.options = []
             self.title.value = f"<b>module {html.escape(name or '(model)')}</b>"
-            self.verdict.value = _badge("skipped") + " " + html.escape(str(rec["reason"]))
+            self.verdict.value = _badge(SKIPPED) + " " + html.escape(str(rec["reason"]))
         self._show_figure(gradcheck_figure(None))
 
     # ------------------------------------------------------------------ display
@@ -308,10 +302,25 @@ class GradcheckPanel:
 
 
 def _badge(verdict: str) -> str:
-    color = _COLOR.get(verdict, "#7f7f7f")
+    color = VERDICT_COLOR.get(verdict, VERDICT_COLOR[SKIPPED])
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(verdict)}</span>"
 
 
 def _row_text(mark: str, module: str, verdict: str, err: str, seconds: str) -> str:
     text = f"{mark:<2}{module[:40]:<41}{verdict:<26}{err:>10} {seconds:>8}"
     return text.replace(" ", _NBSP)
+
+
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Gradcheck tab: the module sweep of the debugger's model and batch, on request."""
+    dbg.add_tab(
+        "Gradcheck", GradcheckPanel(model=ctx.model, inputs=ctx.inputs, backend=ctx.backend)
+    )
+
+
+FEATURE_TAB = FeatureTab(
+    "Gradcheck",
+    applies=lambda ctx: ctx.model is not None and ctx.inputs is not None,
+    build=build_tab,
+    order=20,
+)

@@ -19,8 +19,11 @@ import numpy as np
 import pandas as pd
 
 from ..analysis.review import LabelReview
+from ..core.text import fmt_num
 from ..figures import labels as figs
+from ..figures.palette import BLUE, GREEN, MUTED_TEXT, RED
 from .plot import PlotView
+from .tabs import FeatureTab, TabContext, as_table
 
 KEYS = {"k": "keep", "r": "relabel", "x": "exclude", "s": "skip", "u": "undo"}
 
@@ -28,17 +31,25 @@ _KEYS_ESM = """
 function render({ model, el }) {
   const box = document.createElement("div");
   box.tabIndex = 0;
-  box.textContent = "\u2328 click here, then press k keep \u00b7 r relabel to suggestion \u00b7 x exclude \u00b7 s skip \u00b7 u undo";
-  box.style.cssText = "padding:4px 8px;border:1px dashed #999;border-radius:4px;font-size:12px;color:#555;cursor:pointer;outline:none";
-  box.addEventListener("focus", () => { box.style.borderColor = "#1f77b4"; box.style.color = "#1f77b4"; });
-  box.addEventListener("blur", () => { box.style.borderColor = "#999"; box.style.color = "#555"; });
+  box.textContent = "\u2328 click here, then press k keep \u00b7 r relabel to suggestion"
+    + " \u00b7 x exclude \u00b7 s skip \u00b7 u undo";
+  box.style.cssText = "padding:4px 8px;border:1px dashed #999;border-radius:4px;font-size:12px;"
+    + "color:@MUTED@;cursor:pointer;outline:none";
+  box.addEventListener("focus", () => {
+    box.style.borderColor = "@ACCENT@"; box.style.color = "@ACCENT@";
+  });
+  box.addEventListener("blur", () => {
+    box.style.borderColor = "#999"; box.style.color = "@MUTED@";
+  });
   box.addEventListener("keydown", (e) => {
-    if (["k", "r", "x", "s", "u"].includes(e.key)) { e.preventDefault(); model.send({ key: e.key }); }
+    if (["k", "r", "x", "s", "u"].includes(e.key)) {
+      e.preventDefault(); model.send({ key: e.key });
+    }
   });
   el.appendChild(box);
 }
 export default { render };
-"""
+""".replace("@ACCENT@", BLUE).replace("@MUTED@", MUTED_TEXT)
 
 
 def _key_widget() -> Any:
@@ -353,10 +364,16 @@ class LabelCleaner:
                     msg = f"kept the label of sample {item}"
                 elif action == "relabel":
                     rec = r.relabel(item=item)
-                    msg = f"sample {item} relabeled {self.names[rec['old_label']]} → {self.names[rec['new_label']]}"
+                    msg = (
+                        f"sample {item} relabeled {self.names[rec['old_label']]} → "
+                        f"{self.names[rec['new_label']]}"
+                    )
                 elif action == "relabel_to":
                     rec = r.relabel(int(self.relabel_to.value), item=item)
-                    msg = f"sample {item} relabeled {self.names[rec['old_label']]} → {self.names[rec['new_label']]}"
+                    msg = (
+                        f"sample {item} relabeled {self.names[rec['old_label']]} → "
+                        f"{self.names[rec['new_label']]}"
+                    )
                 elif action == "exclude":
                     r.exclude(item)
                     msg = f"sample {item} excluded"
@@ -364,7 +381,7 @@ class LabelCleaner:
                     r.skip(item)
                     msg = f"sample {item} skipped"
         except ValueError as e:  # the guard and impossible actions: shown, not raised into the UI
-            self.message.value = f'<span style="color:#d62728">{html.escape(str(e))}</span>'
+            self.message.value = f'<span style="color:{RED}">{html.escape(str(e))}</span>'
             return
         self._show(msg)
 
@@ -419,14 +436,17 @@ class LabelCleaner:
                 )
         prev = self.review.decision(item)
         prev_txt = f"<br>decided: {html.escape(prev['action'])}" if prev else ""
+        method = str(row["method"]) if "method" in row else ""
+        method_txt = " · " + html.escape(method) if method else ""
         return (
             f'<div style="line-height:1.5">sample <b>{item}</b><br>'
-            f'given <b style="color:#d62728">{html.escape(self.names[given])}</b> → suggested '
-            f'<b style="color:#2ca02c">{sug_txt}</b><br>'
+            f'given <b style="color:{RED}">{html.escape(self.names[given])}</b> → suggested '
+            f'<b style="color:{GREEN}">{sug_txt}</b><br>'
             f"score (label quality) {float(row['label_quality']):.4f}"
-            f"{' · ' + html.escape(str(row['method'])) if 'method' in row and str(row['method']) else ''}"
+            f"{method_txt}"
             f"{prev_txt}<br>"
-            f'<table style="margin-top:4px"><tr><th>top-3</th><th>p</th></tr>{"".join(tops)}</table></div>'
+            f"<table "
+            f'style="margin-top:4px"><tr><th>top-3</th><th>p</th></tr>{"".join(tops)}</table></div>'
         )
 
     def _refresh_bulk(self) -> None:
@@ -445,17 +465,19 @@ class LabelCleaner:
             "all pairs"
             if g is None and s is None
             else (
-                f"given {self.names[g] if g is not None else 'any'} → suggested {self.names[s] if s is not None else 'any'}"
+                f"given {self.names[g] if g is not None else 'any'} → suggested "
+                f"{self.names[s] if s is not None else 'any'}"
             )
         )
         with self.widget.hold_sync():
             self.status.value = (
                 f"<b>{pr['decided']}</b> of {pr['suspects']} suspects decided "
-                f"({pr['relabel']} relabeled, {pr['exclude']} excluded, {pr['keep']} kept, {pr['skip']} skipped) · "
+                f"({pr['relabel']} relabeled, {pr['exclude']} excluded, {pr['keep']} "
+                f"kept, {pr['skip']} skipped) · "
                 f"{pr['pending']} pending in {html.escape(filt)}"
                 + (f"<br><small>{html.escape(est.summary())}</small>" if est is not None else "")
                 + (
-                    "<br><small style='color:#d62728'>test split: relabel/exclude disabled</small>"
+                    f"<br><small style='color:{RED}'>test split: relabel/exclude disabled</small>"
                     if not r.can_relabel
                     else ""
                 )
@@ -490,7 +512,8 @@ def _table_html(sample: Any, most: int = 24) -> str:
         arr = np.asarray(sample.detach().cpu() if hasattr(sample, "detach") else sample).ravel()
         items = [(f"x[{i}]", v) for i, v in enumerate(arr)]
     rows = "".join(
-        f"<tr><td style='padding:0 8px'>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>"
+        f"<tr><td style='padding:0 "
+        f"8px'>{html.escape(str(k))}</td><td>{html.escape(fmt_num(v))}</td></tr>"
         for k, v in items[:most]
     )
     more = (
@@ -501,7 +524,25 @@ def _table_html(sample: Any, most: int = 24) -> str:
     return f'<table style="font-size:12px;border:1px solid #ddd">{rows}{more}</table>'
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, (float, np.floating)):
-        return f"{float(v):.4g}"
-    return str(v)
+def build_tab(dbg: Any, ctx: TabContext) -> None:
+    """The Labels tab: the label cleaner over the debugger's samples."""
+    if ctx.labels is None or ctx.pred_probs is None or ctx.inputs is None:
+        raise TypeError(
+            "the Labels tab needs both labels= and pred_probs= (and the samples as the batch)."
+        )
+    from ..analysis.labels import find_label_issues
+
+    issues = find_label_issues(ctx.labels, pred_probs=ctx.pred_probs)
+    table = as_table(ctx.inputs)
+    dbg.add_tab(
+        "Labels",
+        LabelCleaner(table, ctx.labels, issues, journal=ctx.journal, backend=ctx.backend),
+    )
+
+
+FEATURE_TAB = FeatureTab(
+    "Labels",
+    applies=lambda ctx: ctx.labels is not None or ctx.pred_probs is not None,
+    build=build_tab,
+    order=40,
+)

@@ -8,34 +8,15 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..core.result import Trace
+from ..analysis.checks_grad import ratio_verdict
+from ..core.result import PARAMS_COLUMNS, Trace
 from ..figures.layers import EXPLODING, VANISHING, ratio_figure
 from .plot import PlotView
+from .style import STYLE
 
 #: Columns the table can be sorted by (``Trace.params_frame()`` columns, plus the name).
-SORT_COLUMNS = (
-    "name",
-    "module",
-    "norm",
-    "grad_norm",
-    "ratio",
-    "n_nan",
-    "n_inf",
-    "grad_n_nan",
-    "grad_n_inf",
-)
-_SHOWN = (
-    "module",
-    "shape",
-    "dtype",
-    "norm",
-    "grad_norm",
-    "ratio",
-    "n_nan",
-    "n_inf",
-    "grad_n_nan",
-    "grad_n_inf",
-)
+SORT_COLUMNS = tuple(c for c in PARAMS_COLUMNS if c not in ("shape", "dtype", "requires_grad"))
+_SHOWN = tuple(c for c in PARAMS_COLUMNS if c not in ("name", "requires_grad"))
 
 
 def _cell(v: Any) -> str:
@@ -55,23 +36,18 @@ def params_table_html(frame: Any, selected: str | None = None) -> str:
     for name, row in frame.iterrows():
         bad = row["n_nan"] or row["n_inf"] or row["grad_n_nan"] or row["grad_n_inf"]
         r = row["ratio"]
-        off = (
-            r is not None
-            and not (isinstance(r, float) and math.isnan(r))
-            and (r < VANISHING or r > EXPLODING)
-        )
+        off = ratio_verdict(r) in ("vanishing", "exploding")
         cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
         if name == selected:
             cls += " nbdebug-selected"
         cells = "".join(f"<td>{_cell(row[c])}</td>" for c in _SHOWN)
         body.append(
-            f"<tr class='{cls}'><td style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>"
+            f"<tr class='{cls}'><td "
+            f"style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>"
         )
     return (
-        "<style>.nbdebug-params td,.nbdebug-params th{padding:1px 8px;text-align:right;font-size:12px}"
-        ".nbdebug-params .nbdebug-bad{color:#d62728;font-weight:bold}.nbdebug-params .nbdebug-warn{color:#9467bd}"
-        ".nbdebug-params .nbdebug-selected{background:#fff3b0}</style>"
-        f"<table class='nbdebug-params'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        f"{STYLE}<table "
+        f"class='nbdebug-params'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
 
 
@@ -103,7 +79,8 @@ class LayersPanel:
         self.descending.observe(self._render, names="value")
         self._render()
         legend = widgets.HTML(
-            f"<small>grad/weight ratio: below {VANISHING:g} the gradient vanishes, above {EXPLODING:g} it explodes; "
+            f"<small>grad/weight ratio: below {VANISHING:g} the gradient vanishes, "
+            f"above {EXPLODING:g} it explodes; "
             "red rows hold NaN/Inf.</small>"
         )
         self.widget = widgets.VBox(

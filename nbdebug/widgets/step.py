@@ -10,7 +10,6 @@ diffs: the norm plot is never redrawn, only its ``"current event"`` trace moves.
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,23 +18,15 @@ import plotly.graph_objects as go
 
 from ..core.events import Event
 from ..core.result import Trace
+from ..core.text import fmt_num, row_numbers
 from ..figures.histogram import histogram_bins, histogram_figure, histogram_title
 from ..figures.norms import norm_figure, norm_points
 from .cursor import PHASE_FILTERS, Cursor
 from .plot import PlotView
+from .style import STYLE
 
 _PHASE_MARK = {"input": "in ", "forward": "fwd", "loss": "los", "backward": "bwd"}
 _NBSP = "\u00a0"
-
-STYLE = """<style>
-.nbdebug-events select { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-.nbdebug-detail table { border-collapse: collapse; font-size: 12px; }
-.nbdebug-detail td, .nbdebug-detail th { padding: 1px 8px; text-align: right; }
-.nbdebug-detail .nbdebug-bad { color: #d62728; font-weight: bold; }
-.nbdebug-badge { padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }
-.nbdebug-badge-ok { background: #2ca02c; }
-.nbdebug-badge-bad { background: #d62728; }
-</style>"""
 
 
 def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
@@ -55,12 +46,6 @@ def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
         f"{ev.index:>5}".replace(" ", _NBSP)
         + f" {mark} {_PHASE_MARK.get(ev.phase, ev.phase)} {indent}{what}"
     )
-
-
-def _num(v: float) -> str:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return f"{v:.4g}"
 
 
 def detail_html(ev: Event | None, trace: Trace) -> str:
@@ -96,12 +81,13 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     vals = s.as_dict()
     bad = {"n_nan", "n_inf"} if not s.finite else set()
     stats = "".join(
-        f"<tr><th style='text-align:left'>{k}</th><td class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{_num(vals[k])}</td></tr>"
+        f"<tr><th style='text-align:left'>{k}</th><td "
+        f"class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{fmt_num(vals[k])}</td></tr>"
         for k in names
     )
     if not s.finite:
         rows_txt = (
-            ", ".join(map(str, ev.samples)) if ev.samples else "not per row (no batch dimension)"
+            row_numbers(ev.samples, None) if ev.samples else "not per row (no batch dimension)"
         )
         nonfinite = f"<div class='nbdebug-bad'>non-finite rows: {e(rows_txt)}</div>"
     else:
@@ -109,7 +95,8 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     note = f"<div><i>{e(ev.note)}</i></div>" if ev.note else ""
     return (
         f"<div class='nbdebug-detail'><div>{head}</div>{nonfinite}{note}"
-        f"<div style='display:flex;gap:16px;align-items:flex-start'><table>{info}</table><table>{stats}</table></div></div>"
+        f"<div "
+        f"style='display:flex;gap:16px;align-items:flex-start'><table>{info}</table><table>{stats}</table></div></div>"
     )
 
 

@@ -1,31 +1,81 @@
-"""The feature tabs of the debugger: Checks, Gradcheck, Drift and Labels.
+"""The feature tabs of the debugger (Checks, Gradcheck, Drift, Labels, ...): a registry.
 
-:func:`add_feature_tabs` composes the panels of the other features into a
-:class:`~nbdebug.widgets.app.Debugger`; each panel lives in its own file and computes
-nothing itself (the results come from ``nbdebug.analysis``).
+Each panel file of ``nbdebug/widgets`` that adds a tab to the debugger says so itself, with
+one module-level entry::
+
+    FEATURE_TAB = FeatureTab("Drift", order=30, applies=lambda ctx: ..., build=build_tab)
+
+:func:`feature_tabs` finds these entries (it imports the modules of this package and reads
+their ``FEATURE_TAB``), and :func:`add_feature_tabs` adds, in ``order``, every tab whose
+``applies(ctx)`` is true. So a new panel touches one file: its own. Neither this module nor
+the panels import :mod:`nbdebug.widgets.app`; the debugger is handed to ``build``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import TYPE_CHECKING, Any
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .app import Debugger
+
+@dataclass(frozen=True)
+class TabContext:
+    """What the debugger was opened with, for the feature tabs to pick from."""
+
+    model: Any = None
+    inputs: Any = None
+    reference: Any = None
+    labels: Any = None
+    pred_probs: Any = None
+    journal: str | os.PathLike[str] = "labels.journal.jsonl"
+    backend: str | None = None
 
 
-def add_feature_tabs(
-    dbg: Debugger,
-    *,
-    model: Any = None,
-    inputs: Any = None,
-    reference: Any = None,
-    labels: Any = None,
-    pred_probs: Any = None,
-    journal: str | os.PathLike[str] = "labels.journal.jsonl",
-    backend: str | None = None,
-) -> None:
-    """Add the tabs that the given data allow.
+@dataclass(frozen=True)
+class FeatureTab:
+    """One tab of the debugger.
+
+    Parameters
+    ----------
+    title : str
+        The tab's title.
+    applies : callable
+        ``applies(ctx: TabContext) -> bool``: whether the given data allow the tab.
+    build : callable
+        ``build(debugger, ctx) -> None``: makes the panel and adds it with
+        ``debugger.add_tab(title, panel)`` (and wires it to the other tabs, if it needs to).
+    order : int
+        Tabs are added in increasing ``order`` (ties: by title).
+    """
+
+    title: str
+    applies: Callable[[TabContext], bool]
+    build: Callable[[Any, TabContext], None]
+    order: int = 100
+
+
+def feature_tabs() -> list[FeatureTab]:
+    """Every ``FEATURE_TAB`` of the modules of :mod:`nbdebug.widgets`, in ``order``."""
+    found: list[FeatureTab] = []
+    for info in pkgutil.iter_modules(_package_path()):
+        if info.name in ("tabs", "app"):
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        entry = getattr(module, "FEATURE_TAB", None)
+        if isinstance(entry, FeatureTab):
+            found.append(entry)
+    return sorted(found, key=lambda t: (t.order, t.title))
+
+
+def _package_path() -> list[str]:
+    return [os.path.dirname(__file__)]
+
+
+def add_feature_tabs(dbg: Any, ctx: TabContext) -> None:
+    """Add the tabs that the given data allow (see each panel's ``FEATURE_TAB``).
 
     * Checks: always (the health checks of the trace shown, refreshed on re-run);
       clicking a finding moves the Step tab to its event or highlights its parameter in
@@ -35,71 +85,12 @@ def add_feature_tabs(
     * Drift: when a ``reference`` batch is given (the current batch is ``inputs``).
     * Labels: when ``labels`` and ``pred_probs`` are given (the samples are ``inputs``).
     """
-    _add_checks(dbg)
-    if model is not None and inputs is not None:
-        from .gradcheck import GradcheckPanel
-
-        dbg.add_tab("Gradcheck", GradcheckPanel(model=model, inputs=inputs, backend=backend))
-    if reference is not None:
-        if model is None or inputs is None:
-            raise TypeError(
-                "reference= needs the model and its current batch (debug(model, inputs, reference=...))."
-            )
-        from ..analysis.drift import drift
-        from .drift import DriftPanel
-
-        dbg.add_tab(
-            "Drift", DriftPanel(drift(model, reference, _as_table(inputs)), backend=backend)
-        )
-    if labels is not None or pred_probs is not None:
-        if labels is None or pred_probs is None or inputs is None:
-            raise TypeError(
-                "the Labels tab needs both labels= and pred_probs= (and the samples as the batch)."
-            )
-        from ..analysis.labels import find_label_issues
-        from .labels import LabelCleaner
-
-        issues = find_label_issues(labels, pred_probs=pred_probs)
-        dbg.add_tab(
-            "Labels",
-            LabelCleaner(_as_table(inputs), labels, issues, journal=journal, backend=backend),
-        )
+    for tab in feature_tabs():
+        if tab.applies(ctx):
+            tab.build(dbg, ctx)
 
 
-def _add_checks(dbg: Debugger) -> None:
-    from ..analysis.checks import check
-    from .checks import ChecksPanel, badge, counts_summary
-
-    def on_select(finding: Any) -> None:
-        if finding.event is not None:
-            dbg.step.goto(finding.event)
-            dbg.select_tab("Step")
-        elif finding.param is not None:
-            dbg.layers.select(finding.param)
-            dbg.select_tab("Layers")
-
-    def refresh(findings: Any) -> None:
-        worst = (
-            "error"
-            if any(f.severity == "error" for f in findings)
-            else ("warning" if any(f.severity == "warning" for f in findings) else "info")
-        )
-        dbg.set_header_extra(badge(counts_summary(findings), worst))
-
-    findings = check(dbg.trace)
-    panel = ChecksPanel(findings, on_select=on_select)
-    refresh(findings)
-    dbg.add_tab("Checks", panel)
-
-    def on_retrace(d: Debugger) -> None:
-        fresh = check(d.trace)
-        panel.update(fresh)
-        refresh(fresh)
-
-    dbg.on_retrace(on_retrace)
-
-
-def _as_table(inputs: Any) -> Any:
+def as_table(inputs: Any) -> Any:
     """The batch as one 2-D table for drift and label review (a single tensor input)."""
     import torch
 

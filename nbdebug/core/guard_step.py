@@ -1,0 +1,196 @@
+"""The parts of :class:`~nbdebug.core.guard.NaNGuard`'s step: what it reads
+(:class:`StepReading`), what it decides (:class:`Verdict`), its rules
+(:class:`GuardOptions`), the health checks it is given (:class:`StepChecks`) and where
+its snapshots go (:class:`SnapshotWriter`)."""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .snapshot import save_snapshot
+from .snapshot_format import unique_path
+from .state import RngState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .guard import NaNGuard
+
+__all__ = ["ACTIONS", "GuardOptions", "SnapshotWriter", "StepChecks", "StepReading", "Verdict"]
+
+ACTIONS = ("skip", "raise", "continue")
+
+
+@dataclass(frozen=True)
+class StepReading:
+    """What :meth:`NaNGuard.measure_step` read of one step (one host read).
+
+    Attributes
+    ----------
+    step : int
+    loss : float or None
+        ``None`` when the step passed no loss.
+    grad_norm : float
+        Total L2 norm of the gradients, unscaled (float64 when float32 overflowed).
+    param_norm : float or None
+        Total L2 norm of the weights (``None`` on steps that do not measure it).
+    lr : float or None
+        The first parameter group's learning rate.
+    scale : float or None
+        The GradScaler's scale (``None`` without an enabled scaler).
+    scaled : bool
+        Whether the gradients were still multiplied by ``scale`` when read.
+    """
+
+    step: int
+    loss: float | None
+    grad_norm: float
+    param_norm: float | None
+    lr: float | None
+    scale: float | None
+    scaled: bool = False
+
+    @property
+    def loss_bad(self) -> bool:
+        return self.loss is not None and not math.isfinite(self.loss)
+
+    @property
+    def finite(self) -> bool:
+        """Loss, total gradient norm and (when measured) weight norm are all finite."""
+        return not (
+            self.loss_bad
+            or not math.isfinite(self.grad_norm)
+            or (self.param_norm is not None and not math.isfinite(self.param_norm))
+        )
+
+
+@dataclass
+class Verdict:
+    """The guard's decision on one :class:`StepReading`.
+
+    Attributes
+    ----------
+    reading : StepReading
+        What the decision acted on (on a bad step with the weight norm measured).
+    kind : {"loss", "grad", "weights", "scale"} or None
+        The failure, or ``None`` (go on and step).
+    scaler_skip : bool
+        The GradScaler skips this overflow step itself (not a failure).
+    detail : dict
+        On a non-finite reading: the element-wise look (``nonfinite_weights``,
+        ``nonfinite_grads``, ``grad_norms``, ``param_norms``) and ``message_extra``.
+    """
+
+    reading: StepReading
+    kind: str | None = None
+    scaler_skip: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class StepChecks(abc.ABC):
+    """What ``NaNGuard(checks=...)`` calls after each decision: health checks on the live
+    model, owned by an object that keeps its own state (cadence, what it recorded).
+
+    Core never imports the health checks: :class:`nbdebug.analysis.checks_guard.GuardChecks`
+    implements this; ``nbdebug.NaNGuard`` turns ``checks=True`` / an int / a dict into one.
+    """
+
+    def attach(self, guard: NaNGuard) -> None:  # noqa: B027 (optional hook)
+        """Called once by ``NaNGuard.__init__`` with the guard it serves."""
+
+    @abc.abstractmethod
+    def run(self, guard: NaNGuard, reading: StepReading, *, failing: bool) -> Mapping[str, Any]:
+        """Check the step just read; return the fields to add to its history row
+        (e.g. ``{"checks": [...]}``), empty when this step is not checked. Never raises."""
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """The guard's decision rules and bookkeeping (see :class:`NaNGuard`'s parameters of
+    the same names), validated on construction."""
+
+    patience: int | None = 1
+    on_nonfinite: str = "skip"
+    history: int = 500
+    min_scale: float = 1.0
+    scaler_patience: int = 20
+    max_snapshots: int | None = 20
+    param_norm_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in ACTIONS:
+            raise ValueError(f"on_nonfinite must be one of {ACTIONS}; got {self.on_nonfinite!r}.")
+        p = self.patience
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
+            raise ValueError(f"patience must be a non-negative int or None; got {p!r}.")
+        if not _positive_int(self.history):
+            raise ValueError(f"history must be a positive int; got {self.history!r}.")
+        m = self.max_snapshots
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_snapshots must be a positive int or None; got {m!r}.")
+        if not _positive_int(self.param_norm_every):
+            raise ValueError(
+                f"param_norm_every must be a positive int; got {self.param_norm_every!r}."
+            )
+        object.__setattr__(self, "min_scale", float(self.min_scale))
+        object.__setattr__(self, "scaler_patience", int(self.scaler_patience))
+
+
+def _positive_int(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+
+
+class SnapshotWriter:
+    """Writes the snapshot of a failing step (at most ``max_snapshots``); ``paths`` lists
+    what it wrote. The one place a guard touches the disk."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_snapshots: int | None,
+        loss_fn: Callable[..., Any] | None,
+        recipe: dict[str, Any] | None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.max_snapshots = max_snapshots
+        self.loss_fn = loss_fn
+        self.recipe = recipe
+        self.paths: list[Path] = []
+
+    def write(
+        self,
+        guard: NaNGuard,
+        step: int,
+        reason: dict[str, Any],
+        inputs: Any,
+        target: Any,
+        *,
+        rng: RngState,
+    ) -> Path | None:
+        """Save the snapshot of ``step`` (the guard's model, optimizer, scaler, scheduler
+        and history, the batch, ``rng`` as of the start of the step); ``None`` once
+        ``max_snapshots`` files were written."""
+        if self.max_snapshots is not None and len(self.paths) >= self.max_snapshots:
+            return None
+        path = save_snapshot(
+            unique_path(self.directory, step),
+            guard.model,
+            inputs,
+            target,
+            optimizer=guard.optimizer,
+            scaler=guard.scaler,
+            scheduler=guard.scheduler,
+            step=step,
+            reason=reason,
+            history=list(guard.history),
+            recipe=self.recipe,
+            loss_fn=self.loss_fn,
+            rng=rng,
+        )
+        self.paths.append(path)
+        return path

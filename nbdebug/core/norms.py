@@ -1,0 +1,111 @@
+"""L2 norms of many tensors at once: one fused kernel per (device, dtype) group.
+
+The one home of "norm of every parameter / gradient": :func:`nbdebug.trace`'s parameter
+health, :class:`~nbdebug.core.guard.NaNGuard`'s total gradient and weight norms, and the
+health checks all call these.
+
+>>> device_norms([w, b])              # [tensor(3.1), tensor(0.2)]: on their devices, no sync
+>>> total_norm(grads, device=dev)     # tensor(4.5): one 0-d tensor on ``dev``, no sync
+>>> fused_norms([w, b])               # array([3.1, 0.2]): float64, one host read per device
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["device_norms", "fused_norms", "total_norm"]
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
+
+
+def device_norms(
+    tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, as 0-d tensors on that tensor's device (no host sync).
+
+    Parameters
+    ----------
+    tensors : sequence of Tensor
+        Dense tensors, any devices and dtypes (detach them first when they require grad).
+    dtype : torch.dtype, optional
+        Accumulate and return in this dtype (``torch.float64``: finite elements whose
+        float32 sum of squares would overflow still give a finite norm). Default: each
+        tensor's own dtype.
+
+    Returns
+    -------
+    list of Tensor
+        One 0-d tensor per input, in input order. One ``torch._foreach_norm`` per
+        (device, dtype) group; a dtype it does not support falls back to
+        ``torch.linalg.vector_norm`` in float64.
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in _groups(tensors).values():
+        ts = [tensors[i] for i in idx]
+        ns: list[torch.Tensor]
+        try:
+            ns = (
+                list(torch._foreach_norm(ts))
+                if dtype is None
+                else list(torch._foreach_norm(ts, 2, dtype=dtype))
+            )
+        except (RuntimeError, TypeError):
+            ns = [torch.linalg.vector_norm(t.double()) for t in ts]
+            if dtype is not None:
+                ns = [n.to(dtype) for n in ns]
+        for i, n in zip(idx, ns):
+            out[i] = n
+    return [n for n in out if n is not None]
+
+
+def total_norm(
+    tensors: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The L2 norm of all ``tensors`` together, as a 0-d ``dtype`` tensor on ``device``,
+    without a host sync (0 for no tensors)."""
+    if not tensors:
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = device_norms(tensors, dtype=dtype)
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for n in norms:
+        by_dev.setdefault(n.device, []).append(n)
+    parts = [torch.linalg.vector_norm(torch.stack(ns)) for ns in by_dev.values()]
+    parts = [n if n.device == device else n.to(device) for n in parts]
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+
+
+def fused_norms(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> np.ndarray:
+    """The L2 norm of each tensor as a float64 numpy array: :func:`device_norms`, then
+    one host read per device.
+
+    Parameters
+    ----------
+    tensors : sequence of Tensor
+    dtype : torch.dtype, optional
+        As in :func:`device_norms`.
+
+    Returns
+    -------
+    numpy.ndarray, shape (len(tensors),), float64
+    """
+    out = np.empty(len(tensors))
+    if not len(tensors):
+        return out
+    norms = device_norms(tensors, dtype=dtype)
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, n in enumerate(norms):
+        by_dev.setdefault(n.device, []).append(i)
+    for idx in by_dev.values():
+        out[idx] = torch.stack([norms[i].double() for i in idx]).cpu().numpy()
+    return out

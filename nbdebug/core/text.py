@@ -1,0 +1,68 @@
+"""How nbdebug writes values as text: one helper per job, used by every layer above.
+
+torch-free on purpose (``dtype_name`` only reads ``str(dtype)``), so analysis, figures and
+widgets can share it without importing more than they need.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+
+def fmt_num(v: Any, spec: str = ".4g", *, nan: str = "nan", none: str = "-") -> str:
+    """A number as nbdebug shows it.
+
+    Floats (Python or numpy) with ``spec`` (4 significant digits by default), NaN as
+    ``nan`` (or the given text), infinities as ``inf``/``-inf``, ``None`` as ``none``;
+    bools, integers and anything else as ``str(v)``.
+    """
+    if v is None:
+        return none
+    if isinstance(v, (bool, numbers.Integral)) or not isinstance(v, numbers.Real):
+        return str(v)
+    f = float(v)
+    if math.isnan(f):
+        return nan
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return format(f, spec)
+
+
+def row_numbers(rows: Sequence[int], most: int | None = 8) -> str:
+    """``"3, 5, 9"``; past ``most`` rows ``"3, 5, ... (12 rows)"`` (``most=None``: all)."""
+    rows = list(rows)
+    if most is None or len(rows) <= most:
+        return ", ".join(map(str, rows))
+    return ", ".join(map(str, rows[:most])) + f", ... ({len(rows)} rows)"
+
+
+def rows_text(rows: Sequence[int], most: int | None = 8) -> str:
+    """Batch rows as a phrase: ``"row 3"``, ``"rows 3, 5"``, ``"rows 3, 5, ... (12 rows)"``;
+    ``""`` for no rows."""
+    if not rows:
+        return ""
+    return ("row " if len(rows) == 1 else "rows ") + row_numbers(rows, most)
+
+
+def first_line(e: BaseException, most: int = 200, *, with_type: bool = True) -> str:
+    """The first line of an exception's message (at most ``most`` characters), as
+    ``"ValueError: message"`` (``with_type=False``: ``"message"``); the type name alone
+    when the message is empty."""
+    text = str(e).strip().splitlines()
+    if not text:
+        return type(e).__name__
+    return f"{type(e).__name__}: {text[0][:most]}" if with_type else text[0][:most]
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` -> ``"float32"`` (any object: its ``str`` without ``torch.``)."""
+    return str(dtype).replace("torch.", "")
+
+
+def qualified_name(prefix: str, name: str) -> str:
+    """A parameter's or buffer's name as ``model.named_parameters()`` gives it:
+    ``"encoder.0" + "weight"`` -> ``"encoder.0.weight"``; the root module's own: ``name``."""
+    return f"{prefix}.{name}" if prefix else name
