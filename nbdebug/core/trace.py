@@ -313,7 +313,7 @@ def _find_origin(
                 modules, inputs, target, loss_fn, st, rec, loc, masks, out, bs, model
             )
         except Exception as e:  # the replay is a diagnosis aid: never fail the trace for it
-            finding = OpFinding(note=f"op-level replay failed: {type(e).__name__}: {e}")
+            finding = OpFinding(note=_failed_note(rec, loc, e))
         if finding.mask and round_ < _MAX_MASK_ROUNDS - 1:
             call = rec.calls[loc.call]
             masks.slots.update(call.output_slots)
@@ -374,6 +374,17 @@ def _replay(
                     loc = dataclasses.replace(loc, call=c)
                 return f, event_index, loc
     return OpFinding(), event_index, loc
+
+
+def _failed_note(rec: Recorder, loc: Located, e: Exception) -> str:
+    what = "the loss function"
+    if loc.call >= 0:
+        what = rec.calls[loc.call].module or "<model>"
+    return (
+        f"op-level replay failed: {what} raised {type(e).__name__}: {e} when run again on "
+        "its inputs as recorded at the call (a forward with side effects or state outside "
+        "its inputs cannot be replayed), so no operation is named."
+    )
 
 
 _NOT_RECORDED = (
