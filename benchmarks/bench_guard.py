@@ -13,7 +13,8 @@ the median of the paired ratios (each guarded step over the unguarded step next 
 and, as a lower-noise second estimate on a busy machine, the median time of
 ``guard.check`` alone relative to the unguarded step.
 
-Run: ``python benchmarks/bench_guard.py [--steps N] [--threads T] [--quick]``.
+Run: ``python benchmarks/bench_guard.py [--steps N] [--threads T] [--quick]``;
+``--world 2``: the distributed guard (see ``bench_guard_distributed.py``).
 """
 
 from __future__ import annotations
@@ -118,7 +119,15 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
+    ap.add_argument(
+        "--world", type=int, default=1, help="N > 1: the DDP guard on N gloo processes (CPU)"
+    )
     args = ap.parse_args()
+    if args.world > 1:
+        from bench_guard_distributed import main_distributed
+
+        main_distributed(args.world, args.steps or (10 if args.quick else 200), args.threads)
+        return
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     mlp_steps = args.steps or (10 if args.quick else 300)

@@ -1,29 +1,58 @@
 """Label-noise detection, nbdebug vs cleanlab, measured side by side in one run.
 
-sklearn's bundled digits with 10% and 20% of the labels flipped uniformly at random to
-another class (fixed seeds). Out-of-fold probabilities (5 stratified folds) are computed
-once per setting and the very same arrays are given to ``cleanlab.filter.find_label_issues``
-(its defaults) and to ``nbdebug.find_label_issues``. Prints precision, recall, F1 and time
-of each, the ensemble vote over three models, and the time to rank 1,000,000 x 10
-probabilities.
+The grid: every bundled scikit-learn classification set (digits, wine, iris, breast_cancer)
+and one ``make_classification`` set (1000 samples, 5 classes, fixed seed); two kinds of
+injected noise at 5, 10, 20, 30 and 40 %:
 
-    .venv/bin/pip install -e '.[bench]'      # cleanlab
-    .venv/bin/python benchmarks/bench_labels.py
+* ``uniform``: that fraction of the samples, chosen at random, gets another class drawn
+  uniformly;
+* ``class``: class-conditional (asymmetric) noise: class ``i`` is flipped at its own rate,
+  the nominal rate times a factor spread evenly from 0.5 to 1.5 over the classes (in a
+  random order, capped at 45 %), 80 % of its flips going to one other class drawn per
+  class, the rest uniformly to the others (for two classes: all to the other one);
+
+several seeds (the noise and the folds), and three probability models (standardised
+logistic regression, a 100-tree random forest, standardised 10-NN). Out-of-fold
+probabilities (5 stratified folds) are computed once per dataset, noise, rate, seed and
+model, and the very same array is given to ``cleanlab.filter.find_label_issues`` (its
+defaults, with ``n_jobs=1``, which changes no flag) and to every ``prune`` option of
+``nbdebug.find_label_issues``. The table is the F1 of the flags against the injected
+noise, averaged over seeds and models; then the average per dataset (the rule the default
+is chosen by: never below cleanlab's), per model, the ensemble vote, and the time to rank
+1,000,000 x 10 probabilities (interleaved runs).
+
+    .venv/bin/pip install -e '.[bench]'      # cleanlab (2.9 measured)
+    .venv/bin/python benchmarks/bench_labels.py            # full grid
+    .venv/bin/python benchmarks/bench_labels.py --quick    # rates 10 and 30 %, 1 seed
+
+The full grid is 450 out-of-fold arrays, single-threaded: about 5 min on two quiet cores
+(14 and 23 min measured under loads of 10 and 15 on two cores); ``--quick`` is 60 arrays
+(1 min quiet).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
-from sklearn.datasets import load_digits
+from sklearn.datasets import (
+    load_breast_cancer,
+    load_digits,
+    load_iris,
+    load_wine,
+    make_classification,
+)
 from sklearn.ensemble import RandomForestClassifier
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 from sklearn.neighbors import KNeighborsClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
+from threadpoolctl import threadpool_limits
 
 from nbdebug import find_label_issues
 
@@ -34,28 +63,162 @@ except ImportError:  # pragma: no cover
     cleanlab = None
     cleanlab_find = None
 
+RATES = (0.05, 0.10, 0.20, 0.30, 0.40)
+NOISES = ("uniform", "class")
+MODELS = ("logreg", "forest", "knn")
+DEFAULT = "threshold_margin"
+OPTIONS = ("threshold_margin", "global", "noise_rate")
 
-def flip(y: np.ndarray, rate: float, seed: int, k: int = 10) -> np.ndarray:
-    rng = np.random.default_rng(seed)
+
+def datasets() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    out = {
+        name: fn(return_X_y=True)
+        for name, fn in (
+            ("digits", load_digits),
+            ("wine", load_wine),
+            ("iris", load_iris),
+            ("breast_cancer", load_breast_cancer),
+        )
+    }
+    out["make_classification"] = make_classification(
+        n_samples=1000,
+        n_features=20,
+        n_informative=8,
+        n_redundant=4,
+        n_classes=5,
+        n_clusters_per_class=1,
+        class_sep=1.2,
+        random_state=0,
+    )
+    return out
+
+
+def uniform_noise(y: np.ndarray, rate: float, rng: np.random.Generator, k: int) -> np.ndarray:
     noisy = y.copy()
     idx = rng.choice(len(y), round(rate * len(y)), replace=False)
     noisy[idx] = (y[idx] + rng.integers(1, k, len(idx))) % k
     return noisy
 
 
-def scores(flags: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
+def class_noise(y: np.ndarray, rate: float, rng: np.random.Generator, k: int) -> np.ndarray:
+    noisy = y.copy()
+    factor = rng.permutation(np.linspace(0.5, 1.5, k))
+    for i in range(k):
+        rows = np.flatnonzero(y == i)
+        m = round(min(rate * factor[i], 0.45) * len(rows))
+        others = np.array([c for c in range(k) if c != i])
+        p = np.full(len(others), 0.2 / max(len(others) - 1, 1))
+        p[others == rng.choice(others)] = 0.8
+        noisy[rng.choice(rows, m, replace=False)] = rng.choice(others, m, p=p / p.sum())
+    return noisy
+
+
+def models(seed: int) -> dict[str, object]:
+    return {
+        "logreg": make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)),
+        "forest": RandomForestClassifier(n_estimators=100, random_state=seed),
+        "knn": make_pipeline(StandardScaler(), KNeighborsClassifier(n_neighbors=10)),
+    }
+
+
+def f1(flags: np.ndarray, truth: np.ndarray) -> float:
     tp = int((flags & truth).sum())
     p = tp / max(int(flags.sum()), 1)
     r = tp / max(int(truth.sum()), 1)
-    return p, r, 2 * p * r / max(p + r, 1e-12)
+    return 2 * p * r / max(p + r, 1e-12)
 
 
-def line(name: str, flags: np.ndarray, truth: np.ndarray, seconds: float) -> str:
-    p, r, f = scores(flags, truth)
-    return (
-        f"  {name:<44} precision {p:.3f}  recall {r:.3f}  F1 {f:.3f}  time "
-        f"{seconds * 1000:8.1f} ms  flagged {int(flags.sum())}"
+def nb_flags(labels: np.ndarray, probs, **kw) -> np.ndarray:
+    return find_label_issues(labels, pred_probs=probs, **kw).sort_index()["is_issue"].to_numpy()
+
+
+def detectors() -> dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+    out: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {}
+    if cleanlab_find is not None:
+        # n_jobs=1: the same flags as its default (it only parallelises over classes),
+        # without starting a process pool per call
+        out["cleanlab"] = lambda y, P: cleanlab_find(y, P, n_jobs=1)
+    for opt in OPTIONS:
+        out[opt] = lambda y, P, opt=opt: nb_flags(y, P, prune=opt)
+    out["pred_neq_given"] = lambda y, P: nb_flags(y, P, method="predicted_neq_given")
+    return out
+
+
+def oof_cache(rates, seeds) -> dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(dataset, noise, rate, seed, model) -> (true labels, noisy labels, oof probabilities)."""
+    cache = {}
+    for dname, (X, y) in datasets().items():
+        k = int(y.max()) + 1
+        for noise, inject in (("uniform", uniform_noise), ("class", class_noise)):
+            for rate in rates:
+                for seed in seeds:
+                    rng = np.random.default_rng([seed, round(rate * 100), noise == "class"])
+                    noisy = inject(y, rate, rng, k)
+                    folds = StratifiedKFold(5, shuffle=True, random_state=seed)
+                    for mname, m in models(seed).items():
+                        P = cross_val_predict(m, X, noisy, cv=folds, method="predict_proba")
+                        cache[(dname, noise, rate, seed, mname)] = (y, noisy, P)
+    return cache
+
+
+def table(cache, rates, seeds) -> None:
+    dets = detectors()
+    names = list(dets)
+    score: dict[tuple, list[float]] = defaultdict(list)
+    ens: dict[tuple, list[float]] = defaultdict(list)
+    for (d, noise, rate, seed, m), (y, noisy, P) in cache.items():
+        truth = noisy != y
+        for name, fn in dets.items():
+            s = f1(fn(noisy, P), truth)
+            for key in ((d, noise, rate), (d,), (d, m), (m,)):
+                score[(*key, name)].append(s)
+        if m == MODELS[-1]:  # every model of this setting is in the cache: the ensemble
+            stack = [cache[(d, noise, rate, seed, mm)][2] for mm in MODELS]
+            flags = nb_flags(noisy, stack, method="ensemble", tau=0.5)
+            ens[(d, "nbdebug")].append(f1(flags, truth))
+            if cleanlab_find is not None:
+                avg = np.mean(stack, axis=0)
+                ens[(d, "cleanlab")].append(f1(cleanlab_find(noisy, avg, n_jobs=1), truth))
+    dnames = list(dict.fromkeys(k[0] for k in cache))
+    head = f"{'dataset':<20}{'noise':<8}{'rate':>5}" + "".join(f"{n:>17}" for n in names)
+    print(f"\nF1 against the injected noise, mean over {len(seeds)} seed(s) x {len(MODELS)} models")
+    print(head)
+    print("-" * len(head))
+    for d in dnames:
+        for noise in NOISES:
+            for rate in rates:
+                row = [np.mean(score[(d, noise, rate, n)]) for n in names]
+                best = max(row)
+                cells = "".join(
+                    f"{v:>16.3f}{'*' if v == best else ' '}" for v, n in zip(row, names)
+                )
+                print(f"{d:<20}{noise:<8}{rate:>5.0%}{cells}")
+    print("-" * len(head))
+    print(
+        "mean F1 per dataset (over noises, rates, seeds, models; "
+        f"{len(cache) // len(dnames)} runs each)"
     )
+    worst = np.inf
+    for d in dnames:
+        row = [np.mean(score[(d, n)]) for n in names]
+        print(f"{d:<33}" + "".join(f"{v:>16.4f} " for v in row))
+        if "cleanlab" in names:
+            worst = min(worst, row[names.index(DEFAULT)] - row[names.index("cleanlab")])
+    print("mean F1 per model (over datasets)")
+    for m in MODELS:
+        print(f"{m:<33}" + "".join(f"{np.mean(score[(m, n)]):>16.4f} " for n in names))
+    if "cleanlab" in names:
+        print(
+            f"default prune={DEFAULT!r} minus cleanlab, worst dataset: {worst:+.4f} "
+            f"({'never below' if worst >= 0 else 'BELOW'} cleanlab on average F1 per dataset)"
+        )
+        print("\nensemble of the three models (mean F1 per dataset)")
+        print(f"{'':<33}{'nbdebug vote (tau=0.5)':>24}{'cleanlab on averaged probs':>30}")
+        for d in dnames:
+            print(
+                f"{d:<33}{np.mean(ens[(d, 'nbdebug')]):>24.4f}"
+                f"{np.mean(ens[(d, 'cleanlab')]):>30.4f}"
+            )
 
 
 def timed(fn, *a, **kw):
@@ -64,61 +227,8 @@ def timed(fn, *a, **kw):
     return out, time.perf_counter() - t
 
 
-def nb_flags(df) -> np.ndarray:
-    return df.sort_index()["is_issue"].to_numpy()
-
-
-def models(seed: int) -> dict[str, object]:
-    return {
-        "logreg": make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)),
-        "forest": RandomForestClassifier(n_estimators=200, random_state=seed),
-        "knn": make_pipeline(StandardScaler(), KNeighborsClassifier(n_neighbors=10)),
-    }
-
-
-def main() -> None:
-    warnings.filterwarnings("ignore")
-    X, y = load_digits(return_X_y=True)
-    print(
-        f"digits: {len(y)} samples, 10 classes; cleanlab "
-        f"{getattr(cleanlab, '__version__', 'not installed')}"
-    )
-    find_label_issues(y[:50], pred_probs=np.full((50, 10), 0.1))  # warm-up (imports)
-    for rate, seed in ((0.10, 0), (0.20, 1)):
-        noisy = flip(y, rate, seed)
-        truth = noisy != y
-        folds = StratifiedKFold(5, shuffle=True, random_state=seed)
-        probs = {
-            name: cross_val_predict(m, X, noisy, cv=folds, method="predict_proba")
-            for name, m in models(seed).items()
-        }
-        print(f"\n{rate:.0%} uniform flips (seed {seed}): {int(truth.sum())} wrong labels")
-        for name, P in probs.items():
-            print(f" out-of-fold {name} probabilities, the same array to both:")
-            if cleanlab_find is not None:
-                f, t = timed(cleanlab_find, noisy, P)
-                print(line("cleanlab find_label_issues (defaults)", f, truth, t))
-            df, t = timed(find_label_issues, noisy, pred_probs=P)
-            print(line("nbdebug confident_learning (prune=global)", nb_flags(df), truth, t))
-            df, t = timed(find_label_issues, noisy, pred_probs=P, prune="noise_rate")
-            print(line("nbdebug confident_learning (prune=noise_rate)", nb_flags(df), truth, t))
-        stack = [probs[k] for k in probs]
-        avg = np.mean(stack, axis=0)
-        print(" ensemble of logreg + forest + knn:")
-        if cleanlab_find is not None:
-            f, t = timed(cleanlab_find, noisy, avg)
-            print(line("cleanlab on the averaged probabilities", f, truth, t))
-        df, t = timed(find_label_issues, noisy, pred_probs=stack, method="ensemble", tau=0.5)
-        print(line("nbdebug ensemble vote (tau=0.5)", nb_flags(df), truth, t))
-        s = df.sort_index()
-        agreed = s["suggested_label"].to_numpy() >= 0
-        right = (s["suggested_label"].to_numpy() == y) & agreed
-        print(
-            f"  ensemble proposed a corrected label for {int(agreed.sum())} samples, "
-            f"{int(right.sum())} of them the true label ({right.sum() / max(agreed.sum(), 1):.1%})"
-        )
-
-    n, k = 1_000_000, 10
+def ranking_time(n: int) -> None:
+    k = 10
     rng = np.random.default_rng(0)
     true = rng.integers(0, k, n)
     logits = rng.normal(size=(n, k))
@@ -126,40 +236,50 @@ def main() -> None:
     P = np.exp(logits)
     P /= P.sum(axis=1, keepdims=True)
     noisy = np.where(rng.random(n) < 0.1, (true + rng.integers(1, k, n)) % k, true)
-    print(f"\nranking {n:,} x {k} probabilities (10% noise), first call then best of 3:")
-    runs = [timed(find_label_issues, noisy, pred_probs=P) for _ in range(3)]
-    df = runs[0][0]
-    print(line("nbdebug find_label_issues, first call", nb_flags(df), noisy != true, runs[0][1]))
-    print(
-        line(
-            "nbdebug find_label_issues, best of 3",
-            nb_flags(df),
-            noisy != true,
-            min(t for _, t in runs),
-        )
-    )
-    if cleanlab_find is not None:
-        cruns = [timed(cleanlab_find, noisy, P, n_jobs=1) for _ in range(3)]
+    nb_t, cl_t = [], []
+    for _ in range(3):  # interleaved
+        df, t = timed(find_label_issues, noisy, pred_probs=P)
+        nb_t.append(t)
+        if cleanlab_find is not None:
+            mask, t = timed(cleanlab_find, noisy, P, n_jobs=1)
+            cl_t.append(t)
+    flags = df.sort_index()["is_issue"].to_numpy()
+    print(f"\nranking {n:,} x {k} probabilities (10% uniform noise), best of 3, interleaved:")
+    print(f"  nbdebug find_label_issues: {min(nb_t):.2f} s, F1 {f1(flags, noisy != true):.3f}")
+    if cl_t:
         print(
-            line(
-                "cleanlab find_label_issues (n_jobs=1), first",
-                cruns[0][0],
-                noisy != true,
-                cruns[0][1],
-            )
-        )
-        print(
-            line(
-                "cleanlab find_label_issues (n_jobs=1), best of 3",
-                cruns[0][0],
-                noisy != true,
-                min(t for _, t in cruns),
-            )
+            f"  cleanlab find_label_issues (n_jobs=1): {min(cl_t):.2f} s, F1 "
+            f"{f1(mask, noisy != true):.3f}; ratio nbdebug / cleanlab {min(nb_t) / min(cl_t):.2f}"
         )
     print(
         "  (nbdebug's time covers validation, the confident joint, flags, top-3 and the ranked "
         f"{len(df.columns)}-column DataFrame; cleanlab's returns a boolean mask)"
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="rates 10%% and 30%%, one seed")
+    ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    rates = (0.10, 0.30) if args.quick else RATES
+    seeds = range(args.seeds or (1 if args.quick else 3))
+    print(
+        f"cleanlab {getattr(cleanlab, '__version__', 'not installed')}; default "
+        f"prune={DEFAULT!r}; rates {', '.join(f'{r:.0%}' for r in rates)}; {len(seeds)} seed(s)"
+    )
+    with threadpool_limits(1):
+        t0 = time.perf_counter()
+        cache = oof_cache(rates, seeds)
+        t1 = time.perf_counter()
+        table(cache, rates, seeds)
+        t2 = time.perf_counter()
+        print(
+            f"\n{len(cache)} out-of-fold probability arrays in {t1 - t0:.0f} s, all detectors "
+            f"on them in {t2 - t1:.0f} s (single-threaded)"
+        )
+        ranking_time(200_000 if args.quick else 1_000_000)
 
 
 if __name__ == "__main__":

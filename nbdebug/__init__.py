@@ -45,8 +45,12 @@ _EXPORTS: dict[str, str] = {
     "Finding": "nbdebug.analysis.checks",
     "drift": "nbdebug.analysis.drift",
     "DriftReport": "nbdebug.analysis.drift",
+    "diagnose": "nbdebug.analysis.diagnose",
+    "Diagnosis": "nbdebug.analysis.diagnose",
     "find_label_issues": "nbdebug.analysis.labels",
     "LabelCleaner": "nbdebug.widgets.labels",
+    "compare_ranks": "nbdebug.analysis.ranks",
+    "RanksReport": "nbdebug.analysis.ranks",
     "debug": "nbdebug.widgets.app",
     "Debugger": "nbdebug.widgets.app",
 }

@@ -5,6 +5,7 @@
     nbdebug inspect snapshots/step-000048213.nbsnap --model mypkg.models:make_model
     nbdebug report  snapshots/step-000048213.nbsnap -o report.html --model mypkg.models:make_model
     nbdebug list    snapshots/
+    nbdebug diagnose snapshots/step-000048213.nbsnap --model mypkg.models:make_model -o r.html
 
 ``--model package.module:factory`` names a zero-argument callable (or a class) that builds
 the architecture; the current directory is importable. Without it, ``--trust-recipe``
@@ -42,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="nbdebug", description="Inspect nbdebug snapshot files (.nbsnap) from the terminal."
     )
-    sub = p.add_subparsers(dest="command", metavar="{inspect,report,list}", parser_class=_Parser)
+    sub = p.add_subparsers(
+        dest="command", metavar="{inspect,report,list,diagnose}", parser_class=_Parser
+    )
     sub.required = True
 
     def model_opts(q: argparse.ArgumentParser) -> None:
@@ -83,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="list the snapshots in a directory")
     ls.add_argument("directory")
+
+    dg = sub.add_parser("diagnose", help="replay the failing step with candidate fixes, ranked")
+    model_opts(dg)
+    dg.add_argument("-o", "--output", metavar="report.html", help="also write the HTML report")
+    dg.add_argument("--budget", type=float, default=None, metavar="S", help="seconds of replays")
+    dg.add_argument("--steps", type=int, default=1, help="updates replayed per fix (default 1)")
     return p
 
 
@@ -227,16 +236,7 @@ def _report(args: argparse.Namespace, out: Any) -> None:
     from .figures.report import report_html
 
     snap, trace, note = _load(args)
-    page = report_html(snap, trace, note=note)
-    path = os.path.abspath(args.output)
-    if os.path.isdir(path):
-        raise UsageError(f"-o {args.output} is a directory; give a file name such as report.html.")
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(page)
-    except OSError as e:
-        raise UsageError(f"cannot write {args.output}: {e.strerror or e}") from None
-    print(f"wrote {args.output} ({len(page) / 1e6:.1f} MB, self-contained)", file=out)
+    _write(args.output, report_html(snap, trace, note=note), out)
 
 
 def _list(args: argparse.Namespace, out: Any) -> None:
@@ -253,11 +253,59 @@ def _list(args: argparse.Namespace, out: Any) -> None:
     print(df.to_string(index=False, na_rep="-", max_colwidth=80), file=out)
 
 
+def _diagnose(args: argparse.Namespace, out: Any) -> None:
+    from .analysis.diagnose import diagnose
+    from .core.snapshot import SnapshotError
+    from .figures.report import report_html
+
+    if args.no_replay:
+        raise UsageError("diagnose replays the step: --no-replay makes no sense here.")
+    snap, trace, note = _load(args)
+    if snap.model is None:
+        raise UsageError(note or "diagnose needs the model: give --model package.module:factory.")
+    loss_fn = None
+    if args.loss:
+        from .core.snapshot import import_object
+
+        with _cwd_importable():
+            loss_fn = import_object(args.loss)  # _load has checked the name
+    try:
+        with _cwd_importable():
+            d = diagnose(
+                snap, loss_fn=loss_fn, steps=args.steps, budget_s=args.budget, progress=False
+            )
+    except (ValueError, TypeError, SnapshotError) as e:
+        raise UsageError(str(e)) from None
+    print(f"nbdebug diagnose: step {snap.step}", file=out)
+    print(f"  cause: {d.cause.statement}", file=out)
+    print(f"  origin: {d.origin}\n", file=out)
+    for line in d.table().splitlines():
+        print(f"  {line}", file=out)
+    for n in d.notes:
+        print(f"  note: {n}", file=out)
+    if args.output:
+        page = report_html(snap, trace, note=note, diagnosis=d)
+        _write(args.output, page, out)
+
+
+def _write(output: str, page: str, out: Any) -> None:
+    path = os.path.abspath(output)
+    if os.path.isdir(path):
+        raise UsageError(f"-o {output} is a directory; give a file name such as report.html.")
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as e:
+        raise UsageError(f"cannot write {output}: {e.strerror or e}") from None
+    print(f"wrote {output} ({len(page) / 1e6:.1f} MB, self-contained)", file=out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nbdebug`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "report": _report, "list": _list}[args.command](args, sys.stdout)
+        commands = {"inspect": _inspect, "report": _report, "list": _list, "diagnose": _diagnose}
+        commands[args.command](args, sys.stdout)
     except UsageError as e:
         print(f"nbdebug: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -103,6 +103,7 @@ def _magic(line: str) -> None:
 
         %nbdebug model batch [target] [--loss NAME]
         %nbdebug path/to/step-000123.nbsnap [--model NAME] [--loss NAME]
+        %nbdebug path/to/snapshots/ --model NAME     # a distributed run's per-rank files
         %nbdebug [--model NAME] [--loss NAME]
 
     ``model``, ``batch``, ``target`` and ``NAME`` are names (``a.b`` attributes allowed) from
@@ -284,10 +285,6 @@ def _snapshot(path: Any, model: Any, loss_fn: Any = None) -> Any:
     p = os.fspath(path)
     if not os.path.exists(p):
         raise MagicUsageError(f"no such file: {p}")
-    if os.path.isdir(p):
-        raise MagicUsageError(
-            f"{p} is a directory, not a snapshot file (nbdebug.list_snapshots lists its snapshots)."
-        )
     try:
         return debug(p, model=model, loss_fn=loss_fn)
     except SnapshotError as e:

@@ -249,6 +249,23 @@ def test_debugger_in_jupyterlab(tmp_path):
                 page.locator(".nbdebug-debugger").first.screenshot(
                     path=str(ARTIFACTS / "debugger.png")
                 )
+
+                # the Fixes tab: diagnose, the ranked table, try #1 shows the fixed step
+                page.locator(".nbdebug-debugger .lm-TabBar-tab", has_text="Fixes").click()
+                page.locator(".nbdebug-fixes button", has_text="diagnose").click()
+                table = page.locator(".nbdebug-fixes table.fixes").first
+                table.wait_for(state="visible", timeout=120_000)
+                first_row = table.locator("tr").nth(1).inner_text()
+                assert "epsilon" in first_row and "norm" in first_row, first_row
+                assert "(sd + 1e-06)" in page.locator(".nbdebug-fixes textarea").first.input_value()
+                page.locator(".nbdebug-fixes button", has_text="try #1").click()
+                page.wait_for_function(
+                    "() => document.querySelector('.nbdebug-debugger .nbdebug-badge')"
+                    ".innerText.trim() === 'healthy'",
+                    timeout=120_000,
+                )
+                header = page.locator(".nbdebug-debugger .nbdebug-header").first.inner_text()
+                assert "with fix #1 applied" in header, header
             except Exception:
                 page.screenshot(path=str(ARTIFACTS / "debugger-failure.png"), full_page=True)
                 raise

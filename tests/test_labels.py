@@ -166,6 +166,76 @@ def test_frame_layout_ranking_and_accessor():
     np.testing.assert_allclose(by_margin["label_quality"], by_margin["normalized_margin"])
 
 
+def f1_of(labels: np.ndarray, P: np.ndarray, truth: np.ndarray, **kw) -> float:
+    flags = flags_of(find_label_issues(labels, pred_probs=P, **kw))
+    tp = int((flags & truth).sum())
+    return 2 * tp / (int(flags.sum()) + int(truth.sum()))
+
+
+ALTERNATIVES = (
+    {"prune": "global"},
+    {"prune": "noise_rate"},
+    {"method": "predicted_neq_given"},
+)
+
+
+def test_default_is_at_least_as_good_as_the_alternatives_on_two_clear_cases():
+    # Case 1, confidence on different scales. Class 0 is easy (the model gives its samples
+    # 0.95), class 1 hard (0.6). Samples 40-43 are labelled 0 but look like a typical class 1
+    # (p = 0.4, 0.6); samples 84-87 are labelled 1, truly 1, and the model leans to 0 without
+    # confidence (p = 0.65, 0.35: far below class 0's threshold 0.9). The confident joint
+    # counts only 40-43 as issues (p_1 = 0.6 reaches t_1 = 0.577): 4 estimated. Ranking by
+    # raw self-confidence ("global") puts 0.35 below 0.4 and flags the four wrong ones; the
+    # threshold-normalised margin gives 0.4/0.9 - 0.6/0.577 = -0.60 against
+    # 0.35/0.577 - 0.65/0.9 = -0.12 and flags 40-43, as pruning by noise rate does (pair
+    # (0, 1), largest p_1 - p_0). predicted_neq_given flags all 8 disagreements.
+    P = np.array([[0.95, 0.05]] * 40 + [[0.4, 0.6]] * 44 + [[0.65, 0.35]] * 4)
+    y = np.array([0] * 44 + [1] * 44)
+    truth = np.zeros(88, dtype=bool)
+    truth[40:44] = True
+    f1 = {str(kw): f1_of(y, P, truth, **kw) for kw in ALTERNATIVES}
+    assert f1_of(y, P, truth) == 1.0
+    assert f1 == {
+        "{'prune': 'global'}": 0.0,
+        "{'prune': 'noise_rate'}": 1.0,
+        "{'method': 'predicted_neq_given'}": pytest.approx(2 / 3),
+    }
+    # Case 2, a per-class budget too large for its class. Class 0 is hard: 8 of its 18
+    # samples reach no threshold, so its one confident issue (sample 16, p_1 = 0.9) is
+    # calibrated to 2 issues in class 0 (1 of its 9 assigned samples, scaled to its 18).
+    # Pruning by noise rate spends both on class 0 and takes sample 17, a clean sample the
+    # model barely leans away from (0.42 against 0.48). Sample 38, labelled 1 but p_2 = 0.75
+    # (below class 2's threshold 0.95, so not in the confident joint), is the clearer issue:
+    # threshold margin 0.2/0.867 - 0.75/0.95 = -0.56 against 0.42/0.604 - 0.48/0.867 = +0.14
+    # for sample 17. The default keeps the estimated count (2) but takes 16 and 38, as the
+    # global ranking by self-confidence does (0.05, 0.2 < 0.42).
+    rows = [(0.8, 0.1, 0.1)] * 8 + [(0.5, 0.3, 0.2)] * 8 + [(0.05, 0.9, 0.05), (0.42, 0.48, 0.1)]
+    rows += [(0.05, 0.9, 0.05)] * 20 + [(0.05, 0.2, 0.75)] + [(0.02, 0.03, 0.95)] * 20
+    P = np.array(rows)
+    y = np.array([0] * 18 + [1] * 21 + [2] * 20)
+    truth = np.zeros(59, dtype=bool)
+    truth[[16, 38]] = True
+    assert find_label_issues(y, pred_probs=P).label_issues.n_estimated == 2
+    f1 = {str(kw): f1_of(y, P, truth, **kw) for kw in ALTERNATIVES}
+    assert f1_of(y, P, truth) == 1.0
+    assert f1 == {
+        "{'prune': 'global'}": 1.0,
+        "{'prune': 'noise_rate'}": 0.5,
+        "{'method': 'predicted_neq_given'}": pytest.approx(0.8),
+    }
+
+
+def test_threshold_margin_matches_a_hand_computation():
+    P = np.array([[0.4, 0.6, 0.0], [0.65, 0.35, 0.0], [0.2, 0.3, 0.5]])
+    y = np.array([0, 1, 1])
+    t = np.array([0.9, 0.5, np.inf])  # class 2 without examples contributes 0
+    np.testing.assert_allclose(
+        cl.threshold_margin(P, y, t),
+        [0.4 / 0.9 - 0.6 / 0.5, 0.35 / 0.5 - 0.65 / 0.9, 0.3 / 0.5 - 0.2 / 0.9],
+    )
+    np.testing.assert_array_equal(P[0], [0.4, 0.6, 0.0])  # the input is not written to
+
+
 def test_public_name():
     assert nbdebug.find_label_issues is find_label_issues
 

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "nbdebug"
-LAYER = {"core": 0, "analysis": 0, "figures": 1, "widgets": 2, "magics": 3, "cli": 3}
+LAYER = {
+    "core": 0,
+    "analysis": 0,
+    "figures": 1,
+    "widgets": 2,
+    "magics": 3,
+    "cli": 3,
+    "integrations": 3,
+}
 UI = ("ipywidgets", "plotly", "IPython", "anywidget")
 
 
@@ -160,9 +168,9 @@ def test_feature_tabs_are_found_in_their_panel_files_and_not_through_the_app() -
     from nbdebug.widgets.tabs import feature_tabs
 
     tabs = feature_tabs()
-    assert [t.title for t in tabs] == ["Checks", "Gradcheck", "Drift", "Labels"]
+    assert [t.title for t in tabs] == ["Checks", "Fixes", "Gradcheck", "Drift", "Labels"]
     assert {t.build.__module__ for t in tabs} == {
-        f"nbdebug.widgets.{m}" for m in ("checks", "gradcheck", "drift", "labels")
+        f"nbdebug.widgets.{m}" for m in ("checks", "fixes", "gradcheck", "drift", "labels")
     }
     for path in sorted((PKG / "widgets").glob("*.py")):
         if path.name == "app.py":

@@ -141,7 +141,7 @@ def test_snapshot_path_and_snapshot_object(shell, tmp_path, capsys):
     )
     shell.run_line_magic("nbdebug", f"{path} --model factory")
     dbg = magics.open_debuggers()[-1]
-    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Gradcheck"]
+    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Fixes", "Gradcheck"]
     assert (
         dbg.history is not None and dbg.history.failing_step == 6 and len(dbg.history.history) == 6
     )

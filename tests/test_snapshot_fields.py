@@ -54,20 +54,20 @@ def _write_today(tmp_path: Path) -> tuple[Path, nn.Module, torch.Tensor]:
 
 
 def _future_fields(since: int, *, required: bool = True) -> tuple[Field, ...]:
-    """Today's table plus two fields of the next format version (as the distributed
-    guard would add them): one with a default, one with a default factory."""
+    """Today's table plus two fields of the next format version (hypothetical ones, as a
+    new feature would add them): one with a default, one with a default factory."""
     return (
         *FIELDS,
         Field(
-            "rank",
+            "node",
             (int, NoneType),
-            "the process's rank (None: one process)",
+            "the process's node (None: one process)",
             since=since,
             required=required,
             default=None,
         ),
         Field(
-            "culprit_ranks",
+            "future_ranks",
             (list,),
             "ranks that saw the non-finite value first",
             since=since,
@@ -79,7 +79,7 @@ def _future_fields(since: int, *, required: bool = True) -> tuple[Field, ...]:
 def test_a_file_of_today_loads_after_a_field_is_added(tmp_path, monkeypatch):
     old, model, x = _write_today(tmp_path)
     raw = torch.load(old, weights_only=True)
-    assert raw["version"] == FORMAT_VERSION and "rank" not in raw
+    assert raw["version"] == FORMAT_VERSION and "node" not in raw
 
     monkeypatch.setattr(fmt, "FIELDS", _future_fields(FORMAT_VERSION + 1))
     assert fmt.format_version() == FORMAT_VERSION + 1
@@ -87,29 +87,29 @@ def test_a_file_of_today_loads_after_a_field_is_added(tmp_path, monkeypatch):
     # the old file reads with the new fields' defaults, everything else as written
     snap = load_snapshot(old, nn.Linear(3, 2))
     assert snap.version == FORMAT_VERSION
-    assert snap.rank is None and snap.culprit_ranks == []  # type: ignore[attr-defined]
+    assert snap.node is None and snap.future_ranks == []  # type: ignore[attr-defined]
     assert snap.step == 7 and snap.reason["message"] == "nan at 7"
     assert torch.equal(snap.inputs, x) and snap.history == [{"step": 6, "loss": 0.5}]
     assert snap.model is not None
     assert torch.equal(snap.model.weight, model.weight)
     assert snap.build_optimizer().param_groups[0]["lr"] == 0.1
     payload = read_payload(old)
-    assert payload["rank"] is None and payload["culprit_ranks"] == []
+    assert payload["node"] is None and payload["future_ranks"] == []
     # a default factory gives each snapshot its own list
-    assert load_snapshot(old).culprit_ranks is not snap.culprit_ranks  # type: ignore[attr-defined]
+    assert load_snapshot(old).future_ranks is not snap.future_ranks  # type: ignore[attr-defined]
     assert list_snapshots(tmp_path)["step"].tolist() == [7]
 
     # the new writer stores the producer's values under the next version
-    new = save_snapshot(tmp_path / "new.nbsnap", model, x, step=8, rank=1, culprit_ranks=[1])
+    new = save_snapshot(tmp_path / "new.nbsnap", model, x, step=8, node=1, future_ranks=[1])
     raw_new = torch.load(new, weights_only=True)
     assert raw_new["version"] == FORMAT_VERSION + 1
-    assert raw_new["rank"] == 1 and raw_new["culprit_ranks"] == [1]
+    assert raw_new["node"] == 1 and raw_new["future_ranks"] == [1]
     snap_new = load_snapshot(new)
-    assert snap_new.rank == 1 and snap_new.version == FORMAT_VERSION + 1  # type: ignore[attr-defined]
+    assert snap_new.node == 1 and snap_new.version == FORMAT_VERSION + 1  # type: ignore[attr-defined]
     # ... and a producer that gives nothing gets the defaults written
     plain = save_snapshot(tmp_path / "plain.nbsnap", model, x, step=9)
     raw_plain = torch.load(plain, weights_only=True)
-    assert raw_plain["rank"] is None and raw_plain["culprit_ranks"] == []
+    assert raw_plain["node"] is None and raw_plain["future_ranks"] == []
 
     # today's nbdebug refuses the newer file in one clear sentence
     monkeypatch.undo()
@@ -130,18 +130,18 @@ def test_required_and_optional_new_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(fmt, "FIELDS", _future_fields(nxt))
     # a file of the new version must hold a required new field ...
     with pytest.raises(
-        SnapshotError, match=r"incomplete snapshot: it lacks 'rank', 'culprit_ranks'"
+        SnapshotError, match=r"incomplete snapshot: it lacks 'node', 'future_ranks'"
     ):
         Snapshot.from_payload({**raw, "version": nxt}, "x.nbsnap")
     # ... an optional one may be left out by any file
     monkeypatch.setattr(fmt, "FIELDS", _future_fields(nxt, required=False))
-    with pytest.raises(SnapshotError, match=r"it lacks 'culprit_ranks'\.$"):
+    with pytest.raises(SnapshotError, match=r"it lacks 'future_ranks'\.$"):
         Snapshot.from_payload({**raw, "version": nxt})
-    snap = Snapshot.from_payload({**raw, "version": nxt, "culprit_ranks": [0]})
-    assert snap.rank is None and snap.culprit_ranks == [0]  # type: ignore[attr-defined]
+    snap = Snapshot.from_payload({**raw, "version": nxt, "future_ranks": [0]})
+    assert snap.node is None and snap.future_ranks == [0]  # type: ignore[attr-defined]
     # a new field of the wrong type is a corrupt file
-    with pytest.raises(SnapshotError, match=r"is corrupt: 'rank' should be int or None, got str"):
-        Snapshot.from_payload({**raw, "version": nxt, "rank": "one", "culprit_ranks": []})
+    with pytest.raises(SnapshotError, match=r"is corrupt: 'node' should be int or None, got str"):
+        Snapshot.from_payload({**raw, "version": nxt, "node": "one", "future_ranks": []})
 
 
 def test_the_writer_checks_fields_against_the_table(tmp_path, monkeypatch):
@@ -151,10 +151,10 @@ def test_the_writer_checks_fields_against_the_table(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match=r"writes the field 'model_state' from its own arguments"):
         save_snapshot(tmp_path / "a.nbsnap", model, model_state={})
     monkeypatch.setattr(fmt, "FIELDS", _future_fields(FORMAT_VERSION + 1))
-    with pytest.raises(TypeError, match=r"cannot write the snapshot: 'rank' should be int or None"):
-        save_snapshot(tmp_path / "a.nbsnap", model, rank="zero")
-    with pytest.raises(TypeError, match=r"'rank' should be int or None, got bool"):
-        save_snapshot(tmp_path / "a.nbsnap", model, rank=True)
+    with pytest.raises(TypeError, match=r"cannot write the snapshot: 'node' should be int or None"):
+        save_snapshot(tmp_path / "a.nbsnap", model, node="zero")
+    with pytest.raises(TypeError, match=r"'node' should be int or None, got bool"):
+        save_snapshot(tmp_path / "a.nbsnap", model, node=True)
     assert list(tmp_path.iterdir()) == []  # nothing written by a refused call
 
 
@@ -180,7 +180,7 @@ def test_from_payload_matches_load_snapshot(tmp_path):
     assert snap.path == old and snap.model is None
     assert snap.step == ref.step and snap.reason == ref.reason and snap.history == ref.history
     assert all(torch.equal(snap.model_state[k], v) for k, v in ref.model_state.items())
-    assert "rank" not in raw and validate_payload(raw) is not raw  # the input is not changed
+    assert "node" not in raw and validate_payload(raw) is not raw  # the input is not changed
     with pytest.raises(SnapshotError, match=r"<snapshot> is a torch file but not an nbdebug"):
         Snapshot.from_payload([1, 2])
     broken = {k: v for k, v in raw.items() if k != "history"}
@@ -206,8 +206,8 @@ def test_the_table_is_consistent():
 
 
 def test_bad_field_rows_are_refused():
-    with pytest.raises(ValueError, match=r"'rank' needs a default .* files older than version 2"):
-        Field("rank", (int,), "doc", since=2)
+    with pytest.raises(ValueError, match=r"'node' needs a default .* files older than version 2"):
+        Field("node", (int,), "doc", since=2)
     with pytest.raises(ValueError, match=r"'extra' needs a default .* files without it"):
         Field("extra", (int,), "doc", required=False)
     with pytest.raises(ValueError, match="use default_factory"):

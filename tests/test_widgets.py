@@ -84,7 +84,7 @@ def test_debugger_shows_the_trace_and_starts_at_the_first_event(bad_dbg):
     assert "LogNet" in head and f"{tr.n_params:,} parameters" in head and "Tensor(6, 8)" in head
     assert tr.summary().replace("<", "&lt;").replace(">", "&gt;") in head
     assert "nbdebug-badge-bad" in head
-    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks", "Gradcheck"]
+    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks", "Fixes", "Gradcheck"]
     assert bad_dbg.current_event is tr.events[0]
     assert bad_dbg.cursor.index == 0
     pts = norm_points(tr)
@@ -286,7 +286,7 @@ def test_add_tab_survives_rerun_and_bad_input(bad_dbg):
     bad_dbg.add_tab("Checks", extra)
     assert list(bad_dbg.tabs.titles)[-1] == "Checks" and bad_dbg.tabs.children[-1] is extra
     bad_dbg.rerun()
-    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks", "Gradcheck", "Checks"]
+    assert list(bad_dbg.tabs.titles) == ["Step", "Layers", "Checks", "Fixes", "Gradcheck", "Checks"]
     with pytest.raises(TypeError, match="ipywidget"):
         bad_dbg.add_tab("x", 3)
     with pytest.raises(TypeError, match="title"):
@@ -381,7 +381,7 @@ def test_snapshot_gets_a_history_tab(tmp_path):
         tmp_path, m, x, y, step=9, reason="loss is nan", history=history, loss_fn=F.cross_entropy
     )
     dbg = debug(path, model=LogNet)
-    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Gradcheck"]
+    assert list(dbg.tabs.titles) == ["Step", "Layers", "History", "Checks", "Fixes", "Gradcheck"]
     hist = dbg.history
     assert hist is not None and hist.failing_step == 9
     assert list(hist.history["step"]) == list(range(9))
@@ -398,6 +398,7 @@ def test_snapshot_gets_a_history_tab(tmp_path):
         "Step",
         "Layers",
         "Checks",
+        "Fixes",
         "Gradcheck",
     ]
     with pytest.raises(nbdebug.SnapshotError):

@@ -27,11 +27,16 @@ constant_feature        warning   feature std across the batch <= ``CONSTANT_STD
 unscaled_input          warning   floating input max - min > ``UNSCALED_RANGE`` (1e4)
 exp_overflow_risk       error     the first Inf made by exp/exp2/expm1/cosh/sinh
                         warning   input to Softmax/LogSoftmax/Softmin, or model output feeding a
-                                  hand-written (or Poisson log_input) loss, with abs > ``EXP_LIMIT``
-                                  (88.72 float32/bfloat16, 11.09 float16, 709.8 float64)
+                                  hand-written (or Poisson log_input) loss, with abs >
+                                  ``EXP_RISK_FRACTION`` (0.5) x ``EXP_LIMIT`` (88.72
+                                  float32/bfloat16, 11.09 float16, 709.8 float64): before the
+                                  overflow, where exp(x)**2 already overflows
 fp16_overflow_risk      error     the first Inf made in float16 (by a non-exp, non-division op)
                         warning   float16 activation abs > ``FP16_RISK_FRACTION`` (0.5) x 65504;
                                   float32 ones too when a GradScaler (float16 autocast) is in use
+bf16_precision_loss     warning   a bfloat16 module output whose std < ``BF16_SPREAD`` (2**-8) x
+                                  abs(mean), or a loss computed in bfloat16
+                                  (:mod:`~nbdebug.analysis.checks_precision`)
 dead_relu               warning   share of exact zeros after a ReLU > ``DEAD_RELU_ZERO_FRAC`` (0.9)
 saturated_activation    warning   tanh/sigmoid outputs within ``SATURATION_EPS`` (1e-3) of the
                                   bounds for > ``SATURATION_SHARE`` (0.5) of the elements (a
@@ -103,7 +108,14 @@ from ..core.guard import NaNGuard
 from ..core.result import Trace, TraceError
 from ..core.snapshot import Snapshot, SnapshotError
 from ..core.trace import trace as _trace
-from . import checks_data, checks_forward, checks_grad, checks_guard, checks_optim
+from . import (
+    checks_data,
+    checks_forward,
+    checks_grad,
+    checks_guard,
+    checks_optim,
+    checks_precision,
+)
 from .checks_base import (
     CHECK_EVERY,
     NEEDS,
@@ -139,6 +151,7 @@ __all__ = [
 FAMILIES: tuple[CheckFamily, ...] = (
     *checks_data.FAMILIES,
     *checks_forward.FAMILIES,
+    *checks_precision.FAMILIES,
     *checks_grad.FAMILIES,
     *checks_optim.FAMILIES,
     *checks_guard.FAMILIES,

@@ -12,6 +12,11 @@ Uncertainty in Dataset Labels" (JAIR 2021):
 * prune by noise rate: for every off-diagonal ``(i, j)``, the ``round(n * Q[i, j])``
   examples labelled ``i`` with the largest margin ``p_j - p_i`` are label issues.
 
+:func:`threshold_margin` carries the thresholds over from counting to ranking: an example
+is as suspicious as the most confident other class is, measured in units of that class's
+threshold (``p_j / t_j``), against its own label's (``p_i / t_i``), the comparison the
+confident joint makes when it assigns an example to a column.
+
 Every function takes ``pred_probs`` of shape ``(n, K)`` (float) and ``labels`` of shape
 ``(n,)`` (int64, values in ``0..K-1``), already validated.
 """
@@ -135,6 +140,25 @@ def prune_by_noise_rate(
     return flagged
 
 
+def threshold_margin(
+    pred_probs: np.ndarray, labels: np.ndarray, thresholds: np.ndarray
+) -> np.ndarray:
+    """``p_i / t_i - max_{j != i} p_j / t_j`` per example, ``i`` its given label; shape ``(n,)``.
+
+    Negative when some other class is more confident, relative to its threshold, than the
+    given label is to its own: the per-class thresholds of the confident joint put the
+    probabilities of classes the model is more or less sure of on one scale. A class
+    without examples (``t = inf``) contributes 0; a threshold of 0 is taken as the smallest
+    positive float.
+    """
+    t = np.maximum(thresholds, np.finfo(np.float64).tiny)
+    scaled = pred_probs / t[None, :]
+    rows = np.arange(len(labels))
+    own = scaled[rows, labels]
+    scaled[rows, labels] = -np.inf
+    return own - scaled.max(axis=1)
+
+
 def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` most probable classes per example, most probable first.
 
@@ -156,10 +180,11 @@ def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
 def prune_global(scores: np.ndarray, candidates: np.ndarray, n_remove: int) -> np.ndarray:
     """Boolean mask ``(n,)``: the ``n_remove`` candidates with the lowest ``scores``.
 
-    With ``scores`` the self-confidence, ``candidates`` the samples whose most probable
-    class is not their label and ``n_remove`` the calibrated estimate of the number of
-    issues (``n * (1 - trace(Q))``), this prunes by the estimated noise rate with one
-    ranking over all classes instead of one per (given, true) pair.
+    With ``candidates`` the samples whose most probable class is not their label and
+    ``n_remove`` a number of issues (the calibrated estimate ``n * (1 - trace(Q))``, or the
+    number pruning by noise rate finds), this prunes with one ranking over all classes
+    instead of one per (given, true) pair; ``scores`` is the self-confidence or
+    :func:`threshold_margin`.
     """
     flagged = np.zeros(len(scores), dtype=bool)
     idx = np.flatnonzero(candidates)

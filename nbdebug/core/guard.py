@@ -58,6 +58,13 @@ from typing import Any
 import torch
 
 from .batch import check_model
+from .distributed import (
+    KIND_BITS,
+    REMOTE_KIND,
+    RankAgreement,
+    local_tensor,
+    unwrap_data_parallel,
+)
 from .guard_step import (
     ACTIONS,
     GuardOptions,
@@ -67,6 +74,7 @@ from .guard_step import (
     Verdict,
 )
 from .norms import fused_norms, total_norm
+from .snapshot import autocast_state
 from .snapshot_format import parse_recipe
 from .state import RngState, unique_parameters
 from .text import fmt_num
@@ -208,6 +216,27 @@ class NaNGuard:
         other history rows hold ``None``. Reading all weights is a pass over memory as
         long as the gradient check itself: every 10th step keeps the guard near 1 % of a
         step. ``1``: every step.
+    process_group : torch.distributed.ProcessGroup, None or False
+        Distributed training (see :mod:`nbdebug.core.distributed`): every rank's ``check()``
+        joins one tiny ``all_reduce`` so that all ranks skip a step that any rank found
+        non-finite, and each writes its own snapshot (``step-000000003-rank1.nbsnap``).
+        ``None``: a DDP model's group, else the default group when ``torch.distributed`` is
+        initialised; ``False``: no agreement (this rank decides alone). A DDP/DataParallel
+        wrapper is unwrapped: snapshots hold the inner module's state.
+    check_replicas_every : int or None
+        Distributed: every this many steps compare a fingerprint of every parameter across
+        the ranks (one ``all_gather``); the first that differs is a
+        :class:`~nbdebug.core.distributed.ReplicaMismatch` finding (a warning, the history
+        row's ``"replicas"``, :attr:`replica_findings`). ``None``: off.
+    timeout : float, optional
+        Distributed: seconds every collective of the agreement waits for the other ranks
+        (default 300) before raising :class:`~nbdebug.core.distributed.RankError` naming the
+        rank(s) that did not answer.
+    async_save : bool
+        Copy a snapshot's tensors to the CPU during the step and write the file on a
+        background thread, so that a run that goes on (``on_nonfinite="continue"``) is
+        not blocked by the disk. :meth:`close` waits for the writes and raises the first
+        error; a process that exits waits for them too.
 
     Attributes
     ----------
@@ -221,6 +250,8 @@ class NaNGuard:
     options : GuardOptions
         The decision rules (``patience``, ``on_nonfinite``, ``min_scale``, ...).
     checks : StepChecks or None
+    agreement : RankAgreement or None
+        The distributed agreement (``None``: this process decides alone).
 
     Examples
     --------
@@ -248,7 +279,14 @@ class NaNGuard:
         max_snapshots: int | None = 20,
         checks: Any = False,
         param_norm_every: int = 10,
+        process_group: Any = None,
+        check_replicas_every: int | None = None,
+        timeout: float | None = None,
+        async_save: bool = False,
     ):
+        wrapper = model
+        if isinstance(model, torch.nn.Module):
+            model = unwrap_data_parallel(model)
         self.model = check_model(model)
         self.optimizer, self.scaler, self.scheduler = _training_objects(
             optimizer, scaler, scheduler
@@ -273,6 +311,7 @@ class NaNGuard:
             max_snapshots=max_snapshots,
             loss_fn=loss_fn,
             recipe=parse_recipe(recipe, recipe_kwargs),
+            async_save=async_save,
         )
         self.checks: StepChecks | None = self.resolve_checks(checks)
         if self.checks is not None:
@@ -300,6 +339,18 @@ class NaNGuard:
         self._device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
         self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
         self._rng_cuda = self._cuda_rng()
+        self.agreement = RankAgreement.create(
+            wrapper,
+            list(self.model.named_parameters()),
+            process_group,
+            timeout=timeout,
+            check_replicas_every=check_replicas_every,
+        )
+
+    @property
+    def replica_findings(self) -> list[Any]:
+        """The replica check's findings so far (empty when it is off)."""
+        return self.agreement.replica_findings if self.agreement is not None else []
 
     @staticmethod
     def resolve_checks(checks: Any) -> StepChecks | None:
@@ -374,6 +425,11 @@ class NaNGuard:
         step : int, optional
             The step number (default: one more than the last).
 
+        Called inside a ``torch.autocast`` block, the guard records its state (device
+        type, dtype) and its snapshots replay under it (``snap.autocast``); outside it,
+        set ``guard.writer.fields["autocast"] = {"device_type": "cuda", "dtype":
+        "bfloat16"}`` once.
+
         Returns
         -------
         bool
@@ -386,6 +442,9 @@ class NaNGuard:
             ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
         """
         step = self._step_number(step)
+        if torch.is_autocast_enabled(self._device.type):
+            # checked inside the autocast block: the snapshots replay under this state
+            self.writer.fields["autocast"] = autocast_state(self._device.type)
         measure_params = self._checks % self.options.param_norm_every == 0
         self._checks += 1
         reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))
@@ -427,10 +486,14 @@ class NaNGuard:
         )
 
     def _grads(self) -> list[torch.Tensor]:
-        grads = [g for g in (p.grad for p in self._params) if g is not None]
+        # an FSDP2 gradient is a DTensor: this rank measures its own shard, no collective
+        grads = [local_tensor(g) for g in (p.grad for p in self._params) if g is not None]
         if any(g.is_sparse for g in grads):  # nn.Embedding(sparse=True)
             grads = [g.coalesce()._values() if g.is_sparse else g for g in grads]
         return grads
+
+    def _local_params(self) -> list[torch.Tensor]:
+        return [local_tensor(p) for p in self._params]
 
     def measure_step(self, loss: Any, *, step: int, measure_params: bool = True) -> StepReading:
         """Read the step: loss, total gradient norm (unscaled), weight norm (when
@@ -455,7 +518,7 @@ class NaNGuard:
         with torch.no_grad():
             parts = [loss_t, total_norm(grads, device=dev)]
             if measure_params:
-                parts.append(total_norm(self._params, device=dev))
+                parts.append(total_norm(self._local_params(), device=dev))
         if isinstance(scale, torch.Tensor):
             parts.append(scale.detach().reshape(()).to(dev, torch.float32))
         lr: Any = None
@@ -474,7 +537,7 @@ class NaNGuard:
         if math.isinf(gnorm):
             gnorm = self._exact_norm(grads)
         if pnorm is not None and math.isinf(pnorm):
-            pnorm = self._exact_norm(self._params)
+            pnorm = self._exact_norm(self._local_params())
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
         return StepReading(
@@ -488,9 +551,31 @@ class NaNGuard:
         )
 
     def agree(self, reading: StepReading) -> StepReading:
-        """The reading the decision acts on. One process: its own. (The seam where ranks
-        of a distributed run agree on one verdict.)"""
-        return reading
+        """The reading the decision acts on. One process: its own. Distributed: the same
+        reading with ``ranks`` set, every rank's local verdict from one ``all_reduce(MAX)``
+        (see :mod:`nbdebug.core.distributed`), which :meth:`decide` turns into the same
+        decision on every rank. The replica check runs here when it is due."""
+        ag = self.agreement
+        if ag is None:
+            return reading
+        bits = 0
+        if reading.loss_bad:
+            bits |= KIND_BITS["loss"]
+        if not math.isfinite(reading.grad_norm) and self.scaler is None:
+            bits |= KIND_BITS["grad"]  # with a scaler, an overflow is the scaler's business
+        if reading.param_norm is not None and not math.isfinite(reading.param_norm):
+            bits |= KIND_BITS["weights"]
+        outcome = ag.agree(reading.step, bits)
+        if ag.due(reading.step):
+            outcome.checked_replicas = True
+            outcome.replicas = ag.compare_replicas(
+                reading.step, list(self.model.named_parameters())
+            )
+            if outcome.replicas is not None:
+                import warnings
+
+                warnings.warn(outcome.replicas.message, RuntimeWarning, stacklevel=3)
+        return dataclasses.replace(reading, ranks=outcome)
 
     def _record(self, reading: StepReading) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -504,6 +589,11 @@ class NaNGuard:
             "nonfinite": None,
             "time": time.time(),
         }
+        if reading.ranks is not None:
+            row["rank"] = reading.ranks.rank
+            if reading.ranks.checked_replicas:
+                found = reading.ranks.replicas
+                row["replicas"] = found.parameter if found is not None else "equal"
         self.history.append(row)
         return row
 
@@ -511,7 +601,9 @@ class NaNGuard:
         """Fail, or go on: what is not finite (an element-wise look only on a non-finite
         reading) and the GradScaler rules (an overflow the scaler skips is no failure until
         ``scaler_patience`` in a row or a scale below ``min_scale``). Updates the scaler
-        streak."""
+        streak. Distributed (``reading.ranks`` set by :meth:`agree`): a step that another
+        rank found non-finite fails here too, ``kind="rank"``; ``detail["distributed"]``
+        says who saw what (the snapshot's distributed fields)."""
         opts = self.options
         scale = reading.scale
         verdict = Verdict(reading=reading)
@@ -536,6 +628,17 @@ class NaNGuard:
             verdict.detail["message_extra"] = (
                 f"the scale fell to {fmt_num(scale, none='None')} (< min_scale={opts.min_scale:g})"
             )
+        ranks = reading.ranks
+        if ranks is not None and ranks.any_bad:  # another rank (or this one) was not finite
+            if verdict.kind is None:
+                _, verdict.detail = self._diagnose(verdict.reading)
+                verdict.detail["message_extra"] = ranks.message(reading.step)
+                verdict.kind = REMOTE_KIND
+                if verdict.reading.param_norm is None:
+                    norms = verdict.detail["param_norms"].values()
+                    pnorm = math.sqrt(sum(v * v for v in norms))
+                    verdict.reading = dataclasses.replace(verdict.reading, param_norm=pnorm)
+            verdict.detail["distributed"] = ranks.record(list(self.model.named_parameters()))
         return verdict
 
     @torch.no_grad()
@@ -555,15 +658,21 @@ class NaNGuard:
 
         weights = {}
         if pnorm is None or not math.isfinite(pnorm):
-            weights = bad_of([(names.get(id(p), "?"), p.detach()) for p in self._params])
-        with_grad = [(names.get(id(p), "?"), p.grad) for p in self._params if p.grad is not None]
+            weights = bad_of(
+                [(names.get(id(p), "?"), local_tensor(p).detach()) for p in self._params]
+            )
+        with_grad = [
+            (names.get(id(p), "?"), local_tensor(p.grad))
+            for p in self._params
+            if p.grad is not None
+        ]
         bad_grads = bad_of([(n, g) for n, g in with_grad]) if not math.isfinite(gnorm) else {}
         grad_norms = {}
         if with_grad:
             norms = fused_norms([g for _, g in with_grad], dtype=torch.float64).tolist()
             div = scale if scale is not None and scale > 0 and self.scaler is not None else 1.0
             grad_norms = {n: v / div for (n, _), v in zip(with_grad, norms)}
-        weight_norms = fused_norms([p.detach() for p in self._params], dtype=torch.float64)
+        weight_norms = fused_norms([t.detach() for t in self._local_params()], dtype=torch.float64)
         detail: dict[str, Any] = {
             "nonfinite_weights": weights,
             "nonfinite_grads": bad_grads,
@@ -598,6 +707,8 @@ class NaNGuard:
                 f"({fmt_num(loss, none='None')}): "
                 f"{listing(detail['nonfinite_grads'])}"
             )
+        if kind == REMOTE_KIND:
+            return str(detail.get("message_extra", ""))
         return f"GradScaler scale collapsing at step {step}: {detail.get('message_extra', '')}"
 
     def _passed(self) -> None:
@@ -619,6 +730,12 @@ class NaNGuard:
         assert kind is not None
         message = self._message(kind, step, reading.loss, detail)
         detail.pop("message_extra", None)
+        distributed = detail.pop("distributed", None)  # snapshot fields of their own
+        if distributed is not None and kind != REMOTE_KIND:
+            message += (
+                f" (rank {distributed['rank']} of {distributed['world_size']}; culprit rank(s) "
+                f"{distributed['culprit_ranks']}: every rank skips this step)"
+            )
         reason: dict[str, Any] = {
             "kind": kind,
             "message": message,
@@ -635,7 +752,9 @@ class NaNGuard:
         rng = RngState.capture()
         rng.torch_cpu = self._rng_torch  # the state at the start of the failing step
         rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
-        path = self.writer.write(self, step, reason, inputs, target, rng=rng)
+        path = self.writer.write(
+            self, step, reason, inputs, target, rng=rng, distributed=distributed
+        )
         self.bad_streak += 1
         if self._streak_first is None:
             self._streak_first = (path, step, reason)
@@ -661,6 +780,19 @@ class NaNGuard:
             raise err
         return False
 
+    def close(self) -> None:
+        """Wait for the snapshots still being written (``async_save``); raise ``OSError``
+        naming the first write that failed."""
+        self.writer.close()
+
+    def mark_step_start(self) -> None:
+        """Record the RNG states now as the start of the coming step (what a replay of its
+        snapshot restores). :meth:`check` records them after each step by itself; call this
+        when the loop draws random numbers between steps (data loading, a trainer
+        callback's ``on_train_batch_start``)."""
+        self._rng_torch = torch.get_rng_state()
+        self._rng_cuda = self._cuda_rng()
+
     def clear_grads(self) -> None:
         """Set every gradient of the model (and optimizer) to ``None``: an optimizer step
         then leaves those parameters unchanged."""
@@ -682,8 +814,7 @@ class NaNGuard:
         RNG state at the start of the block is what a replay uses.
         """
         s = GuardedStep(self, inputs, target, step)
-        self._rng_torch = torch.get_rng_state()
-        self._rng_cuda = self._cuda_rng()
+        self.mark_step_start()
         yield s
         self._finish(s)
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 import abc
 import math
 import os
+import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .distributed import SNAPSHOT_FIELDS, Agreement, full_tensors, is_dtensor
 from .snapshot import save_snapshot
-from .snapshot_format import unique_path
+from .snapshot_data import cpu_copy
+from .snapshot_format import atomic_save, unique_path
 from .state import RngState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +48,9 @@ class StepReading:
         The GradScaler's scale (``None`` without an enabled scaler).
     scaled : bool
         Whether the gradients were still multiplied by ``scale`` when read.
+    ranks : Agreement or None
+        Distributed: every rank's local verdict on this step (set by ``NaNGuard.agree``;
+        ``None`` for one process).
     """
 
     step: int
@@ -53,6 +60,7 @@ class StepReading:
     lr: float | None
     scale: float | None
     scaled: bool = False
+    ranks: Agreement | None = None
 
     @property
     def loss_bad(self) -> bool:
@@ -76,8 +84,9 @@ class Verdict:
     ----------
     reading : StepReading
         What the decision acted on (on a bad step with the weight norm measured).
-    kind : {"loss", "grad", "weights", "scale"} or None
-        The failure, or ``None`` (go on and step).
+    kind : {"loss", "grad", "weights", "scale", "rank"} or None
+        The failure, or ``None`` (go on and step); ``"rank"``: another rank's values were
+        not finite (distributed).
     scaler_skip : bool
         The GradScaler skips this overflow step itself (not a failure).
     detail : dict
@@ -146,7 +155,12 @@ def _positive_int(v: Any) -> bool:
 
 class SnapshotWriter:
     """Writes the snapshot of a failing step (at most ``max_snapshots``); ``paths`` lists
-    what it wrote. The one place a guard touches the disk."""
+    what it wrote. The one place a guard touches the disk.
+
+    With ``async_save`` the snapshot's tensors are copied to the CPU during the step and
+    the file is written on a background thread (atomically: a crash leaves no file under
+    the final name); :meth:`close` waits for the writes and raises the first error.
+    The threads are not daemons: a process that exits waits for them."""
 
     def __init__(
         self,
@@ -155,12 +169,21 @@ class SnapshotWriter:
         max_snapshots: int | None,
         loss_fn: Callable[..., Any] | None,
         recipe: dict[str, Any] | None,
+        async_save: bool = False,
     ) -> None:
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False; got {async_save!r}.")
         self.directory = Path(directory)
         self.max_snapshots = max_snapshots
         self.loss_fn = loss_fn
         self.recipe = recipe
+        self.async_save = async_save
         self.paths: list[Path] = []
+        #: (path, exception) of background writes that failed (raised by :meth:`close`)
+        self.errors: list[tuple[Path, BaseException]] = []
+        self._threads: list[threading.Thread] = []
+        #: further snapshot fields by key (``"trainer"``, ...), written into every snapshot
+        self.fields: dict[str, Any] = {}
 
     def write(
         self,
@@ -171,14 +194,29 @@ class SnapshotWriter:
         target: Any,
         *,
         rng: RngState,
+        distributed: Mapping[str, Any] | None = None,
     ) -> Path | None:
         """Save the snapshot of ``step`` (the guard's model, optimizer, scaler, scheduler
         and history, the batch, ``rng`` as of the start of the step); ``None`` once
-        ``max_snapshots`` files were written."""
+        ``max_snapshots`` files were written.
+
+        ``distributed`` (the agreement's record: ``rank``, ``world_size``, ``local_first``,
+        ``culprit_ranks``, ...) goes into the snapshot fields of those names and names the
+        file ``step-...-rankN.nbsnap``. A sharded (FSDP2) model's state is gathered whole
+        first: every rank writes at the same step, so every rank joins the all-gathers."""
         if self.max_snapshots is not None and len(self.paths) >= self.max_snapshots:
             return None
+        fields = (
+            {k: distributed[k] for k in SNAPSHOT_FIELDS if k in distributed} if distributed else {}
+        )
+        rank = fields.get("rank")
+        model_state = optimizer_state = None
+        if any(is_dtensor(p) for p in guard.model.parameters()):
+            model_state = full_tensors(guard.model.state_dict())
+            if guard.optimizer is not None:
+                optimizer_state = full_tensors(guard.optimizer.state_dict())
         path = save_snapshot(
-            unique_path(self.directory, step),
+            unique_path(self.directory, step, rank=rank),
             guard.model,
             inputs,
             target,
@@ -191,6 +229,41 @@ class SnapshotWriter:
             recipe=self.recipe,
             loss_fn=self.loss_fn,
             rng=rng,
+            state_dict=model_state,
+            optimizer_state_dict=optimizer_state,
+            write=self._write_in_background if self.async_save else None,
+            **self.fields,
+            **fields,
         )
         self.paths.append(path)
         return path
+
+    def _write_in_background(self, payload: dict[str, Any], path: Path) -> Path:
+        payload = cpu_copy(payload)  # training goes on and changes the live tensors
+
+        def run() -> None:
+            try:
+                atomic_save(payload, path)
+            except BaseException as e:  # surfaced by close()
+                self.errors.append((path, e))
+                warnings.warn(
+                    f"nbdebug: writing the snapshot {path} failed: {e}",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+
+        thread = threading.Thread(target=run, name=f"nbdebug-snapshot-{path.name}")
+        thread.start()
+        self._threads.append(thread)
+        return path
+
+    def close(self) -> None:
+        """Wait for the background writes; raise ``OSError`` naming the first that failed."""
+        while self._threads:
+            self._threads.pop(0).join()
+        if self.errors:
+            path, error = self.errors[0]
+            raise OSError(
+                f"the background write of the snapshot {path} failed "
+                f"({type(error).__name__}: {error}); {len(self.errors)} write(s) failed."
+            ) from error

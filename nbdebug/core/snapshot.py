@@ -22,7 +22,7 @@ import copy
 import datetime as _dt
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,9 @@ def save_snapshot(
     recipe: Any = None,
     loss_fn: Any = None,
     rng: RngState | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state_dict: Mapping[str, Any] | None = None,
+    write: Callable[[dict[str, Any], Path], Path] | None = None,
     **fields: Any,
 ) -> Path:
     """Write one snapshot file atomically and return its path.
@@ -104,6 +107,13 @@ def save_snapshot(
         Stored by import path when it has one (see :func:`loss_spec`).
     rng : RngState, optional
         RNG states to store (default: the current ones).
+    state_dict, optimizer_state_dict : dict, optional
+        Stored instead of ``model.state_dict()`` / ``optimizer.state_dict()``: e.g. the
+        whole state gathered from a sharded (FSDP2) model.
+    write : callable, optional
+        ``write(payload, path) -> path`` writes the finished dictionary (default:
+        :func:`~nbdebug.core.snapshot_format.atomic_save`, now; the guard's
+        ``async_save`` copies it to the CPU and writes it on a background thread).
     **fields
         Values of further fields of the snapshot table
         (:data:`nbdebug.core.snapshot_format.FIELDS`), by key; stored as plain data.
@@ -143,13 +153,25 @@ def save_snapshot(
         "step": None if step is None else int(step),
         "time": time.time(),
         "reason": to_plain(reason, "reason", dropped, clone=False),
-        "model_state": to_plain(dict(model.state_dict()), "model_state", dropped, clone=False),
+        "model_state": to_plain(
+            dict(state_dict if state_dict is not None else model.state_dict()),
+            "model_state",
+            dropped,
+            clone=False,
+        ),
         "model_class": object_name(type(model))
         or f"{type(model).__module__}:{type(model).__qualname__}",
         "model_training": bool(model.training),
         "inputs": to_plain(inputs, "inputs", dropped, clone=True),
         "target": to_plain(target, "target", dropped, clone=True),
-        "optimizer": to_plain(optimizer.state_dict(), "optimizer", dropped, clone=False)
+        "optimizer": to_plain(
+            dict(optimizer_state_dict)
+            if optimizer_state_dict is not None
+            else optimizer.state_dict(),
+            "optimizer",
+            dropped,
+            clone=False,
+        )
         if optimizer is not None
         else None,
         "optimizer_class": _class_name(optimizer),
@@ -175,7 +197,7 @@ def save_snapshot(
             )
         values[key] = to_plain(value, key, dropped, clone=True)
     values["dropped"] = dropped
-    return atomic_save(build_payload(values), target_path)
+    return (write or atomic_save)(build_payload(values), target_path)
 
 
 def _class_name(obj: Any) -> str | None:
@@ -307,6 +329,45 @@ def load_snapshot(
     return snap
 
 
+def autocast_state(device_type: str) -> dict[str, str] | None:
+    """The active autocast state of ``device_type`` as the snapshot's ``autocast`` field
+    (``{"device_type": ..., "dtype": "bfloat16"}``), or ``None`` when autocast is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return {"device_type": device_type, "dtype": str(dtype).replace("torch.", "")}
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype=dtype)`` runs on this machine (CUDA
+    bfloat16 needs an Ampere or newer GPU)."""
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return False
+    if device_type == "cuda" and dtype == torch.bfloat16:
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device_type == "cpu":
+        return dtype in (torch.bfloat16, torch.float16)
+    return True
+
+
+def replay_autocast(spec: Mapping[str, Any] | None, device: torch.device) -> Any:
+    """The autocast context a replay on ``device`` runs in: the recorded dtype (``spec``,
+    the ``autocast`` field) on ``device``'s type; a null context for ``None``."""
+    import contextlib
+
+    if spec is None:
+        return contextlib.nullcontext()
+    name = str(spec["dtype"])
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not autocast_supported(device.type, dtype):
+        raise SnapshotError(
+            f"this snapshot's step ran under {name} autocast ({spec['device_type']}); "
+            f"expected a {device.type} device that supports {name} autocast, found one that "
+            "does not: replay on such a machine, or call snap.trace(autocast=False)."
+        )
+    return torch.autocast(device.type, dtype=dtype)
+
+
 HISTORY_COLUMNS = ("step", "loss", "grad_norm", "param_norm", "lr", "scale", "skipped")
 
 
@@ -379,6 +440,14 @@ class Snapshot:
     recipe: dict[str, Any] | None
     loss_fn_spec: dict[str, Any] | None
     dropped: list[str]
+    rank: int | None
+    world_size: int | None
+    local_first: bool | None
+    culprit_ranks: list[int]
+    rank_kinds: dict[str, list[str]]
+    fingerprints: dict[str, Any] | None
+    trainer: dict[str, Any] | None
+    autocast: dict[str, Any] | None
 
     def __init__(
         self,
@@ -532,15 +601,26 @@ class Snapshot:
                 f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
             ) from e
 
-    def trace(self, loss_fn: Any = None) -> Any:
+    def trace(self, loss_fn: Any = None, *, autocast: bool = True) -> Any:
         """Replay the failing step: reload the stored weights and train flag, set the RNGs
         to the step's states, and run :func:`nbdebug.trace` on the stored batch (moved to
-        the model's device). The caller's RNG states are put back afterwards.
+        the model's device), under the step's autocast state (``self.autocast``: the
+        same dtype, on the model's device type). The caller's RNG states are put back
+        afterwards.
 
         Parameters
         ----------
         loss_fn : callable, optional
             Overrides the recorded loss function.
+        autocast : bool
+            ``False``: replay in the model's own dtypes even when the step ran under
+            autocast.
+
+        Raises
+        ------
+        SnapshotError
+            The step ran under an autocast dtype (bfloat16, float16) that this machine's
+            device does not support.
 
         Returns
         -------
@@ -561,10 +641,12 @@ class Snapshot:
         target = to_device(self.target, device)
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn = loss_fn.to(device)
+        context = replay_autocast(self.autocast if autocast else None, device)
         caller = RngState.capture()
         try:
             self.restore_rng()
-            return _trace(model, inputs, target=target, loss_fn=loss_fn)
+            with context:
+                return _trace(model, inputs, target=target, loss_fn=loss_fn)
         finally:
             caller.restore()
 

@@ -88,6 +88,33 @@ def to_plain(obj: Any, path: str, dropped: list[str], *, clone: bool) -> Any:
     return None
 
 
+def cpu_copy(obj: Any, memo: dict[Any, torch.Tensor] | None = None) -> Any:
+    """``obj`` (tensors in dicts, lists and tuples) with every tensor copied to the CPU, so
+    that it can be written while training goes on. Tensors that share memory (tied
+    weights) stay shared in the copy."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            str(t.device),
+        )
+        if key not in memo:
+            memo[key] = t.to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_copy(v, memo) for v in obj)
+    return obj
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` (tensors in dicts, lists and tuples) with every tensor moved to ``device``."""
     if isinstance(obj, torch.Tensor):

@@ -241,6 +241,13 @@ def _check_recipe(value: dict[str, Any] | None) -> None:
         raise ValueError("its recipe is not {'factory': str, 'kwargs': dict}")
 
 
+def _check_autocast(value: dict[str, Any] | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value.get("device_type"), str) or not isinstance(value.get("dtype"), str):
+        raise ValueError("its autocast state is not {'device_type': str, 'dtype': str}")
+
+
 #: The snapshot's fields, in the order they are written. Add a field: see the module doc.
 FIELDS: tuple[Field, ...] = (
     Field("step", (int, NoneType), "the training step (None: not known)", default=None),
@@ -333,6 +340,69 @@ FIELDS: tuple[Field, ...] = (
         (list,),
         "paths of values that could not be stored as plain data (stored as None)",
         default_factory=list,
+    ),
+    # a distributed run (nbdebug.core.distributed): one file per rank for the same step
+    Field(
+        "rank",
+        (int, NoneType),
+        "the process's rank in its torch.distributed group (None: a single process)",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "world_size",
+        (int, NoneType),
+        "the number of ranks (None: a single process)",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "local_first",
+        (bool, NoneType),
+        "this rank saw the non-finite value itself, before the ranks' agreement (False: "
+        "only through it; None: a single process)",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "culprit_ranks",
+        (list,),
+        "the ranks that caused the bad step (their loss or weights, else their gradients, "
+        "were not finite)",
+        since=2,
+        default_factory=list,
+    ),
+    Field(
+        "rank_kinds",
+        (dict,),
+        "every rank's local verdict: {'0': ['grad'], '1': ['loss'], ...}",
+        since=2,
+        default_factory=dict,
+    ),
+    Field(
+        "fingerprints",
+        (dict, NoneType),
+        "an exact fingerprint per replicated parameter: {'names': [str], 'values': int64 "
+        "tensor (n, 2)}, compared across ranks by nbdebug.compare_ranks",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "trainer",
+        (dict, NoneType),
+        "the trainer that ran the step: {'framework', 'version', 'global_step', 'args': "
+        "its arguments (TrainingArguments, Trainer flags) as plain data}",
+        since=3,
+        default=None,
+    ),
+    Field(
+        "autocast",
+        (dict, NoneType),
+        "the autocast state of the step's forward: {'device_type': str, 'dtype': str} "
+        "(None: no autocast)",
+        since=3,
+        default=None,
+        check=_check_autocast,
     ),
 )
 
@@ -587,17 +657,26 @@ def parse_recipe(recipe: Any, kwargs: Mapping[str, Any] | None = None) -> dict[s
 # --------------------------------------------------------------------------- files
 
 
-def snapshot_name(step: int | None) -> str:
-    """File name of the snapshot of ``step``: ``step-000048213.nbsnap``."""
+def snapshot_name(step: int | None, rank: int | None = None) -> str:
+    """File name of the snapshot of ``step``: ``step-000048213.nbsnap``; of one rank of a
+    distributed run: ``step-000048213-rank1.nbsnap``."""
+    tail = f"-rank{rank}{SUFFIX}" if rank is not None else SUFFIX
     if step is None:
-        return "snapshot-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + SUFFIX
-    return f"step-{step:09d}{SUFFIX}" if step >= 0 else f"step-m{-step:09d}{SUFFIX}"
+        return "snapshot-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + tail
+    return f"step-{step:09d}{tail}" if step >= 0 else f"step-m{-step:09d}{tail}"
 
 
-def unique_path(directory: str | os.PathLike[str], step: int | None) -> Path:
-    """A path in ``directory`` for the snapshot of ``step`` that no file holds yet."""
+#: ``...-rankN.nbsnap``: the rank of a distributed run's snapshot file, from its name.
+RANK_NAME = re.compile(r"-rank(\d+)(?:-\d+)?\.nbsnap$")
+
+
+def unique_path(
+    directory: str | os.PathLike[str], step: int | None, *, rank: int | None = None
+) -> Path:
+    """A path in ``directory`` for the snapshot of ``step`` (of ``rank``) that no file
+    holds yet."""
     d = Path(directory)
-    base = d / snapshot_name(step)
+    base = d / snapshot_name(step, rank)
     path, n = base, 1
     while path.exists():
         path = base.with_name(f"{base.stem}-{n}{SUFFIX}")

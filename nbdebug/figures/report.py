@@ -12,11 +12,12 @@ import html
 import math
 from typing import Any
 
+from ..analysis.diagnose import Diagnosis
 from ..core.batch import describe
 from ..core.result import Trace
 from ..core.snapshot import Snapshot
 from ..core.text import fmt_num, row_numbers
-from .palette import MUTED_TEXT, RED, RULE, TEXT
+from .palette import MUTED_TEXT, OK, RED, RULE, TEXT
 
 
 def largest(values: dict[str, float], k: int = 10) -> list[tuple[str, float]]:
@@ -179,7 +180,66 @@ table.facts th {{ color: {MUTED_TEXT}; white-space: nowrap; }}
 .bad {{ color: {RED}; font-weight: 600; }}
 .note {{ color: #666; font-style: italic; }}
 .cols {{ display: flex; gap: 3em; flex-wrap: wrap; }}
+table.fixes pre {{ margin: 0; font-size: .85em; white-space: pre-wrap; }}
+table.fixes tr.finite td.finite {{ color: {OK}; font-weight: 600; }}
 """
+
+
+def diagnosis_table(d: Diagnosis) -> str:
+    """The ranked rows of a :class:`~nbdebug.analysis.diagnose.Diagnosis` as an HTML table
+    (rank, kind, module, rows, finite, loss, gradient norm, cost, the change, the snippet
+    to paste, the note)."""
+    if not isinstance(d, Diagnosis):
+        raise TypeError(f"diagnosis_table expects a Diagnosis; got {type(d).__qualname__}.")
+    head = [
+        "rank",
+        "kind",
+        "module",
+        "rows",
+        "finite",
+        "loss",
+        "grad norm",
+        "cost",
+        "change",
+        "snippet",
+        "note",
+    ]
+    body = []
+    for _, r in d.to_frame().iterrows():
+        cost = "-" if r["cost"] is None or r["cost"] != r["cost"] else f"{r['cost']:.2f}x"
+        cells = [
+            html.escape(str(r["rank"])),
+            html.escape(str(r["kind"])),
+            html.escape(str(r["module"])),
+            html.escape(row_numbers(list(r["rows"]), 16) or "-"),
+            "yes" if r["finite"] else '<span class="bad">no</span>',
+            html.escape(fmt_num(r["loss"])),
+            html.escape(fmt_num(r["grad_norm"])),
+            cost,
+            html.escape(str(r["change"])),
+            f"<pre>{html.escape(str(r['snippet']))}</pre>",
+            html.escape(str(r["note"])),
+        ]
+        cls = "finite" if r["finite"] else ""
+        body.append(
+            f'<tr class="{cls}">'
+            + "".join(
+                f'<td class="finite">{c}</td>' if i == 4 else f"<td>{c}</td>"
+                for i, c in enumerate(cells)
+            )
+            + "</tr>"
+        )
+    ths = "".join(f"<th>{h}</th>" for h in head)
+    return f'<table class="fixes"><tr>{ths}</tr>{"".join(body)}</table>'
+
+
+def diagnosis_section(d: Diagnosis) -> str:
+    """The "Verified fixes" part of the report: the cause in one sentence and the table."""
+    notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in d.notes)
+    return (
+        "<h2>Verified fixes (each replayed on the failing step)</h2>"
+        f"<p><b>Cause:</b> {html.escape(d.cause.statement)}</p>{diagnosis_table(d)}{notes}"
+    )
 
 
 def report_html(
@@ -189,6 +249,7 @@ def report_html(
     note: str | None = None,
     rows: int = 20,
     top: int = 10,
+    diagnosis: Diagnosis | None = None,
 ) -> str:
     """One self-contained HTML page about a snapshot.
 
@@ -204,6 +265,8 @@ def report_html(
         History rows in the table.
     top : int
         Entries in each largest-norms table.
+    diagnosis : Diagnosis, optional
+        :func:`nbdebug.diagnose` of the snapshot: adds the ranked table of verified fixes.
 
     Returns
     -------
@@ -237,6 +300,8 @@ def report_html(
         parts.append(_table(origin_facts(trace)))
     if note:
         parts.append(f'<p class="note">{html.escape(note)}</p>')
+    if diagnosis is not None:
+        parts.append(diagnosis_section(diagnosis))
 
     parts.append("<h2>History</h2>")
     if snap.history:

@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
@@ -30,6 +30,9 @@ from .layers import LayersPanel
 from .step import StepPanel
 from .style import STYLE
 from .tabs import TabContext, add_feature_tabs
+
+if TYPE_CHECKING:
+    from .ranks import RanksDebugger
 
 TraceSource = Callable[[], Trace]
 
@@ -158,6 +161,7 @@ class Debugger:
                 + (f" of step {failing_step}" if failing_step is not None else "")
                 + (f": {reason}" if reason else "")
             )
+        self._label: str | None = None
         self._extra: list[tuple[str, widgets.Widget]] = []
         self._header_extra = ""
         self._panels: dict[str, Any] = {}
@@ -198,8 +202,9 @@ class Debugger:
         self._layout_tabs()
 
     def _render_header(self) -> None:
+        line = " · ".join(x for x in (self._snapshot_line, self._label) if x) or None
         self.header.value = header_html(
-            self.trace, error=self.error, snapshot=self._snapshot_line, extra=self._header_extra
+            self.trace, error=self.error, snapshot=line, extra=self._header_extra
         )
 
     def set_header_extra(self, html_text: str) -> None:
@@ -273,16 +278,26 @@ class Debugger:
         self.rerun_button.disabled = True
         try:
             trace, error = _run(self._source, self.trace.model_name)
-            old = (self.step.widget, self.layers.widget)
-            self.trace, self.error = trace, error
-            self._build_panels()
-            for w in old:
-                close_widgets(w)
         finally:
             self.rerun_button.disabled = False
+        self.show_trace(trace, error=error)
+        return self.trace
+
+    def show_trace(
+        self, trace: Trace, *, error: str | None = None, label: str | None = None
+    ) -> None:
+        """Show ``trace`` in the Step and Layers tabs (e.g. the step with a fix applied,
+        from the Fixes tab), with ``label`` under the header; re-run goes back to the
+        source. The tabs that follow re-runs are refreshed too."""
+        if not isinstance(trace, Trace):
+            raise TypeError(f"show_trace expects an nbdebug Trace; got {type(trace).__qualname__}.")
+        old = (self.step.widget, self.layers.widget)
+        self.trace, self.error, self._label = trace, error, label
+        self._build_panels()
+        for w in old:
+            close_widgets(w)
         for cb in self._callbacks:
             cb(self)
-        return self.trace
 
     def close(self) -> None:
         """Close every widget of the debugger (they stop using kernel memory)."""
@@ -315,14 +330,17 @@ def debug(
     pred_probs: Any = None,
     journal: str | os.PathLike[str] = "labels.journal.jsonl",
     backend: str | None = None,
-) -> Debugger:
+) -> Debugger | RanksDebugger:
     """Open the debugger.
 
     Parameters
     ----------
     obj : torch.nn.Module, Snapshot, str or os.PathLike, or Trace
         A model (then ``inputs`` is its batch: a tensor, tuple/list or dict, as for
-        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, or a recorded trace.
+        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, a directory of a
+        distributed run's per-rank snapshots (``step-...-rankN.nbsnap``: a
+        :class:`~nbdebug.widgets.ranks.RanksDebugger` with a rank selector and the
+        :func:`nbdebug.compare_ranks` table in its header), or a recorded trace.
     inputs, target, loss_fn
         As for :func:`nbdebug.trace` (model only; a snapshot takes ``loss_fn`` to override
         the recorded loss function).
@@ -344,9 +362,9 @@ def debug(
 
     Returns
     -------
-    Debugger
-        A model that raises gives a debugger showing the ``TraceError`` message and the
-        partial trace.
+    Debugger or RanksDebugger
+        A directory gives a :class:`~nbdebug.widgets.ranks.RanksDebugger`. A model that
+        raises gives a debugger showing the ``TraceError`` message and the partial trace.
     """
     import torch
 
@@ -376,8 +394,22 @@ def debug(
         # bad arguments (not a module, empty batch, no loss) raise here, before any widget
         tr, err = _run(source, type(net).__name__)
         dbg = Debugger(tr, error=err, source=source, backend=backend)
-        add_feature_tabs(dbg, replace(tabs, model=net, inputs=inputs))
+        add_feature_tabs(
+            dbg, replace(tabs, model=net, inputs=inputs, target=target, loss_fn=loss_fn)
+        )
         return dbg
+    if isinstance(obj, (str, os.PathLike)) and os.path.isdir(obj):
+        from .ranks import RanksDebugger  # a distributed run's per-rank snapshots
+
+        if inputs is not None or target is not None:
+            raise TypeError("debug(directory) takes no inputs or target: the snapshots hold them.")
+
+        def open_rank(path: Any) -> Debugger:
+            one = debug(path, model=model, loss_fn=loss_fn, backend=backend)
+            assert isinstance(one, Debugger)  # a file: one snapshot's debugger
+            return one
+
+        return RanksDebugger(obj, open_rank, model=model, loss_fn=loss_fn)
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
 
@@ -405,7 +437,9 @@ def debug(
             reason=reason,
             backend=backend,
         )
-        add_feature_tabs(dbg, replace(tabs, model=snap.model, inputs=snap.inputs))
+        add_feature_tabs(
+            dbg, replace(tabs, model=snap.model, inputs=snap.inputs, loss_fn=loss_fn, snapshot=snap)
+        )
         return dbg
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..figures.palette import GREEN, HIGHLIGHT, PURPLE, RED
+from ..figures.palette import GREEN, HIGHLIGHT, MUTED_TEXT, PURPLE, RED, RULE
 
 STYLE = f"""<style>
 .nbdebug-events select {{ font-family: var(--jp-code-font-family, monospace); font-size: 12px; }}
@@ -25,4 +25,11 @@ STYLE = f"""<style>
 .nbdebug-params .nbdebug-bad {{ color: {RED}; font-weight: bold; }}
 .nbdebug-params .nbdebug-warn {{ color: {PURPLE}; }}
 .nbdebug-params .nbdebug-selected {{ background: {HIGHLIGHT}; }}
+.nbdebug-fixes table.fixes {{ border-collapse: collapse; font-size: 12px; }}
+.nbdebug-fixes table.fixes td, .nbdebug-fixes table.fixes th {{
+  padding: 2px 8px; text-align: left; border-bottom: 1px solid {RULE}; vertical-align: top;
+}}
+.nbdebug-fixes table.fixes pre {{ margin: 0; font-size: 11px; white-space: pre-wrap; }}
+.nbdebug-fixes .bad {{ color: {RED}; font-weight: 600; }}
+.nbdebug-fixes .note {{ color: {MUTED_TEXT}; font-style: italic; }}
 </style>"""

@@ -27,6 +27,9 @@ class TabContext:
 
     model: Any = None
     inputs: Any = None
+    target: Any = None
+    loss_fn: Any = None
+    snapshot: Any = None  # the Snapshot the debugger replays, if any
     reference: Any = None
     labels: Any = None
     pred_probs: Any = None

@@ -1,0 +1,132 @@
+"""What the trainer callbacks share: the framework check, the guard they build, the batch
+of the step, and the stub that stands in for a callback whose framework is missing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..analysis.checks_guard import NaNGuard
+
+__all__ = [
+    "StepBatch",
+    "check_options",
+    "check_version",
+    "make_guard",
+    "missing_framework",
+    "split_batch",
+]
+
+#: NaNGuard arguments that a callback takes from its trainer, not from the user
+FROM_TRAINER = ("model", "optimizer", "scheduler", "scaler")
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def check_version(name: str, found: str, low: str, high: str) -> None:
+    """Raise ``ImportError`` when ``found`` is outside ``[low, high)``, in one sentence."""
+    v = _version_tuple(found)
+    if not (_version_tuple(low) <= v < _version_tuple(high)):
+        raise ImportError(
+            f"nbdebug's {name} callback supports {name} >={low},<{high}; found {name} {found}."
+        )
+
+
+def check_options(callback: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The callback's ``**guard_options``, checked against :class:`nbdebug.NaNGuard`'s
+    keyword arguments (a wrong name fails when the callback is made, not mid-training)."""
+    import inspect
+
+    accepted = [p for p in inspect.signature(NaNGuard.__init__).parameters if p != "self"]
+    for key in options:
+        if key in FROM_TRAINER or key == "directory":
+            raise TypeError(
+                f"{callback} takes {key!r} from the trainer (directory= is its own argument); "
+                f"got {key}= among the guard options."
+            )
+        if key not in accepted:
+            allowed = ", ".join(k for k in accepted if k not in (*FROM_TRAINER, "directory"))
+            raise TypeError(f"{callback} got an unknown guard option {key!r}; expected {allowed}.")
+    return dict(options)
+
+
+def missing_framework(module: str, framework: str, extra: str, error: ImportError) -> type:
+    """A stand-in ``NaNGuardCallback`` whose construction raises ``ImportError`` with the
+    install hint (the framework could not be imported)."""
+
+    class NaNGuardCallback:
+        """Stand-in: the framework is not installed (see the ``ImportError`` it raises)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ImportError(
+                f"{module}.NaNGuardCallback needs {framework}, which cannot be imported "
+                f"({error}): pip install nbdebug[{extra}]"
+            ) from error
+
+    NaNGuardCallback.__module__ = module
+    return NaNGuardCallback
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a batch: a pair ``(x, y)`` is inputs and target; anything else
+    (a tensor, a dict of model keyword arguments, a longer tuple) is the inputs alone."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    return batch, None
+
+
+def _finite(loss: Any) -> bool:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return bool(torch.isfinite(loss.detach()).all())
+    return True
+
+
+class StepBatch:
+    """The micro-batch an optimizer step is reported with: the first one whose loss was not
+    finite, else the last one (gradient accumulation feeds several per step)."""
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+        self.loss: Any = None
+        self.bad = False
+
+    def reset(self) -> None:
+        self.batch, self.loss, self.bad = None, None, False
+
+    def add(self, batch: Any, loss: Any = None) -> None:
+        """Record a micro-batch (and its loss, once known: see :meth:`set_loss`)."""
+        if not self.bad:
+            self.batch, self.loss = batch, loss
+
+    def set_loss(self, loss: Any) -> None:
+        """The loss of the last recorded micro-batch."""
+        if self.bad:
+            return
+        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        self.bad = not _finite(self.loss)
+
+
+def make_guard(
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    directory: Any,
+    options: dict[str, Any],
+    unwrap: Callable[[Any], Any] = lambda o: o,
+) -> NaNGuard:
+    """The guard of a callback: ``nbdebug.NaNGuard`` on the trainer's model, optimizer and
+    scheduler with the callback's options (``on_nonfinite`` defaults to ``"skip"``)."""
+    options = dict(options)
+    return NaNGuard(
+        model,
+        unwrap(optimizer),
+        scheduler=unwrap(scheduler),
+        directory=directory,
+        **options,
+    )

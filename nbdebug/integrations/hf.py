@@ -1,0 +1,209 @@
+"""``NaNGuardCallback`` for ``transformers.Trainer`` (``pip install nbdebug[hf]``).
+
+>>> from nbdebug.integrations.hf import NaNGuardCallback
+>>> trainer = transformers.Trainer(model, args, train_dataset=ds,
+...                                callbacks=[NaNGuardCallback(directory="snapshots")])
+>>> trainer.train()                   # a NaN step is a no-op and written to snapshots/
+>>> snap = nbdebug.load_snapshot("snapshots/step-000000012.nbsnap", model=make_model)
+>>> snap.trace().origin
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import StepBatch, check_options, check_version, make_guard, missing_framework
+
+__all__ = ["SUPPORTED", "NaNGuardCallback"]
+
+#: the transformers versions this callback supports, ``[low, high)``
+SUPPORTED = ("4.41", "6.0")
+_log = logging.getLogger("nbdebug")
+
+
+def _unwrap(obj: Any) -> Any:
+    """The torch optimizer / scheduler inside accelerate's wrappers."""
+    if obj is None or not type(obj).__module__.startswith("accelerate"):
+        return obj
+    return getattr(obj, "optimizer", None) or getattr(obj, "scheduler", None) or obj
+
+
+def _loss_of(output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss
+
+
+try:
+    import transformers
+except ImportError as _error:  # the extra is not installed
+    NaNGuardCallback: Any = missing_framework(__name__, "transformers", "hf", _error)
+else:
+
+    class NaNGuardCallback(transformers.TrainerCallback):  # type: ignore[no-redef]
+        """Run :class:`nbdebug.NaNGuard` on every optimizer step of a ``transformers.Trainer``.
+
+        The guard checks in ``on_pre_optimizer_step`` (after the backward and the gradient
+        clipping, before ``optimizer.step()``). The Trainer has no "skip this step"
+        control, so on a bad step (with ``on_nonfinite="skip"``, the default) the callback
+        sets every gradient to ``None``: ``optimizer.step()`` then skips every parameter
+        (a torch optimizer passes over a parameter whose ``.grad`` is ``None``: no update,
+        no AdamW moment or weight-decay change), so the step is a no-op for the weights.
+        The learning-rate scheduler still steps and ``state.global_step`` still counts it.
+        The skip is logged to the ``"nbdebug"`` Python logger, and the Trainer logs that
+        step (``control.should_log``) with ``nbdebug/skipped`` (1.0) added: in
+        ``state.log_history`` and for the callbacks after this one (the console printer,
+        and reporters added after it; those of ``report_to``, which the Trainer puts first,
+        see that row without it).
+
+        The snapshot holds the batch the Trainer fed the model (read by a forward hook
+        on the model while it trains, removed at the end of training; the keyword
+        arguments the model was called with: the batch, labels included, and what
+        ``compute_loss`` adds such as ``num_items_in_batch``; under gradient accumulation
+        the first micro-batch whose loss was not finite, else the last), the
+        ``TrainingArguments`` as plain data (``snap.trainer["args"]``), the optimizer and
+        the learning-rate scheduler states, and the autocast state under ``bf16=True`` /
+        ``fp16=True`` (``snap.autocast``).
+
+        Parameters
+        ----------
+        directory : str or PathLike
+            Where snapshots go (``step-000000012.nbsnap``; step = ``state.global_step``).
+        **guard_options
+            Further :class:`nbdebug.NaNGuard` options (``patience``, ``on_nonfinite``,
+            ``max_snapshots``, ``checks``, ...). The model, optimizer and scheduler come
+            from the Trainer.
+
+        Attributes
+        ----------
+        guard : nbdebug.NaNGuard or None
+            The guard (made when training starts).
+        skipped : list of int
+            The steps whose update was skipped.
+        """
+
+        def __init__(
+            self, directory: str | os.PathLike[str] = "nbdebug-snapshots", **guard_options: Any
+        ):
+            check_version("transformers", transformers.__version__, *SUPPORTED)
+            self.directory = Path(directory)
+            self.guard_options = check_options("NaNGuardCallback", guard_options)
+            self.guard: Any = None
+            self.skipped: list[int] = []
+            self._batch = StepBatch()
+            self._hook: Any = None
+            self._unlogged = 0
+
+        def __repr__(self) -> str:
+            return (
+                f"hf NaNGuardCallback(directory={str(self.directory)!r}, "
+                f"{len(self.skipped)} skipped step(s))"
+            )
+
+        # a Lightning Trainer calls this first: the wrong trainer
+        def setup(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            raise TypeError(
+                "nbdebug.integrations.hf.NaNGuardCallback expects a transformers.Trainer; it "
+                f"was attached to a {type(trainer).__module__}.{type(trainer).__qualname__}: "
+                "use nbdebug.integrations.lightning.NaNGuardCallback there."
+            )
+
+        # what a Lightning Trainer reads while it fails on setup(): nothing to do
+        state_key = "nbdebug.integrations.hf.NaNGuardCallback"
+
+        def on_exception(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def teardown(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def _record(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                self._batch.add(dict(kwargs) if kwargs and not args else (args or kwargs))
+                loss = _loss_of(output)
+                if loss is not None:
+                    self._batch.set_loss(loss)
+
+        def _remove_hook(self) -> None:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            model = kwargs.get("model")
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(
+                    "nbdebug.integrations.hf.NaNGuardCallback expects the Trainer to pass its "
+                    f"model (a torch.nn.Module); found {type(model).__qualname__}."
+                )
+            self.guard = make_guard(
+                model,
+                kwargs.get("optimizer"),
+                kwargs.get("lr_scheduler"),
+                directory=self.directory,
+                options=self.guard_options,
+                unwrap=_unwrap,
+            )
+            self.guard.writer.fields["trainer"] = {
+                "framework": "transformers",
+                "version": transformers.__version__,
+                "global_step": int(state.global_step),
+                "args": args.to_dict(),
+            }
+            dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+            if dtype is not None:
+                device = next((p.device.type for p in model.parameters()), "cpu")
+                self.guard.writer.fields["autocast"] = {"device_type": device, "dtype": dtype}
+            self._remove_hook()
+            self._hook = model.register_forward_hook(self._record, with_kwargs=True)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._remove_hook()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.guard is not None:
+                self.guard.mark_step_start()
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.guard is None:
+                return
+            step = int(state.global_step)
+            inputs, loss = self._batch.batch, self._batch.loss
+            self._batch.reset()
+            self.guard.writer.fields["trainer"]["global_step"] = step
+            try:
+                ok = self.guard.check(loss, inputs=inputs, step=step)
+            except BaseException:
+                self._remove_hook()  # on_train_end will not come
+                raise
+            if ok or self.guard.on_nonfinite == "continue":
+                return
+            self.skipped.append(step)
+            self._unlogged += 1
+            _log.warning(
+                "nbdebug: step %d made a no-op (non-finite %s); snapshot %s",
+                step,
+                self.guard.history[-1].get("nonfinite"),
+                self.guard.snapshots[-1] if self.guard.snapshots else None,
+            )
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if self._unlogged:
+                control.should_log = True  # the skip goes into the log of its own step
+            return control
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
+        ) -> None:
+            if isinstance(logs, dict) and self._unlogged:
+                logs["nbdebug/skipped"] = float(self._unlogged)
+                history = getattr(state, "log_history", None)
+                if history and history[-1].get("step") == state.global_step:
+                    history[-1]["nbdebug/skipped"] = float(self._unlogged)
+                self._unlogged = 0

@@ -1,0 +1,169 @@
+"""``NaNGuardCallback`` for the Lightning ``Trainer`` (``pip install nbdebug[lightning]``).
+
+>>> from nbdebug.integrations.lightning import NaNGuardCallback
+>>> trainer = lightning.Trainer(callbacks=[NaNGuardCallback(directory="snapshots")])
+>>> trainer.fit(module, loader)       # a NaN step is skipped and written to snapshots/
+>>> snap = nbdebug.load_snapshot("snapshots/step-000000012.nbsnap", model=MyModule)
+>>> snap.trace().origin
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from .base import (
+    StepBatch,
+    check_options,
+    check_version,
+    make_guard,
+    missing_framework,
+    split_batch,
+)
+
+__all__ = ["SUPPORTED", "NaNGuardCallback"]
+
+#: the Lightning versions this callback supports, ``[low, high)``
+SUPPORTED = ("2.0", "3.0")
+_log = logging.getLogger("nbdebug")
+
+try:
+    import lightning
+    import lightning.pytorch as pl
+except ImportError as _error:  # the extra is not installed
+    NaNGuardCallback: Any = missing_framework(__name__, "Lightning", "lightning", _error)
+else:
+    _PRECISION_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+
+    class NaNGuardCallback(pl.Callback):  # type: ignore[no-redef]
+        """Run :class:`nbdebug.NaNGuard` on every optimizer step of a Lightning ``Trainer``.
+
+        The guard checks in ``on_before_optimizer_step``: after the backward (the closure
+        has run) and, under ``precision="16-mixed"``, after the GradScaler unscaled the
+        gradients, before the optimizer updates the weights. On a bad step it writes a
+        snapshot with the step's batch (the one ``training_step`` received; under
+        gradient accumulation the first micro-batch whose loss was not finite, else the
+        last), and, with ``on_nonfinite="skip"`` (the default), sets every gradient to
+        ``None``: Lightning then still calls ``optimizer.step()``, and a torch optimizer
+        skips each parameter whose ``.grad`` is ``None`` (no update, no momentum or Adam
+        moment change, no weight decay), so the step is a no-op for the weights. The skip
+        is logged to the trainer's loggers as ``nbdebug/skipped`` (1.0) at the step, and
+        to the ``"nbdebug"`` Python logger.
+
+        The optimizer's learning-rate scheduler still steps (Lightning steps it after the
+        optimizer). With several optimizers, the first one is guarded.
+
+        Parameters
+        ----------
+        directory : str or PathLike
+            Where snapshots go (``step-000000012.nbsnap``; step = ``trainer.global_step``).
+        **guard_options
+            Further :class:`nbdebug.NaNGuard` options (``patience``, ``on_nonfinite``,
+            ``loss_fn``, ``recipe``, ``max_snapshots``, ``checks``, ...). The model,
+            optimizer, scheduler and GradScaler come from the trainer.
+
+        Attributes
+        ----------
+        guard : nbdebug.NaNGuard or None
+            The guard (made when training starts).
+        skipped : list of int
+            The steps whose update was skipped.
+        """
+
+        def __init__(
+            self, directory: str | os.PathLike[str] = "nbdebug-snapshots", **guard_options: Any
+        ):
+            check_version("lightning", lightning.__version__, *SUPPORTED)
+            self.directory = Path(directory)
+            self.guard_options = check_options("NaNGuardCallback", guard_options)
+            self.guard: Any = None
+            self.skipped: list[int] = []
+            self._batch = StepBatch()
+
+        def __repr__(self) -> str:
+            return (
+                f"lightning NaNGuardCallback(directory={str(self.directory)!r}, "
+                f"{len(self.skipped)} skipped step(s))"
+            )
+
+        # a transformers.Trainer calls this first: the wrong trainer
+        def on_init_end(self, *args: Any, **kwargs: Any) -> None:
+            raise TypeError(
+                "nbdebug.integrations.lightning.NaNGuardCallback expects a Lightning Trainer; "
+                "it was attached to a transformers.Trainer: use "
+                "nbdebug.integrations.hf.NaNGuardCallback there."
+            )
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if not isinstance(trainer, pl.Trainer):
+                raise TypeError(
+                    "nbdebug.integrations.lightning.NaNGuardCallback expects a "
+                    f"lightning.pytorch.Trainer; it was attached to a {type(trainer).__module__}."
+                    f"{type(trainer).__qualname__}."
+                )
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            optimizer = trainer.optimizers[0] if trainer.optimizers else None
+            configs = getattr(trainer, "lr_scheduler_configs", None) or []
+            scheduler = configs[0].scheduler if configs else None
+            options = dict(self.guard_options)
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None:
+                options.setdefault("scaler", scaler)
+            self.guard = make_guard(
+                pl_module, optimizer, scheduler, directory=self.directory, options=options
+            )
+            self.guard.writer.fields["trainer"] = {
+                "framework": "lightning",
+                "version": lightning.__version__,
+                "global_step": int(trainer.global_step),
+                "args": {
+                    "precision": str(trainer.precision),
+                    "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+                    "gradient_clip_val": trainer.gradient_clip_val,
+                    "max_steps": int(trainer.max_steps),
+                    "max_epochs": trainer.max_epochs,
+                    "hparams": dict(getattr(pl_module, "hparams", {}) or {}),
+                },
+            }
+            dtype = _PRECISION_DTYPES.get(str(trainer.precision))
+            if dtype is not None:
+                device = next((p.device.type for p in pl_module.parameters()), "cpu")
+                self.guard.writer.fields["autocast"] = {"device_type": device, "dtype": dtype}
+
+        def on_train_batch_start(
+            self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if self.guard is None:
+                return
+            if self._batch.batch is None:  # the first micro-batch of an optimizer step
+                self.guard.mark_step_start()
+            self._batch.add(batch)
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._batch.set_loss(loss)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if self.guard is None:
+                return
+            step = int(trainer.global_step)
+            inputs, target = split_batch(self._batch.batch)
+            loss = self._batch.loss
+            self._batch.reset()
+            self.guard.writer.fields["trainer"]["global_step"] = step
+            if self.guard.check(loss, inputs=inputs, target=target, step=step):
+                return
+            if self.guard.on_nonfinite == "continue":
+                return
+            self.skipped.append(step)
+            reason = self.guard.history[-1].get("nonfinite")
+            _log.warning(
+                "nbdebug: step %d skipped (non-finite %s); snapshot %s",
+                step,
+                reason,
+                self.guard.snapshots[-1] if self.guard.snapshots else None,
+            )
+            for logger in trainer.loggers:
+                logger.log_metrics({"nbdebug/skipped": 1.0}, step=step)

@@ -1,0 +1,201 @@
+"""nbdebug.integrations.hf.NaNGuardCallback on a real transformers.Trainer (CPU, a tiny GPT-2
+built from a config): the NaN step is made a no-op, written with the batch the Trainer fed,
+its TrainingArguments and scheduler state, and replays to the same origin in a fresh
+process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", reason="the nbdebug[hf] extra is not installed")
+pytest.importorskip("accelerate", reason="the nbdebug[hf] extra (accelerate) is not installed")
+
+import nbdebug  # noqa: E402
+from nbdebug.integrations.hf import NaNGuardCallback  # noqa: E402
+
+N, BATCH, STEPS, BAD = 24, 4, 6, 13  # dataset row BAD holds a NaN
+
+
+def make_model() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=32,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        embeds = torch.randn(8, 16, generator=g)
+        if i == BAD:
+            embeds[3, 5] = float("nan")
+        return {"inputs_embeds": embeds, "labels": torch.randint(0, 32, (8,), generator=g)}
+
+
+class WeightWatch(transformers.TrainerCallback):
+    """Which optimizer steps changed the weights (runs after the guard's callback)."""
+
+    def __init__(self) -> None:
+        self.changed: dict[int, bool] = {}
+        self._before: list[torch.Tensor] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._before = [p.detach().clone() for p in kw["model"].parameters()]
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        after = list(kw["model"].parameters())
+        changed = any(not torch.equal(a, p) for a, p in zip(self._before, after))
+        self.changed[int(state.global_step)] = changed
+
+
+def arguments(out: Path, **kw: Any) -> Any:
+    return transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        dataloader_num_workers=0,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("hf")
+    cb, watch, model = NaNGuardCallback(directory=tmp / "snaps"), WeightWatch(), make_model()
+    trainer = transformers.Trainer(
+        model=model, args=arguments(tmp / "out"), train_dataset=Rows(), callbacks=[cb, watch]
+    )
+    trainer.train()
+    return {"cb": cb, "watch": watch, "model": model, "dir": tmp / "snaps", "trainer": trainer}
+
+
+def test_the_nan_step_is_a_no_op(run: dict[str, Any]) -> None:
+    cb, watch = run["cb"], run["watch"]
+    assert len(cb.skipped) == 1
+    (k,) = cb.skipped
+    assert watch.changed[k] is False  # AdamW with weight decay skipped every parameter
+    assert all(watch.changed[i] for i in range(STEPS) if i != k)
+    assert all(bool(torch.isfinite(p).all()) for p in run["model"].parameters())
+    logged = [row for row in run["trainer"].state.log_history if "nbdebug/skipped" in row]
+    assert [row["nbdebug/skipped"] for row in logged] == [1.0]
+    assert run["model"]._forward_hooks_with_kwargs == {}  # the batch hook is gone
+
+
+def test_the_snapshot_holds_the_fed_batch_args_and_scheduler(run: dict[str, Any]) -> None:
+    (path,) = run["cb"].guard.snapshots
+    snap = nbdebug.load_snapshot(path, model=make_model)
+    assert snap.step == run["cb"].skipped[0] and snap.reason["kind"] == "loss"
+    embeds = snap.inputs["inputs_embeds"]
+    assert embeds.shape == (BATCH, 8, 16) and {"inputs_embeds", "labels"} <= set(snap.inputs)
+    rows = torch.isnan(embeds).flatten(1).any(1).nonzero().flatten().tolist()
+    assert len(rows) == 1 and torch.equal(
+        embeds[rows[0]].nan_to_num(), Rows()[BAD]["inputs_embeds"].nan_to_num()
+    )
+    assert snap.trainer is not None and snap.trainer["framework"] == "transformers"
+    args = snap.trainer["args"]
+    assert args["max_steps"] == STEPS and args["per_device_train_batch_size"] == BATCH
+    assert args["learning_rate"] == 1e-2 and args["weight_decay"] == 0.1
+    assert snap.scheduler_class == "torch.optim.lr_scheduler:LambdaLR"
+    assert snap.scheduler_state is not None and snap.scheduler_state["last_epoch"] == snap.step
+    assert snap.optimizer_class == "torch.optim.adamw:AdamW"
+
+
+def test_the_snapshot_replays_to_the_same_origin_in_a_fresh_process(run: dict[str, Any]) -> None:
+    (path,) = run["cb"].guard.snapshots
+    snap = nbdebug.load_snapshot(path, model=make_model)
+    embeds = snap.inputs["inputs_embeds"]
+    row = torch.isnan(embeds).flatten(1).any(1).nonzero().flatten().tolist()
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import nbdebug
+        from test_integrations_hf import make_model
+        o = nbdebug.load_snapshot({str(path)!r}, model=make_model).trace().origin
+        print(json.dumps({{"phase": o.phase, "module": o.module, "samples": o.samples}}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    origin = json.loads(out.stdout.strip().splitlines()[-1])
+    assert origin == {"phase": "input", "module": "", "samples": row}
+
+
+def test_an_unsupported_transformers_version_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transformers, "__version__", "3.5.1")
+    with pytest.raises(
+        ImportError, match=r"supports transformers >=4.41,<6.0; found transformers 3.5.1\."
+    ):
+        NaNGuardCallback(directory="x")
+
+
+def test_attached_to_a_lightning_trainer_it_says_so() -> None:
+    L = pytest.importorskip("lightning", reason="the nbdebug[lightning] extra is not installed")
+    trainer = L.Trainer(
+        max_steps=1,
+        callbacks=[NaNGuardCallback()],
+        logger=False,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, i: int) -> Any:
+            return self.lin(batch).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    with pytest.raises(TypeError, match=r"expects a transformers\.Trainer; it was attached to a "):
+        trainer.fit(module, [torch.zeros(1)])
+
+
+def test_a_bad_guard_option_is_refused() -> None:
+    with pytest.raises(TypeError, match="takes 'model' from the trainer"):
+        NaNGuardCallback(model=nn.Linear(2, 2))
+
+
+def test_without_transformers_the_callback_raises_the_install_hint() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from nbdebug.integrations.hf import NaNGuardCallback\n"
+        "try:\n    NaNGuardCallback(directory='x')\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "needs transformers" in out.stdout and "pip install nbdebug[hf]" in out.stdout

@@ -1,0 +1,214 @@
+"""nbdebug.integrations.lightning.NaNGuardCallback on a real Lightning Trainer (CPU): a NaN
+made at step K is skipped, written with its batch, logged, and replays to the same origin in
+a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+L = pytest.importorskip("lightning", reason="the nbdebug[lightning] extra is not installed")
+from lightning.pytorch.loggers.logger import Logger  # noqa: E402
+
+import nbdebug  # noqa: E402
+from nbdebug.integrations.lightning import NaNGuardCallback  # noqa: E402
+
+K = 3  # the step whose batch makes a NaN
+BAD_ROW = 1  # the row of that batch
+BATCH = 4
+STEPS = 6
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.log_in = Log()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(self.log_in(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(BATCH * STEPS, 4, generator=g) + 0.5
+    y = torch.randn(BATCH * STEPS, 1, generator=g)
+    x[K * BATCH + BAD_ROW, 2] = -1.0  # log(-1) = NaN, made inside the model
+    ds = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=False)
+
+
+class Metrics(Logger):
+    """A logger that keeps what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "metrics"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+class WeightWatch(L.Callback):
+    """Which optimizer steps changed the weights (runs after the guard's callback)."""
+
+    def __init__(self) -> None:
+        self.changed: dict[int, bool] = {}
+        self._before: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+        self._before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, out: Any, b: Any, i: int) -> None:
+        after = list(pl_module.parameters())
+        self.changed[i] = any(not torch.equal(a, p) for a, p in zip(self._before, after))
+
+
+def trainer(
+    callbacks: list[Any], logger: Any = False, steps: int = STEPS, precision: str = "32-true"
+) -> Any:
+    return L.Trainer(
+        max_steps=steps,
+        precision=precision,
+        callbacks=callbacks,
+        logger=logger,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("lightning") / "snaps"
+    cb = NaNGuardCallback(directory=directory, loss_fn=F.mse_loss)
+    watch, metrics = WeightWatch(), Metrics()
+    module = TinyModule()
+    trainer([cb, watch], logger=metrics).fit(module, data())
+    return {"cb": cb, "watch": watch, "metrics": metrics, "module": module, "dir": directory}
+
+
+def test_the_nan_step_is_skipped_and_logged(run: dict[str, Any]) -> None:
+    cb, watch = run["cb"], run["watch"]
+    assert cb.skipped == [K]
+    assert watch.changed[K] is False  # the AdamW step (weight decay too) left the weights
+    assert all(watch.changed[i] for i in range(STEPS) if i != K)
+    assert all(bool(torch.isfinite(p).all()) for p in run["module"].parameters())
+    assert (K, {"nbdebug/skipped": 1.0}) in run["metrics"].rows
+    rows = {r["step"]: r for r in cb.guard.history}
+    assert rows[K]["nonfinite"] == "loss" and rows[K]["skipped"]
+    assert rows[K - 1]["nonfinite"] is None
+
+
+def test_the_snapshot_holds_the_batch_and_the_trainer(run: dict[str, Any]) -> None:
+    (path,) = run["cb"].guard.snapshots
+    assert path.parent == run["dir"]
+    snap = nbdebug.load_snapshot(path, model=TinyModule)
+    x, y = next(b for i, b in enumerate(data()) if i == K)
+    assert snap.step == K and snap.reason["kind"] == "loss"
+    assert torch.equal(snap.inputs, x) and torch.equal(snap.target, y)
+    assert snap.trainer is not None and snap.trainer["framework"] == "lightning"
+    assert snap.trainer["version"] == L.__version__ and snap.trainer["global_step"] == K
+    assert snap.optimizer_class == "torch.optim.adamw:AdamW"
+    assert snap.autocast is None  # precision="32-true"
+
+
+def test_the_snapshot_replays_to_the_same_origin_in_a_fresh_process(run: dict[str, Any]) -> None:
+    (path,) = run["cb"].guard.snapshots
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import nbdebug
+        from test_integrations_lightning import TinyModule
+        o = nbdebug.load_snapshot({str(path)!r}, model=TinyModule).trace().origin
+        print(json.dumps({{"phase": o.phase, "module": o.module, "samples": o.samples}}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    origin = json.loads(out.stdout.strip().splitlines()[-1])
+    assert origin == {"phase": "forward", "module": "log_in", "samples": [BAD_ROW]}
+
+
+def test_a_bad_guard_option_is_refused_when_the_callback_is_made() -> None:
+    with pytest.raises(TypeError, match=r"unknown guard option 'patince'; expected .*patience"):
+        NaNGuardCallback(directory="x", patince=2)
+    with pytest.raises(TypeError, match="takes 'optimizer' from the trainer"):
+        NaNGuardCallback(directory="x", optimizer=None)
+
+
+def test_an_unsupported_lightning_version_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(L, "__version__", "1.9.5")
+    with pytest.raises(
+        ImportError, match=r"supports lightning >=2.0,<3.0; found lightning 1.9.5\."
+    ):
+        NaNGuardCallback(directory="x")
+
+
+def test_attached_to_a_transformers_trainer_it_says_so(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="the nbdebug[hf] extra is missing")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(TypeError, match="expects a Lightning Trainer; it was attached to a "):
+        transformers.Trainer(model=nn.Linear(2, 2), args=args, callbacks=[NaNGuardCallback()])
+
+
+def test_without_lightning_the_callback_raises_the_install_hint() -> None:
+    code = (
+        "import sys; sys.modules['lightning'] = None\n"
+        "from nbdebug.integrations.lightning import NaNGuardCallback\n"
+        "try:\n    NaNGuardCallback(directory='x')\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "needs Lightning" in out.stdout and "pip install nbdebug[lightning]" in out.stdout
+
+
+def test_under_bf16_mixed_the_snapshot_replays_in_bfloat16(tmp_path: Path) -> None:
+    cb = NaNGuardCallback(directory=tmp_path, loss_fn=F.mse_loss)
+    trainer([cb], steps=K + 1, precision="bf16-mixed").fit(TinyModule(), data())
+    assert cb.skipped == [K]
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TinyModule)
+    assert snap.autocast == {"device_type": "cpu", "dtype": "bfloat16"}
+    tr = snap.trace()
+    dtypes = {e.module: e.dtype for e in tr.events if e.phase == "forward"}
+    assert dtypes["a"] == "bfloat16" and dtypes["b"] == "bfloat16"
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+    plain = snap.trace(autocast=False)
+    assert {e.dtype for e in plain.events if e.phase == "forward"} == {"float32"}

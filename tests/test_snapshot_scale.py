@@ -1,0 +1,104 @@
+"""Snapshots at scale: async_save writes on a background thread from a CPU copy (training
+goes on, errors surface on close), and a process killed mid-write leaves no half-written
+file under the final name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nbdebug
+from nbdebug.core.snapshot_data import cpu_copy
+
+
+def bad_step(guard: nbdebug.NaNGuard, model: nn.Module, step: int) -> bool:
+    x = torch.randn(4, 3)
+    x[2, 1] = float("nan")
+    y = torch.randn(4, 1)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return guard.check(loss, inputs=x, target=y, step=step)
+
+
+def test_async_save_stores_the_step_as_it_was_while_training_goes_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    guard = nbdebug.NaNGuard(
+        model, opt, directory=tmp_path, on_nonfinite="continue", patience=None, async_save=True
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert bad_step(guard, model, 5) is False
+    (path,) = guard.snapshots
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on while the file is written
+    guard.close()
+    snap = nbdebug.load_snapshot(path, model=lambda: nn.Linear(3, 1))
+    assert snap.step == 5 and snap.reason["kind"] == "loss"
+    assert all(torch.equal(snap.model_state[k], v) for k, v in before.items())
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_failed_background_write_is_raised_by_close(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model = nn.Linear(3, 1)
+    guard = nbdebug.NaNGuard(
+        model, directory=blocker / "snaps", on_nonfinite="continue", async_save=True
+    )
+    with pytest.warns(RuntimeWarning, match="writing the snapshot .* failed"):
+        assert bad_step(guard, model, 1) is False  # the step itself is not held up
+        with pytest.raises(OSError, match=r"background write of the snapshot .*step-000000001"):
+            guard.close()
+
+
+def test_async_save_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="async_save must be True or False; got 'yes'"):
+        nbdebug.NaNGuard(nn.Linear(1, 1), directory=tmp_path, async_save="yes")  # type: ignore[arg-type]
+
+
+def test_cpu_copy_keeps_tied_tensors_tied() -> None:
+    w = torch.randn(3, 3)
+    copied = cpu_copy({"a": w, "b": w[:], "c": [w.t()]})
+    assert copied["a"] is copied["b"] and copied["a"].data_ptr() != w.data_ptr()
+    assert torch.equal(copied["c"][0], w.t())
+
+
+def test_a_process_killed_mid_write_leaves_no_file_under_the_final_name(tmp_path: Path) -> None:
+    final = tmp_path / "step-000000001.nbsnap"
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from nbdebug.core.snapshot_format import atomic_save
+        big = {{"t%d" % i: torch.randn(4_000_000) for i in range(40)}}  # 640 MB
+        print("writing", flush=True)
+        atomic_save(big, {str(final)!r})
+        print("done", flush=True)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"writing"
+    deadline = time.monotonic() + 120
+    tmp_files: list[Path] = []
+    while time.monotonic() < deadline and not tmp_files:
+        tmp_files = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        time.sleep(0.01)
+    assert tmp_files, "the writer never created its temporary file"
+    while time.monotonic() < deadline and tmp_files[0].exists() and not tmp_files[0].stat().st_size:
+        time.sleep(0.005)  # some bytes are written: it is mid-write
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not final.exists()  # no half-written file under the final name
+    assert len(nbdebug.list_snapshots(tmp_path)) == 0
