@@ -95,7 +95,8 @@ class GradcheckPanel:
             description="check all modules",
             icon="play",
             disabled=model is None,
-            tooltip="gradient-check every leaf module on the activations of the first batch rows"
+            tooltip="gradient-check every leaf module, with the model's weights as they are "
+            "now (not as traced), on the activations of the first batch rows"
             if model is not None
             else "build the panel with model=... and inputs=... to check every module",
             layout=widgets.Layout(width="auto"),
@@ -123,14 +124,20 @@ class GradcheckPanel:
             ]
         )
         sweep_box.layout.display = None if model is not None else "none"
+        self.sweep_note = widgets.HTML(
+            "<small>checks the model as it is now (its current weights, on the first "
+            f"{int(rows)} batch rows), not as it was when traced</small>"
+        )
+        sweep_box.children = (sweep_box.children[0], self.sweep_note, *sweep_box.children[1:])
+        # the sweep first: its button is not pushed below an empty result box
         self.widget = widgets.VBox(
             [
                 widgets.HTML(STYLE),
+                sweep_box,
                 self.title,
                 self.pair_select,
                 self.verdict,
                 self.view.widget,
-                sweep_box,
             ]
         )
         if result is not None:
