@@ -255,6 +255,12 @@ def server(tmp_path_factory):
         JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
         NBDEBUG_PLOT_BACKEND="figurewidget",
     )
+    # no websocket ping timeouts: on a loaded machine a late pong must not drop the kernel
+    # connection (and the widget messages with it)
+    (root / "cfg").mkdir()
+    (root / "cfg" / "jupyter_server_config.json").write_text(
+        '{"ServerApp": {"tornado_settings": {"ws_ping_interval": 0}}}'
+    )
     log = root / "server.log"
     proc = subprocess.Popen(
         [
