@@ -20,7 +20,7 @@ import ipywidgets as widgets
 
 from ..analysis.gradcheck_result import GradcheckResult
 from ..analysis.gradcheck_sweep import gradcheck_modules
-from ..analysis.gradcheck_verdicts import SKIPPED
+from ..analysis.gradcheck_verdicts import OK, SKIPPED
 from ..core.batch import check_inputs, check_model
 from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
 from ..figures.palette import RED
@@ -275,6 +275,19 @@ class GradcheckPanel:
         failing = df[df["passed"] == False]  # noqa: E712
         if len(failing):
             self.select_module(failing["module"].iloc[0])
+        else:
+            # nothing wrong: the heatmaps of an earlier sweep's failure must not stay up
+            # above a table that says all pass
+            with self.widget.hold_sync():
+                self.result = None
+                self.pair_select.options = []
+                self.title.value = "<b>module sweep</b>: select a row for its heatmaps"
+                self.verdict.value = (
+                    _badge(OK if not n_skip else SKIPPED)
+                    + " "
+                    + html.escape(f"no module with a wrong backward ({n_skip} skipped)")
+                )
+            self._show_figure(gradcheck_figure(None))
         return df
 
     def select_module(self, name: str) -> None:
