@@ -146,7 +146,7 @@ PANELS = (
     Panel(
         "step",
         'shown(nbdebug.debug(model, x, y, loss_fn), "Step", "step")',
-        ("NaN produced in norm", "jump to origin", "next non-finite", "#0 input"),
+        ("NaN produced in norm", "jump to origin", "next non-finite", "#2 forward"),
     ),
     Panel(
         "layers",
