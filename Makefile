@@ -22,10 +22,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## main job: JupyterLab on notebooks/01_quickstart.ipynb; prints the URL (works headless)
+## main job: JupyterLab on notebooks/01_quickstart.ipynb, server root = the repository;
+## prints the quickstart's URL (works headless); lessons are saved without outputs
+## (jupyter_server_config.py)
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/01_quickstart.ipynb --no-browser --ip=127.0.0.1 --port=$(PORT) \
-	  $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(VENV)/bin/jupyter lab --config=jupyter_server_config.py --no-browser --ip=127.0.0.1 \
+	  --port=$(PORT) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## Debian's chromium for the browser test (Playwright drives it; no browser download)
 browser-deps:

@@ -93,11 +93,16 @@ def test_checks_tab_counts_in_header_and_click_moves_the_cursor() -> None:
     assert isinstance(panel, ChecksPanel) and panel.widget is panel_widget
     with_event = next(i for i, f in enumerate(panel.findings) if f.event is not None)
     dbg.step.goto(0)
+    dbg.select_tab("Checks")
     panel.select(with_event)
     assert (
         dbg.current_event is not None
         and dbg.current_event.index == panel.findings[with_event].event
     )
+    # the click keeps the Checks tab (and its advice) in front; its button shows the event
+    assert dbg.tabs.selected_index == titles.index("Checks")
+    assert panel.goto_button.layout.display != "none"
+    panel.goto_button.click()
     assert dbg.tabs.selected_index == 0
 
 

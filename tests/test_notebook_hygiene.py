@@ -103,16 +103,23 @@ def test_lesson_layout(path):
         f"{path.name}: a 'Solutions' heading after the exercises"
     )
     exercises = re.findall(r"^\d+\. ", cells[ex[0]].source, re.M)
-    solutions = [c for c in cells[sol[0] + 1 :] if c.cell_type == "code" and c.source.strip()]
-    assert exercises and solutions, f"{path.name}: numbered exercises and solution code cells"
-    assert all(c.cell_type == "code" for c in cells[sol[0] + 1 :]), (
-        f"{path.name}: nothing but solutions at the end"
-    )
-    # the solutions are separate cells, collapsed in JupyterLab, and the exercises come before them
+    solutions = cells[sol[0] + 1 :]
+    assert exercises and solutions, f"{path.name}: numbered exercises and solution cells"
+    # Run All must not run the solutions: each is a markdown cell holding one python code
+    # block (tests/test_notebooks.py runs those blocks after the lesson), collapsed
     for c in solutions:
+        assert c.cell_type == "markdown" and solution_code(c) is not None, (
+            f"{path.name}: nothing but solutions (markdown with one ```python block) at the end"
+        )
         assert c.metadata.get("jupyter", {}).get("source_hidden") is True, (
             f"{path.name}: collapse solution cells"
         )
+
+
+def solution_code(cell) -> str | None:
+    """The code of a solution cell (a markdown cell that is one ```python block)."""
+    m = re.fullmatch(r"\s*```python\n(.*)\n```\s*", cell.source, re.S)
+    return m.group(1) if m else None
 
 
 DOWNLOADS = re.compile(

@@ -1,5 +1,6 @@
 """Every notebook in ``notebooks/`` runs top to bottom with nbclient on the ``python3``
-kernel (the venv's own ipykernel), and is stored without outputs."""
+kernel (the venv's own ipykernel), and is stored without outputs. The solutions (markdown
+code blocks, which Run All leaves alone) then run as extra cells in the same kernel."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from test_notebook_hygiene import solution_code
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -26,6 +28,12 @@ def test_notebook_runs_clean(path, tmp_path):
         if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count"))
     ]
     assert not stored, f"{path.name} is stored with outputs: strip them"
+    solutions = [
+        code
+        for c in nb.cells
+        if "solution" in c.metadata.get("tags", []) and (code := solution_code(c)) is not None
+    ]
+    nb.cells += [nbformat.v4.new_code_cell(code) for code in solutions]
     # raises CellExecutionError on the first cell that fails
     NotebookClient(
         nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}

@@ -109,19 +109,28 @@ def origin_findings(view: TraceView) -> list[Finding]:
         op = made_by or "log/sqrt"
         back = o.phase == "backward"
         ev["threshold"] = "input <= 0" if not back else "input == 0 (infinite derivative)"
-        advice = (
-            f"{op} received a value <= 0{rows}: clamp its input first, e.g. "
-            f"torch.log(x.clamp_min(1e-12)), "
-            "or compute in log space (log_softmax instead of log(softmax))."
-            if not back
-            else f"the derivative of {op} is infinite at 0{rows}: clamp its input away from 0 "
-            "(x.clamp_min(1e-12)) before the call, also behind torch.where."
-        )
-        fix = (
-            "torch.log(x.clamp_min(1e-12))"
-            if "sqrt" not in op
-            else "torch.sqrt(x.clamp_min(1e-12))"
-        )
+        if "sqrt" in op:
+            # a square root's input must be >= 0 by construction: clamping it hides the bug
+            # and zeroes the gradient of the clamped rows (lesson 02's exercise shows it)
+            advice = (
+                f"{op} received a negative value{rows}: make its input non-negative by "
+                "construction, e.g. F.softplus(x) + 1e-6 for a scale or variance (or "
+                "x.square() before a root); clamping stops the gradient of those rows."
+                if not back
+                else f"the derivative of {op} is infinite at 0{rows}: add a small constant "
+                "inside the root, torch.sqrt(x + 1e-12), e.g. for a norm of a zero row."
+            )
+            fix = "F.softplus(x) + 1e-6" if not back else "torch.sqrt(x + 1e-12)"
+        else:
+            advice = (
+                f"{op} received a value <= 0{rows}: clamp its input first, e.g. "
+                f"torch.log(x.clamp_min(1e-12)), "
+                "or compute in log space (log_softmax instead of log(softmax))."
+                if not back
+                else f"the derivative of {op} is infinite at 0{rows}: clamp its input away "
+                "from 0 (x.clamp_min(1e-12)) before the call, also behind torch.where."
+            )
+            fix = "torch.log(x.clamp_min(1e-12))"
         return [Finding("log_of_nonpositive", "error", where, ev, advice, fix=fix, **common)]
     if any(k in EXP_OPS for k in kinds):
         inp = view.input_of(o) if o.phase == "forward" else None

@@ -210,9 +210,14 @@ class ParamInfo:
 
     @property
     def ratio(self) -> float | None:
-        """grad norm / weight norm (``None`` without a gradient; inf for a zero weight)."""
+        """grad norm / weight norm (``None`` without a gradient; NaN for a gradient holding
+        NaN and for a zero weight, where the ratio is undefined; inf for an Inf gradient)."""
         if self.grad_norm is None:
             return None
+        if self.grad_n_nan:
+            return float("nan")
+        if self.grad_n_inf:
+            return float("inf")
         if self.norm == 0:
-            return float("inf") if self.grad_norm > 0 else 0.0
+            return float("nan")
         return self.grad_norm / self.norm

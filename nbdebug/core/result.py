@@ -26,6 +26,18 @@ PARAMS_COLUMNS = (
 )
 
 
+def shown_grad_norm(p: ParamInfo) -> float | None:
+    """The L2 norm of a parameter's gradient as it is: NaN when the gradient holds NaN, inf
+    when it holds Inf (``ParamInfo.grad_norm`` is the norm of the finite elements)."""
+    if p.grad_norm is None:
+        return None
+    if p.grad_n_nan:
+        return math.nan
+    if p.grad_n_inf:
+        return math.inf
+    return p.grad_norm
+
+
 @dataclass
 class Trace:
     """One forward + backward pass, recorded module by module.
@@ -141,7 +153,9 @@ class Trace:
 
     def params_frame(self) -> Any:
         """One row per parameter: name, module, shape, dtype, norm, grad_norm,
-        grad/weight ratio, and non-finite counts of the weight and of its gradient."""
+        grad/weight ratio, and non-finite counts of the weight and of its gradient.
+        ``grad_norm`` is NaN for a gradient holding NaN and inf for one holding Inf (the
+        norm of such a tensor), not the norm of its finite elements."""
         import pandas as pd
 
         rows = [
@@ -152,7 +166,7 @@ class Trace:
                 p.dtype,
                 p.requires_grad,
                 p.norm,
-                p.grad_norm,
+                shown_grad_norm(p),
                 p.ratio,
                 p.n_nan,
                 p.n_inf,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..core.events import Event
-from .palette import BLUE
+from .palette import BLUE, RED
 
 
 def histogram_title(ev: Event) -> str:
@@ -56,6 +56,19 @@ def histogram_figure(ev: Event) -> go.Figure:
             hovertemplate="log10|x| ~ %{x:.2f}: %{y}<extra></extra>",
         )
     )
+    if ev.stats.numel and ev.stats.n_nonfinite == ev.stats.numel:
+        # nothing has a bin: say so instead of an empty plot with a -1..1 count axis
+        fig.add_annotation(
+            text=f"all {ev.stats.numel} values are NaN/Inf (NaN {ev.stats.n_nan}, "
+            f"Inf {ev.stats.n_inf}): no finite value to bin",
+            xref="paper",
+            yref="paper",
+            x=0.5,
+            y=0.5,
+            showarrow=False,
+            font={"color": RED},
+        )
+        fig.update_yaxes(visible=False)
     fig.update_layout(
         title={"text": histogram_title(ev), "x": 0.01, "font": {"size": 12}},
         xaxis={"title": "log10 |x|"},

@@ -126,6 +126,11 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
         )
         if log:
             fig.update_yaxes(type="log", row=row, col=1)
+        elif fin_vals.size and float(fin_vals.min()) == float(fin_vals.max()):
+            # a constant (e.g. a fixed learning rate): centre it, so 0.01 does not read as 0
+            v = float(fin_vals[0])
+            pad = abs(v) * 0.5 or 1.0
+            fig.update_yaxes(range=[v - pad, v + pad], row=row, col=1)
         # Non-finite values sit at the top of the panel: plotly cannot draw inf or NaN.
         # Loss and grad norm are recorded every step, so NaN there is a real NaN; the
         # parameter norm (measured every few steps), learning rate and scale are NaN where

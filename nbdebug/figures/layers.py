@@ -11,7 +11,7 @@ from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
 from ..analysis.checks_base import VANISHING_RATIO as VANISHING
 from ..analysis.checks_grad import ratio_verdict
 from ..core.result import Trace
-from .palette import BLUE, PURPLE, RED
+from .palette import BLUE, GREY, PURPLE, RED
 
 # grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
 # explodes. One judgement (analysis's ratio_verdict) for the plot and the health checks.
@@ -25,7 +25,8 @@ def ratio_figure(trace: Trace) -> go.Figure:
     trace : Trace
         Its ``params`` (one :class:`~nbdebug.core.events.ParamInfo` each) are plotted in
         model order. Parameters without a gradient are left out; zero ratios and
-        non-finite gradients are drawn at the axis floor in red, with the reason on hover.
+        zero weights (undefined ratio) get no bar; non-finite gradients are drawn full height in
+        red, with the reason on hover.
 
     Returns
     -------
@@ -44,12 +45,16 @@ def ratio_figure(trace: Trace) -> go.Figure:
         r = p.ratio
         assert r is not None
         bad_grad = p.grad_n_nan + p.grad_n_inf
-        if bad_grad or not math.isfinite(r) or r <= 0:
-            y, color = (hi if r == math.inf and not bad_grad else lo), RED
+        if bad_grad:  # a non-finite gradient: full height, red
+            y, color = hi, RED
+            note = f"grad NaN {p.grad_n_nan}, Inf {p.grad_n_inf}"
+        elif math.isnan(r):  # a zero weight: the ratio is undefined, no bar
+            y, color = None, GREY
+            note = "weight norm 0: no ratio"
         else:
-            y = r
+            y = min(max(r, lo), hi)
             color = BLUE if ratio_verdict(r) == "ok" else RED
-        note = f"grad NaN {p.grad_n_nan}, Inf {p.grad_n_inf}" if bad_grad else f"ratio {r:.3g}"
+            note = f"ratio {r:.3g}"
         names.append(p.name)
         ys.append(y)
         colors.append(color)
@@ -69,18 +74,21 @@ def ratio_figure(trace: Trace) -> go.Figure:
     )
     llo, lhi = math.log10(lo), math.log10(hi)
     bands = (
-        (lo, VANISHING, PURPLE, f"vanishing (< {VANISHING:g})", "bottom left"),
-        (EXPLODING, hi, RED, f"exploding (> {EXPLODING:g})", "top left"),
+        (lo, VANISHING, PURPLE, f"vanishing (< {VANISHING:g})", VANISHING, "top"),
+        (EXPLODING, hi, RED, f"exploding (> {EXPLODING:g})", EXPLODING, "bottom"),
     )
-    for y0, y1, color, label, where in bands:
-        fig.add_hrect(
-            y0=y0,
-            y1=y1,
-            fillcolor=color,
-            opacity=0.12,
-            line_width=0,
-            annotation_text=label,
-            annotation_position=where,
+    for y0, y1, color, label, edge, anchor in bands:
+        fig.add_hrect(y0=y0, y1=y1, fillcolor=color, opacity=0.12, line_width=0)
+        # annotations on a log axis take log10 coordinates (shapes take data values)
+        fig.add_annotation(
+            x=0,
+            xref="paper",
+            xanchor="left",
+            y=math.log10(edge),
+            yanchor=anchor,
+            text=label,
+            showarrow=False,
+            font={"color": color},
         )
     fig.update_layout(
         title={"text": "Gradient / weight norm per parameter", "x": 0.01},

@@ -11,7 +11,7 @@ the L2 norm of every recorded tensor on a log y axis:
   that trace's ``x``/``y`` (see :func:`norm_points`).
 
 Norms are over the finite elements, so a NaN tensor still has a place on the plot. Zero
-norms (and all-NaN tensors) cannot sit on a log axis: they are drawn at a floor one decade
+norms cannot sit on a log axis: they are drawn at a floor one decade
 below the smallest positive norm, and the hover text gives the real value.
 """
 
@@ -98,9 +98,14 @@ def norm_points(trace: Trace) -> NormPoints:
         e.stats.norm for e in trace.events if e.stats.norm > 0 and math.isfinite(e.stats.norm)
     ]
     floor = min(positive) / 10 if positive else 1e-12
+    ceiling = max(positive) * 10 if positive else 1.0
     xs = event_categories(trace)
     ys = [
-        e.stats.norm if e.stats.norm > 0 and math.isfinite(e.stats.norm) else floor
+        # a tensor with no finite element (all NaN/Inf) is drawn at the top, with the
+        # non-finite crosses: at the floor a NaN loss would read as a tiny one
+        ceiling
+        if e.stats.numel and e.stats.n_nonfinite == e.stats.numel
+        else (e.stats.norm if e.stats.norm > 0 and math.isfinite(e.stats.norm) else floor)
         for e in trace.events
     ]
     cats: list[str] = []
@@ -222,12 +227,13 @@ def norm_figure(
         )
     )
     fig.update_layout(
-        title={"text": f"Per-layer norms: {trace.model_name}", "x": 0.01},
+        # the title on its own line above the legend (they used to collide at the top)
+        title={"text": f"Per-layer norms: {trace.model_name}", "x": 0.01, "y": 0.98},
         yaxis={"type": "log", "title": "L2 norm"},
         xaxis={"categoryorder": "array", "categoryarray": pts.categories, "tickangle": -45},
-        margin={"l": 60, "r": 20, "t": 40, "b": 100},
-        height=380,
-        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+        margin={"l": 60, "r": 20, "t": 70, "b": 100},
+        height=400,
+        legend={"orientation": "h", "y": 1.01, "yanchor": "bottom", "x": 0, "xanchor": "left"},
         template="plotly_white",
     )
     return fig

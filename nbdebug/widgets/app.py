@@ -81,10 +81,17 @@ def _run(source: TraceSource, model_name: str) -> tuple[Trace, str | None]:
 
 
 def header_html(
-    trace: Trace, *, error: str | None = None, snapshot: str | None = None, extra: str = ""
+    trace: Trace,
+    *,
+    error: str | None = None,
+    snapshot: str | None = None,
+    extra: str = "",
+    warned: bool = False,
 ) -> str:
     """The debugger's header: model class, parameter count, batch, loss, status badge
-    (and ``extra`` HTML after the badge, e.g. the health-check counts)."""
+    (and ``extra`` HTML after the badge, e.g. the health-check counts). ``warned``: the
+    health checks found errors or warnings, so a trace without NaN/Inf is not called
+    "healthy" in green beside them (the badge reads "no NaN/Inf", in grey)."""
     e = html.escape
     loss = (
         "–"
@@ -93,10 +100,11 @@ def header_html(
     )
     status = trace.summary()
     ok = trace.healthy and error is None
-    badge = (
-        f"<span class='nbdebug-badge "
-        f"{'nbdebug-badge-ok' if ok else 'nbdebug-badge-bad'}'>{e(status)}</span>"
-    )
+    cls = "nbdebug-badge-bad"
+    if ok:
+        cls = "nbdebug-badge-plain" if warned else "nbdebug-badge-ok"
+    shown = "no NaN/Inf" if ok and warned else status
+    badge = f"<span class='nbdebug-badge {cls}'>{e(shown)}</span>"
     parts = [
         f"<b>{e(trace.model_name)}</b>",
         f"{trace.n_params:,} parameters",
@@ -111,7 +119,7 @@ def header_html(
             f"style='color:{RED};margin-top:4px'><b>TraceError:</b> {e(error)}</div>"
         )
     if snapshot:
-        lines.append(f"<div><small>{e(snapshot)}</small></div>")
+        lines.append(f"<div style='margin-top:4px'>{e(snapshot)}</div>")
     return "<div class='nbdebug-header'>" + "".join(lines) + "</div>"
 
 
@@ -164,6 +172,7 @@ class Debugger:
         self._label: str | None = None
         self._extra: list[tuple[str, widgets.Widget]] = []
         self._header_extra = ""
+        self._warned = False
         self._panels: dict[str, Any] = {}
         self._callbacks: list[Callable[[Debugger], Any]] = []
         self.header = widgets.HTML()
@@ -204,12 +213,18 @@ class Debugger:
     def _render_header(self) -> None:
         line = " · ".join(x for x in (self._snapshot_line, self._label) if x) or None
         self.header.value = header_html(
-            self.trace, error=self.error, snapshot=line, extra=self._header_extra
+            self.trace,
+            error=self.error,
+            snapshot=line,
+            extra=self._header_extra,
+            warned=self._warned,
         )
 
-    def set_header_extra(self, html_text: str) -> None:
-        """HTML shown after the status badge (kept across re-runs until set again)."""
+    def set_header_extra(self, html_text: str, *, warned: bool = False) -> None:
+        """HTML shown after the status badge (kept across re-runs until set again);
+        ``warned``: it reports errors or warnings (see :func:`header_html`)."""
         self._header_extra = html_text
+        self._warned = warned
         self._render_header()
 
     def select_tab(self, title: str) -> None:

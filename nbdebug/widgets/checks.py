@@ -53,7 +53,12 @@ class ChecksPanel:
     findings : list of Finding
         As returned by :func:`nbdebug.check` (shown in that order within each group).
     on_select : callable, optional
-        Called with the clicked :class:`Finding`.
+        Called with the clicked :class:`Finding` (the debugger moves the Step cursor to its
+        event, or highlights its parameter in the Layers tab, and stays on this tab so the
+        advice stays in view).
+    on_goto : callable, optional
+        Called with the selected finding when its "show in ..." button is clicked (the
+        debugger brings the Step or Layers tab to the front).
 
     Attributes
     ----------
@@ -64,13 +69,18 @@ class ChecksPanel:
     """
 
     def __init__(
-        self, findings: Sequence[Finding], *, on_select: Callable[[Finding], Any] | None = None
+        self,
+        findings: Sequence[Finding],
+        *,
+        on_select: Callable[[Finding], Any] | None = None,
+        on_goto: Callable[[Finding], Any] | None = None,
     ) -> None:
         if on_select is not None and not callable(on_select):
             raise TypeError(
                 f"on_select must be callable or None; got {type(on_select).__qualname__}."
             )
         self.on_select = on_select
+        self.on_goto = on_goto
         self.findings: list[Finding] = []
         self.selected: Finding | None = None
         self.buttons: list[widgets.Button] = []
@@ -78,7 +88,13 @@ class ChecksPanel:
         self.groups = widgets.VBox()
         self.detail = widgets.HTML()
         self.detail.add_class("nbdebug-checks-detail")
-        self.widget = widgets.VBox([widgets.HTML(STYLE), self.header, self.groups, self.detail])
+        self.goto_button = widgets.Button(
+            description="show in the Step tab", layout=widgets.Layout(width="auto", display="none")
+        )
+        self.goto_button.on_click(lambda _b: self._goto())
+        self.widget = widgets.VBox(
+            [widgets.HTML(STYLE), self.header, self.groups, self.detail, self.goto_button]
+        )
         self.widget.add_class("nbdebug-checks")
         self.update(findings)
 
@@ -104,7 +120,7 @@ class ChecksPanel:
                 continue
             sections.append(
                 widgets.HTML(
-                    f"<div style='margin-top:6px'>{badge(f'{len(group)} {sev}', sev)}</div>"
+                    f"<div style='margin-top:6px'>{badge(_count(len(group), sev), sev)}</div>"
                 )
             )
             for i, f in group:
@@ -159,15 +175,27 @@ class ChecksPanel:
         f = self.findings[index]
         self.selected = f
         self.detail.value = detail_html(f)
+        target = "Step" if f.event is not None else ("Layers" if f.param else None)
+        self.goto_button.description = f"show in the {target} tab" if target else ""
+        self.goto_button.layout.display = "" if target and self.on_goto else "none"
         if self.on_select is not None:
             self.on_select(f)
         return f
+
+    def _goto(self) -> None:
+        if self.selected is not None and self.on_goto is not None:
+            self.on_goto(self.selected)
 
     def __repr__(self) -> str:
         return f"ChecksPanel({self.summary}, {len(self.findings)} findings)"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
+
+
+def _count(n: int, severity: str) -> str:
+    """``"1 error"``, ``"2 errors"``, ``"3 info"``."""
+    return f"{n} {severity}{'s' if n != 1 and severity != 'info' else ''}"
 
 
 def _label(f: Finding) -> str:
@@ -220,10 +248,11 @@ def build_tab(dbg: Any, ctx: TabContext) -> None:
     def on_select(finding: Any) -> None:
         if finding.event is not None:
             dbg.step.goto(finding.event)
-            dbg.select_tab("Step")
         elif finding.param is not None:
             dbg.layers.select(finding.param)
-            dbg.select_tab("Layers")
+
+    def on_goto(finding: Any) -> None:
+        dbg.select_tab("Step" if finding.event is not None else "Layers")
 
     def refresh(findings: Any) -> None:
         worst = (
@@ -231,15 +260,24 @@ def build_tab(dbg: Any, ctx: TabContext) -> None:
             if any(f.severity == "error" for f in findings)
             else ("warning" if any(f.severity == "warning" for f in findings) else "info")
         )
-        dbg.set_header_extra(badge(counts_summary(findings), worst))
+        dbg.set_header_extra(badge(counts_summary(findings), worst), warned=worst != "info")
 
-    findings = check(dbg.trace)
-    panel = ChecksPanel(findings, on_select=on_select)
+    def run_checks(trace: Any) -> Any:
+        # a snapshot's checks read its optimizer state and history too (as check(snap) does)
+        if ctx.snapshot is not None and trace is dbg.trace and dbg.error is None:
+            try:
+                return check(ctx.snapshot, loss_fn=ctx.loss_fn)
+            except (TypeError, ValueError):
+                pass
+        return check(trace)
+
+    findings = run_checks(dbg.trace)
+    panel = ChecksPanel(findings, on_select=on_select, on_goto=on_goto)
     refresh(findings)
     dbg.add_tab("Checks", panel)
 
     def on_retrace(d: Any) -> None:
-        fresh = check(d.trace)
+        fresh = run_checks(d.trace)
         panel.update(fresh)
         refresh(fresh)
 

@@ -20,7 +20,7 @@ import ipywidgets as widgets
 
 from ..analysis.gradcheck_result import GradcheckResult
 from ..analysis.gradcheck_sweep import gradcheck_modules
-from ..analysis.gradcheck_verdicts import SKIPPED
+from ..analysis.gradcheck_verdicts import OK, SKIPPED
 from ..core.batch import check_inputs, check_model
 from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
 from ..figures.palette import RED
@@ -95,7 +95,8 @@ class GradcheckPanel:
             description="check all modules",
             icon="play",
             disabled=model is None,
-            tooltip="gradient-check every leaf module on the activations of the first batch rows"
+            tooltip="gradient-check every leaf module, with the model's weights as they are "
+            "now (not as traced), on the activations of the first batch rows"
             if model is not None
             else "build the panel with model=... and inputs=... to check every module",
             layout=widgets.Layout(width="auto"),
@@ -123,14 +124,20 @@ class GradcheckPanel:
             ]
         )
         sweep_box.layout.display = None if model is not None else "none"
+        self.sweep_note = widgets.HTML(
+            "<small>checks the model as it is now (its current weights, on the first "
+            f"{int(rows)} batch rows), not as it was when traced</small>"
+        )
+        sweep_box.children = (sweep_box.children[0], self.sweep_note, *sweep_box.children[1:])
+        # the sweep first: its button is not pushed below an empty result box
         self.widget = widgets.VBox(
             [
                 widgets.HTML(STYLE),
+                sweep_box,
                 self.title,
                 self.pair_select,
                 self.verdict,
                 self.view.widget,
-                sweep_box,
             ]
         )
         if result is not None:
@@ -268,6 +275,19 @@ class GradcheckPanel:
         failing = df[df["passed"] == False]  # noqa: E712
         if len(failing):
             self.select_module(failing["module"].iloc[0])
+        else:
+            # nothing wrong: the heatmaps of an earlier sweep's failure must not stay up
+            # above a table that says all pass
+            with self.widget.hold_sync():
+                self.result = None
+                self.pair_select.options = []
+                self.title.value = "<b>module sweep</b>: select a row for its heatmaps"
+                self.verdict.value = (
+                    _badge(OK if not n_skip else SKIPPED)
+                    + " "
+                    + html.escape(f"no module with a wrong backward ({n_skip} skipped)")
+                )
+            self._show_figure(gradcheck_figure(None))
         return df
 
     def select_module(self, name: str) -> None:

@@ -11,6 +11,20 @@ from ..figures.history import history_figure
 from .plot import PlotView
 
 
+def history_table_html(rows: Any) -> str:
+    """The last history rows as an HTML table: ``time`` as a clock time (UTC), values not
+    measured at a step (the parameter norm every few steps, no GradScaler) as "–", and
+    columns measured at none of these steps left out."""
+    import pandas as pd
+
+    shown = rows.copy()
+    if "time" in shown.columns:
+        t = pd.to_numeric(shown["time"], errors="coerce")
+        shown["time"] = pd.to_datetime(t, unit="s", utc=True).dt.strftime("%H:%M:%S")
+    shown = shown.loc[:, [c for c in shown.columns if shown[c].notna().any()]]
+    return str(shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0, na_rep="–"))
+
+
 class HistoryPanel:
     """Loss, gradient norm, parameter norm, learning rate and GradScaler scale per step,
     the failing step marked, and the last recorded rows.
@@ -44,8 +58,7 @@ class HistoryPanel:
             " · ".join(head) + f" <small>({len(history)} steps recorded)</small>"
         )
         self.table = widgets.HTML(
-            history.tail(8).to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0),
-            layout=widgets.Layout(overflow="auto"),
+            history_table_html(history.tail(8)), layout=widgets.Layout(overflow="auto")
         )
         self.widget = widgets.VBox(
             [self.summary, self.plot.widget, widgets.HTML("<b>last steps</b>"), self.table]

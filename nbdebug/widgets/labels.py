@@ -442,7 +442,7 @@ class LabelCleaner:
             f'<div style="line-height:1.5">sample <b>{item}</b><br>'
             f'given <b style="color:{RED}">{html.escape(self.names[given])}</b> → suggested '
             f'<b style="color:{GREEN}">{sug_txt}</b><br>'
-            f"score (label quality) {float(row['label_quality']):.4f}"
+            f"score (label quality) {fmt_num(float(row['label_quality']), '.4g')}"
             f"{method_txt}"
             f"{prev_txt}<br>"
             f"<table "

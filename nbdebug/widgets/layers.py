@@ -27,6 +27,21 @@ def _cell(v: Any) -> str:
     return html.escape(str(v))
 
 
+def _shown(row: Any, col: str) -> str:
+    """A table cell: NaN and inf as such (a NaN gradient is not a zero one), "–" for no
+    gradient, "n/a" for the ratio of a zero weight (undefined)."""
+    v = row[col]
+    if col in ("grad_norm", "ratio") and isinstance(v, float):
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if math.isnan(v):
+            if row["grad_n_nan"]:
+                return "NaN"
+            if col == "ratio" and row["norm"] == 0 and not math.isnan(row["grad_norm"]):
+                return "n/a (zero weight)"
+    return _cell(v)
+
+
 def params_table_html(frame: Any, selected: str | None = None) -> str:
     """HTML table of a ``Trace.params_frame()`` (already sorted); rows with a non-finite
     weight or gradient, or a ratio outside the healthy band, are marked, and the
@@ -40,7 +55,7 @@ def params_table_html(frame: Any, selected: str | None = None) -> str:
         cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
         if name == selected:
             cls += " nbdebug-selected"
-        cells = "".join(f"<td>{_cell(row[c])}</td>" for c in _SHOWN)
+        cells = "".join(f"<td>{_shown(row, c)}</td>" for c in _SHOWN)
         body.append(
             f"<tr class='{cls}'><td "
             f"style='text-align:left'>{html.escape(str(name))}</td>{cells}</tr>"
@@ -81,7 +96,8 @@ class LayersPanel:
         legend = widgets.HTML(
             f"<small>grad/weight ratio: below {VANISHING:g} the gradient vanishes, "
             f"above {EXPLODING:g} it explodes; "
-            "red rows hold NaN/Inf.</small>"
+            "red rows hold NaN/Inf; a zero weight (e.g. a bias initialised to 0) has no "
+            "ratio.</small>"
         )
         self.widget = widgets.VBox(
             [widgets.HBox([self.sort_by, self.descending]), legend, self.table, self.plot.widget]

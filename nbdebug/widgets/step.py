@@ -80,9 +80,20 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     names = ["norm", "mean", "std", "min", "max", "absmax", "zero_frac", "n_nan", "n_inf"]
     vals = s.as_dict()
     bad = {"n_nan", "n_inf"} if not s.finite else set()
+    shown = {k: fmt_num(vals[k]) for k in names}
+    if s.numel and s.n_nonfinite == s.numel:
+        # no finite element: the moments are not 0, there are none
+        for k in ("norm", "mean", "std", "min", "max", "absmax", "zero_frac"):
+            shown[k] = "NaN" if s.n_nan else "inf"
+        bad |= {"norm"}
+    elif not s.finite:
+        names = [*names[:1], "norm (finite)", *names[1:]]
+        shown["norm (finite)"] = shown["norm"]
+        shown["norm"] = "NaN" if s.n_nan else "inf"
+        bad |= {"norm"}
     stats = "".join(
         f"<tr><th style='text-align:left'>{k}</th><td "
-        f"class='{'nbdebug-bad' if k in bad and vals[k] else ''}'>{fmt_num(vals[k])}</td></tr>"
+        f"class='{'nbdebug-bad' if k in bad and shown[k] != '0' else ''}'>{shown[k]}</td></tr>"
         for k in names
     )
     if not s.finite:
@@ -152,6 +163,8 @@ class StepPanel:
         }
         self.buttons["origin"].button_style = "danger" if origin is not None else ""
         self.buttons["origin"].disabled = trace.origin is None and trace.first_nonfinite is None
+        # a healthy trace has no non-finite event to go to
+        self.buttons["nonfinite"].disabled = not any(not ev.stats.finite for ev in trace.events)
         self.slider = widgets.IntSlider(
             min=0,
             max=0,
@@ -208,9 +221,10 @@ class StepPanel:
                 widgets.HTML(STYLE),
                 toolbar,
                 widgets.HBox([self.slider, self.position]),
+                # the norm plot right under the controls: its marker is watched while stepping
+                self.norms.widget,
                 filters,
                 widgets.HBox([self.events, right]),
-                self.norms.widget,
             ]
         )
 

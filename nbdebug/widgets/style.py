@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..figures.palette import GREEN, HIGHLIGHT, MUTED_TEXT, PURPLE, RED, RULE
+from ..figures.palette import GREEN, GREY, HIGHLIGHT, MUTED_TEXT, PURPLE, RED, RULE
 
 STYLE = f"""<style>
 .nbdebug-events select {{ font-family: var(--jp-code-font-family, monospace); font-size: 12px; }}
@@ -13,6 +13,7 @@ STYLE = f"""<style>
 .nbdebug-badge {{ padding: 2px 8px; border-radius: 4px; color: white; font-weight: bold; }}
 .nbdebug-badge-ok {{ background: {GREEN}; }}
 .nbdebug-badge-bad {{ background: {RED}; }}
+.nbdebug-badge-plain {{ background: {GREY}; }}
 .nbdebug-gc-table select {{ font-family: var(--jp-code-font-family, monospace); font-size: 12px; }}
 .nbdebug-gc-head {{
   font-family: var(--jp-code-font-family, monospace); font-size: 12px; white-space: pre;
