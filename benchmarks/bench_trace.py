@@ -65,6 +65,33 @@ def timed(rounds: int, clock) -> dict[str, dict[str, float]]:
     return out
 
 
+def nan_path(rounds: int, clock) -> None:
+    """The NaN path (quick pass, exact pass, origin and the op-level replay of the origin
+    module) against a plain step, interleaved: the transformer with one weight of
+    ``layers.2.linear1`` set to NaN."""
+    model, x = transformer()
+    with torch.no_grad():
+        model.layers[2].linear1.weight[0, 0] = float("nan")
+    vs = variants(model, x)
+    vs.pop("detect_anomaly")
+    for f in vs.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in vs}
+    for _ in range(max(3, rounds // 3)):
+        for k, f in vs.items():
+            t = clock()
+            f()
+            times[k].append(clock() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tr = nbdebug.trace(model, x, loss_fn=mean_square)
+    print(
+        f"-- NaN path, transformer (origin {tr.origin.module if tr.origin else None}, "
+        f"op {tr.origin.op if tr.origin else None}): plain {med['plain'] * 1e3:.1f} ms  "
+        f"trace {med['trace'] * 1e3:.1f} ms  |  trace/plain {med['trace'] / med['plain']:.2f}x "
+        "(target <= 3x)"
+    )
+
+
 def report(title: str, res: dict[str, dict[str, float]]) -> None:
     print(f"-- {title}")
     for name, r in res.items():
@@ -150,6 +177,7 @@ def main() -> None:
     report(
         f"wall time, {threads} torch threads (median per call)", timed(a.rounds, time.perf_counter)
     )
+    nan_path(a.rounds, time.perf_counter)
     peak_memory()
     many_modules()
     print("targets: trace/plain <= 1.25x on both models")

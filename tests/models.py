@@ -182,7 +182,9 @@ def scenarios() -> list[Scenario]:
     x = torch.zeros(4, 3)
     x[1] = torch.tensor([1.0, 0.0, 0.0])
     y = torch.tensor([0, 1, 2, 0])
-    out.append(Scenario("log_zero_in_loss", logits_model, x, y, handwritten_nll, "loss", "", [1]))
+    out.append(
+        Scenario("log_zero_in_loss", logits_model, x, y, handwritten_nll, "loss", "", [1], "log")
+    )
 
     x = torch.randn(6, 4)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), SqrtLayer(), nn.Linear(4, 1))

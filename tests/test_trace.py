@@ -38,6 +38,10 @@ def test_origin_scenarios(name: str) -> None:
             else "models.py:"
         )
         assert o.source is not None and o.source.startswith(expected), o.source
+        # the chain starts at the root op and ends where the origin's kind of value is made
+        assert o.chain and (o.chain[0].op, o.chain[0].source) == (o.op, o.source)
+        if o.stats.n_nan:
+            assert o.chain[-1].value == "NaN"
     if s.param is not None:
         assert o.param == s.param
     # the origin is an event of the trace (jump-to-origin needs its index)

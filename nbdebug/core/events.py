@@ -11,6 +11,59 @@ from .text import rows_text
 PHASES = ("input", "forward", "loss", "backward")
 
 
+class ChainLink(str):
+    """One operation of an origin's chain, read as ``"Tensor.div (inf)"``.
+
+    A ``str`` (so ``"div" in link`` and ``" -> ".join(chain)`` work) with attributes:
+    ``op`` (the torch operation, ``"Tensor.div"``, ``"ProdFn.backward"``), ``source``
+    (``"model.py:83"`` or ``None``), ``value`` (what its output held that its inputs did
+    not: ``"inf"`` or ``"NaN"``) and ``rows`` (batch rows of that output, when known).
+    """
+
+    op: str
+    source: str | None
+    value: str
+    rows: list[int]
+
+    def __new__(
+        cls, op: str, source: str | None, value: str, rows: list[int] | None = None
+    ) -> ChainLink:
+        link = super().__new__(cls, f"{op} ({value})")
+        link.op, link.source, link.value, link.rows = op, source, value, list(rows or [])
+        return link
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (ChainLink, (self.op, self.source, self.value, self.rows))
+
+    def made(self) -> str:
+        """``"Inf made by Tensor.div at model.py:83"``."""
+        where = f" at {self.source}" if self.source else ""
+        return f"{'NaN' if self.value == 'NaN' else 'Inf'} made by {self.op}{where}"
+
+
+class Chain(list[ChainLink]):
+    """The operations from the root (the first that turned finite values into a
+    non-finite one) to the first NaN, in order: ``Tensor.div (inf) -> linear (NaN)``.
+    One link when the root made the NaN itself (or only an Inf was produced); empty
+    when the op-level replay could not tell."""
+
+    def __str__(self) -> str:
+        return " -> ".join(self)
+
+    def __repr__(self) -> str:
+        return f"Chain({' -> '.join(self)})" if self else "Chain()"
+
+    def describe(self) -> str:
+        """``"Inf made by Tensor.div at model.py:83, NaN by linear at model.py:84"``."""
+        if not self:
+            return ""
+        text = self[0].made()
+        if len(self) > 1 and self[-1].value == "NaN" and self[0].value != "NaN":
+            last = self[-1]
+            text += f", NaN by {last.op}" + (f" at {last.source}" if last.source else "")
+        return text
+
+
 @dataclass
 class Event:
     """One tensor observed during :func:`nbdebug.trace`, in execution order.
@@ -49,8 +102,12 @@ class Event:
     module_type : str
         Class name of the module.
     op, source : str or None
-        For the origin: the producing torch operation (``"torch.log"``,
-        ``"Tensor.__truediv__"``) and the user's ``"file.py:line"``.
+        For the origin: the root torch operation, the first that turned finite values
+        into a non-finite one (``"torch.log"``, ``"Tensor.div"``, ``"ProdFn.backward"``),
+        and the first ``"file.py:line"`` outside torch's own files that called it.
+    chain : Chain
+        For the origin: the operations from the root to the first NaN, each a
+        :class:`ChainLink` (``Tensor.div (inf) -> linear (NaN)``).
     param : str or None
         For a parameter gradient, or an origin caused by a corrupted parameter or buffer,
         its qualified name.
@@ -75,6 +132,7 @@ class Event:
     source: str | None = None
     param: str | None = None
     note: str = ""
+    chain: Chain = field(default_factory=Chain)
 
     @property
     def finite(self) -> bool:
@@ -98,6 +156,8 @@ class Event:
         extra = ""
         if self.op or self.source:
             extra = f" op={self.op} at {self.source}"
+        if len(self.chain) > 1:
+            extra += f" chain={self.chain}"
         if self.param:
             extra += f" param={self.param}"
         return (

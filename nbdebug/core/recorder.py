@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .batch import named_tensors
+from .capture import CallCapture
 from .hooks import HookSet, hookable_modules
 from .stats import (
     IDX_NNAN,
@@ -68,7 +69,7 @@ class CallRecord:
     inputs_has_nan: bool = False
     output_events: list[int] = field(default_factory=list)
     done: bool = False
-    capture: tuple[Any, Any, Any] | None = None  # (args, kwargs, rng state) copies
+    capture: CallCapture | None = None  # the inputs as they were at the call
 
 
 @dataclass
@@ -80,25 +81,11 @@ class Slot:
     has_nan: bool
     consumers: list[int] = field(default_factory=list)
     grad_event: int = -1
+    from_output: bool = False  # a module returned it (else: the batch or a module's own code)
 
 
 def _dtype(t: torch.Tensor) -> str:
     return dtype_name(t.dtype)
-
-
-def clone_structure(obj: Any) -> Any:
-    """Detached copies of the tensors in a nested structure (other objects as they are)."""
-    if isinstance(obj, torch.Tensor):
-        c = obj.detach().clone()
-        return c
-    if isinstance(obj, dict):
-        return {k: clone_structure(v) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        items = [clone_structure(v) for v in obj]
-        if hasattr(obj, "_fields"):
-            return type(obj)(*items)
-        return type(obj)(items)
-    return obj
 
 
 class Recorder:
@@ -135,7 +122,7 @@ class Recorder:
             for pname, p in m.named_parameters(recurse=False):
                 qual = qualified_name(mname, pname)
                 self.param_names.setdefault(id(p), (mname, pname, qual))
-        self.origin_call: int = -1  # exact mode: the forward origin found on the fly
+        self.capture_closed = False  # exact mode: a call made NaN from NaN-free inputs
         self.recomputing = False  # set once the backward starts (activation checkpointing)
         self.bad_params: dict[str, list[str]] = {}  # module -> non-finite params/buffers
         self.first_bad_call: int = -1
@@ -255,8 +242,14 @@ class Recorder:
             if not slot.finite:
                 rec.inputs_finite = False
                 rec.inputs_has_nan = rec.inputs_has_nan or slot.has_nan
-        if self.capture and rec.inputs_finite and self.origin_call < 0 and not self.recomputing:
-            rec.capture = (clone_structure(args), clone_structure(kwargs), _rng_now())
+        if (
+            self.capture
+            and not rec.inputs_has_nan
+            and not self.capture_closed
+            and not self.recomputing
+        ):
+            # before the call: a call may extend its arguments in place (a cache)
+            rec.capture = CallCapture.take(args, kwargs)
 
     def _post_hook(self, name: str):
         def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -299,26 +292,29 @@ class Recorder:
                         self.slots[s].producer = call
                     else:
                         s = self.new_slot(t, call, fin, bool(vector[IDX_NNAN] > 0))
+                    self.slots[s].from_output = True
                     self.raw[i].slot = s
                     rec.output_slots.append(s)
                 if t.requires_grad:
                     self._hook_grad(t, call, "grad_output", oname)
             if self.exact:
-                self._settle_capture(rec, any_bad)
+                self._settle_capture(
+                    rec, any_bad, any(self.slots[x].has_nan for x in rec.output_slots)
+                )
             return None
 
         return post
 
-    def _settle_capture(self, rec: CallRecord, output_bad: bool) -> None:
-        """Keep the input copy of the first call that turned finite inputs into a
-        non-finite output (the forward origin candidate); drop all others."""
+    def _settle_capture(self, rec: CallRecord, output_bad: bool, output_nan: bool) -> None:
+        """Keep the input copies of the calls that turned NaN-free inputs into a
+        non-finite output (the forward origin candidates, masks still to be told apart);
+        stop copying once a call made NaN from NaN-free inputs."""
         if output_bad and self.first_bad_call < 0:
             self.first_bad_call = rec.call
-        if self.origin_call < 0 and output_bad and rec.inputs_finite:
-            self.origin_call = rec.call
-            return
-        if rec.call != self.origin_call:
+        if not output_bad or rec.inputs_has_nan:
             rec.capture = None
+        elif output_nan:
+            self.capture_closed = True
 
     # ------------------------------------------------------------------ backward hooks
     def _hook_grad(
@@ -409,9 +405,3 @@ def _input_name(tname: str) -> str:
     if tname.startswith("input[1]"):
         return "input" + tname[len("input[1]") :]
     return tname
-
-
-def _rng_now() -> Any:
-    from .state import RngState
-
-    return RngState.capture()

@@ -50,6 +50,10 @@ class Trace:
         Short description of the batch (``"Tensor(16, 10) float32"``).
     error : str or None
         Set on the partial trace carried by :class:`TraceError`.
+    masks : list of str
+        Intended masks that were not taken for the origin: ``"batch holds -inf in
+        `attention_mask`, used as a mask"`` (also in ``notes``).
+    notes : list of str
     """
 
     events: list[Event]
@@ -64,6 +68,7 @@ class Trace:
     error: str | None = None
     module_types: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    masks: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -164,6 +169,8 @@ class Trace:
             return f"error: {self.error}"
         o = self.origin
         if o is None:
+            if self.masks and self.first_nonfinite is not None:
+                return f"no NaN/Inf produced outside intended masks ({'; '.join(self.masks)})"
             if self.first_nonfinite is not None:
                 return (
                     f"non-finite values first seen at {self.first_nonfinite.label} (origin "
@@ -175,14 +182,16 @@ class Trace:
             "the batch" if o.phase == "input" else "the loss" if o.phase == "loss" else "<model>"
         )
         bits = [o.phase]
-        if o.op:
+        made = o.chain.describe() if len(o.chain) > 1 else ""
+        if o.op and not made:
             bits.append(o.op)
-        if o.source:
+        if o.source and not made:
             bits.append(o.source)
         if o.param:
             bits.append(f"param {o.param}")
         rows = f", {rows_text(o.samples)}" if o.samples else ""
-        return f"{kind} produced in {where} ({', '.join(bits)}){rows}"
+        made = f": {made}" if made else ""
+        return f"{kind} produced in {where} ({', '.join(bits)}){made}{rows}"
 
     def __repr__(self) -> str:
         loss = (
@@ -199,6 +208,8 @@ class Trace:
             lines.append(f"  origin: {self.origin!r}")
             if self.origin.note:
                 lines.append(f"  note: {self.origin.note}")
+        if self.masks:
+            lines.append(f"  masks: {'; '.join(self.masks)}")
         return "\n".join(lines)
 
 

@@ -3,8 +3,10 @@
 The common case costs one quick pass: module hooks keep statistics on the device and the
 host reads them once. Only when that pass saw a NaN/Inf does the trace replay the same
 step (same buffers, same RNG) in exact mode to count NaN/Inf element-wise, find the batch
-rows and the module that produced the value, and then replays that one module at the
-level of torch operations to name the op and the source line.
+rows and the module that produced the value (:mod:`.origin`, intended masks set aside),
+and then replays that one module, on its inputs as they were at the call, at the level of
+torch operations to name the root op, its source line and the chain to the first NaN
+(:mod:`.origin_ops`). The events are built once, the origin's fields with them.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from .batch import (
     describe,
     named_tensors,
 )
-from .events import Event, ParamInfo
+from .capture import CallCapture, clone_structure, copy_arguments, has_state
+from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
 from .norms import fused_norms
-from .origin import Located, OpFinding, locate, replay_backward, replay_forward, replay_loss
-from .recorder import Recorder, clone_structure
+from .origin import Located, MaskInfo, batch_masks, locate
+from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
+from .recorder import RawEvent, Recorder
 from .result import Trace, TraceError
-from .state import PreservedState, RngState, preserved
+from .state import PreservedState, preserved
 from .stats import finalize_many, quick_is_complete, tensor_stats
 from .text import dtype_name, qualified_name
 
@@ -91,15 +95,15 @@ def trace(
         rec, out = _run(model, inputs, target, loss_fn, st, exact=False)
         vectors = rec.host_vectors()
         if all(quick_is_complete(v) for v in vectors) and not health.bad:
-            events = _events(rec, vectors)
+            events, _ = _events(rec, vectors)
             return _result(model, inputs, rec, events, None, out, health)
         # something is not finite (or overflowed float32 sums): replay the step exactly
         st.reset_buffers()
         rec, out = _run(model, inputs, target, loss_fn, st, exact=True, capture=True)
-        events = _events(rec, rec.host_vectors())
-        loc = locate(rec, health.bad)
-        origin = _resolve(model, inputs, target, loss_fn, st, rec, loc, events, out, bs)
-        return _result(model, inputs, rec, events, origin, out, health)
+        vectors = rec.host_vectors()
+        found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
+        events, origin = _events(rec, vectors, found)
+        return _result(model, inputs, rec, events, origin, out, health, found)
 
 
 @contextmanager
@@ -144,7 +148,7 @@ def _run(
         try:
             rec.record_batch(inputs)
             with torch.enable_grad():
-                output = call_model(model, inputs)
+                output = call_model(model, _fresh(inputs))
                 stage = "loss"
                 loss = compute_loss(output, target, loss_fn)
                 rec.record_loss(loss)
@@ -161,6 +165,13 @@ def _run(
         except Exception as e:
             raise _trace_error(model, inputs, target, rec, stage, e, output) from e
     return rec, outcome
+
+
+def _fresh(inputs: Any) -> Any:
+    """The batch for one pass: the same tensors, but a copy of any other object in it
+    (a cache the model extends in place), so no pass sees another's state and the
+    user's objects are never changed."""
+    return copy_arguments(inputs, clone_tensors=False) if has_state(inputs) else inputs
 
 
 def _backward(loss: torch.Tensor, st: PreservedState, inputs: Any) -> str:
@@ -240,7 +251,7 @@ def _trace_error(
 
 
 def _partial(model: torch.nn.Module, inputs: Any, rec: Recorder) -> Trace:
-    events = _events(rec, rec.host_vectors())
+    events, _ = _events(rec, rec.host_vectors())
     first = next((e for e in events if not e.finite), None)
     return Trace(
         events=events,
@@ -257,77 +268,176 @@ def _partial(model: torch.nn.Module, inputs: Any, rec: Recorder) -> Trace:
 
 
 # ---------------------------------------------------------------------- origin
-def _resolve(
+@dataclasses.dataclass
+class _Found:
+    """The origin, decided before any event is built."""
+
+    event: int  # index into the raw events (-1: no origin, only masks to report)
+    module: str | None = None  # the producing module, when not the event's own
+    op: str | None = None
+    source: str | None = None
+    chain: Chain = dataclasses.field(default_factory=Chain)
+    note: str = ""
+    param: str | None = None
+    rows: list[int] = dataclasses.field(default_factory=list)
+    masks: list[str] = dataclasses.field(default_factory=list)
+
+
+_MAX_MASK_ROUNDS = 8
+
+
+def _find_origin(
     model: torch.nn.Module,
     inputs: Any,
     target: Any,
     loss_fn: Any,
     st: PreservedState,
     rec: Recorder,
-    loc: Located,
-    events: list[Event],
+    bad_params: dict[str, list[str]],
     out: _Outcome,
     bs: int | None,
-) -> Event | None:
-    if loc.event is None:
-        return None
+) -> _Found | None:
+    """The module-level rules, then the op-level replay of the one module they name. A
+    module whose non-finite output the replay shows to be an intended mask is set aside
+    and the rules are applied again."""
+    masks = batch_masks(rec)
+    texts = [_batch_mask_text(rec.raw[i], t) for i, t in _mask_tensors(rec, masks, inputs)]
     modules = dict(model.named_modules())
-    finding = OpFinding()
+    for round_ in range(_MAX_MASK_ROUNDS):
+        loc = locate(rec, bad_params, masks)
+        if loc.event is None:
+            break
+        event_index = loc.event
+        try:
+            finding, event_index, loc = _replay(
+                modules, inputs, target, loss_fn, st, rec, loc, masks, out, bs, model
+            )
+        except Exception as e:  # the replay is a diagnosis aid: never fail the trace for it
+            finding = OpFinding(note=f"op-level replay failed: {type(e).__name__}: {e}")
+        if finding.mask and round_ < _MAX_MASK_ROUNDS - 1:
+            call = rec.calls[loc.call]
+            masks.slots.update(call.output_slots)
+            masks.slots.add(rec.raw[event_index].slot)
+            texts.append(f"{call.module or '<model>'} outputs -inf values used as a mask")
+            continue
+        return _found(rec, loc, event_index, finding, texts)
+    return _Found(event=-1, masks=texts) if texts else None
+
+
+def _replay(
+    modules: dict[str, torch.nn.Module],
+    inputs: Any,
+    target: Any,
+    loss_fn: Any,
+    st: PreservedState,
+    rec: Recorder,
+    loc: Located,
+    masks: MaskInfo,
+    out: _Outcome,
+    bs: int | None,
+    model: torch.nn.Module,
+) -> tuple[OpFinding, int, Located]:
     event_index = loc.event
-    phase = rec.raw[loc.event].phase
-    try:
-        if phase == "forward" and loc.call >= 0:
-            cap = rec.calls[loc.call].capture
-            if cap is not None:
-                st.reset_buffers()
-                finding = replay_forward(modules[rec.calls[loc.call].module], cap, loc.kind, bs)
-        elif phase == "loss":
-            finding = replay_loss(loss_fn, out.output, target, loc.kind, bs)
-        elif phase == "backward" and (loc.candidates or loc.call >= 0):
-            cands = loc.candidates or [loc.call]
-            caps = _capture(model, inputs, target, loss_fn, st, set(cands))
-            for c in cands:
-                if c not in caps:
-                    continue
-                st.reset_buffers()
-                f = replay_backward(
-                    modules[rec.calls[c].module], caps[c][0], caps[c][1], loc.kind, bs
-                )
-                if f.reproduced:
-                    finding = f
-                    if c != loc.call:
-                        event_index = next(
-                            (
-                                j
-                                for j, r in enumerate(rec.raw)
-                                if r.call == c
-                                and r.kind == "grad_input"
-                                and r.vector is rec.raw[loc.event].vector
-                            ),
-                            event_index,
-                        )
-                        loc = dataclasses.replace(loc, call=c)
-                    break
-    except Exception as e:  # the replay is a diagnosis aid: never fail the trace for it
-        finding = OpFinding(note=f"op-level replay failed: {type(e).__name__}: {e}")
-    origin = events[event_index]
-    if loc.module is not None and loc.module != origin.module:
-        origin = dataclasses.replace(
-            origin, module=loc.module, module_type=rec.types.get(loc.module, ""), kind=origin.kind
+    assert event_index is not None
+    phase = rec.raw[event_index].phase
+    if phase == "forward" and loc.call >= 0:
+        call = rec.calls[loc.call]
+        if call.capture is None:
+            return OpFinding(note=_NOT_RECORDED.format(call.module or "<model>")), event_index, loc
+        st.reset_buffers()
+        f = replay_forward(
+            modules[call.module], call.capture, loc.kind, bs, masks.mask_inputs(rec, loc.call)
         )
-        events_note = (
-            f"made by the code of {loc.module or '<model>'} itself, outside its submodules"
+        return _checked(f, rec, loc.call), event_index, loc
+    if phase == "loss":
+        return replay_loss(loss_fn, out.output, target, loc.kind, bs), event_index, loc
+    if phase == "backward" and (loc.candidates or loc.call >= 0):
+        cands = loc.candidates or [loc.call]
+        caps = _capture(model, inputs, target, loss_fn, st, set(cands))
+        for c in cands:
+            if c not in caps:
+                continue
+            st.reset_buffers()
+            f = replay_backward(modules[rec.calls[c].module], caps[c][0], caps[c][1], loc.kind, bs)
+            if f.reproduced:
+                if c != loc.call:
+                    event_index = next(
+                        (
+                            j
+                            for j, r in enumerate(rec.raw)
+                            if r.call == c
+                            and r.kind == "grad_input"
+                            and r.vector is rec.raw[event_index].vector
+                        ),
+                        event_index,
+                    )
+                    loc = dataclasses.replace(loc, call=c)
+                return f, event_index, loc
+    return OpFinding(), event_index, loc
+
+
+_NOT_RECORDED = (
+    "op-level replay skipped: the inputs of {} were not recorded (they already held NaN), "
+    "so the operation is not named."
+)
+
+
+def _checked(f: OpFinding, rec: Recorder, call: int) -> OpFinding:
+    """A replay that does not give the recorded output names no operation: the forward
+    depends on something besides its inputs (state its first run changed, a closure over
+    external state), so an op found on other values could be the wrong one."""
+    vecs = [rec.raw[e].vector for e in rec.calls[call].output_events]
+    recorded = (int(sum(v[6] for v in vecs)), int(sum(v[7] for v in vecs)))
+    if f.counts == recorded or f.mask:
+        return f
+    module = rec.calls[call].module or "<model>"
+    return OpFinding(
+        note=(
+            f"op-level replay inconclusive: {module} run again on its recorded inputs gave "
+            f"{f.counts[0]} NaN / {f.counts[1]} Inf where the traced pass had {recorded[0]} / "
+            f"{recorded[1]}; its forward depends on state outside its inputs (a counter, a "
+            "closure, a global), so no operation is named."
         )
-        finding.note = "; ".join(x for x in (events_note, finding.note) if x)
-    origin.op = finding.op
-    origin.source = finding.source
-    origin.param = loc.param or origin.param
-    if loc.corrupted and not finding.note:
-        finding.note = f"the parameter or buffer {loc.param} already held non-finite values"
-    origin.note = finding.note
-    if not origin.samples and finding.rows:
-        origin.samples = finding.rows
-    return origin
+    )
+
+
+def _found(
+    rec: Recorder, loc: Located, event_index: int, finding: OpFinding, masks: list[str]
+) -> _Found:
+    note = finding.note
+    module = None
+    if loc.module is not None and loc.module != rec.raw[event_index].module:
+        module = loc.module
+        own = f"made by the code of {loc.module or '<model>'} itself, outside its submodules"
+        note = "; ".join(x for x in (own, note) if x)
+    if loc.corrupted and not note:
+        note = f"the parameter or buffer {loc.param} already held non-finite values"
+    return _Found(
+        event=event_index,
+        module=module,
+        op=finding.op,
+        source=finding.source,
+        chain=finding.chain,
+        note=note,
+        param=loc.param,
+        rows=list(finding.rows),
+        masks=masks,
+    )
+
+
+def _mask_tensors(rec: Recorder, masks: MaskInfo, inputs: Any) -> list[tuple[int, torch.Tensor]]:
+    prefix = "x" if isinstance(inputs, torch.Tensor) else "inputs"
+    tensors = dict(named_tensors(inputs, prefix))
+    return [(i, tensors[rec.raw[i].name]) for i in masks.batch if rec.raw[i].name in tensors]
+
+
+def _batch_mask_text(r: RawEvent, t: torch.Tensor) -> str:
+    name = r.name
+    if name.startswith("inputs[") and name.endswith("]"):
+        name = name[len("inputs[") : -1].strip("'\"")
+    neg, pos = bool(torch.isneginf(t).any()), bool(torch.isposinf(t).any())
+    value = "-inf and +inf" if neg and pos else "-inf" if neg else "+inf"
+    return f"batch holds {value} in `{name}`, used as a mask"
 
 
 def _capture(
@@ -337,13 +447,13 @@ def _capture(
     loss_fn: Any,
     st: PreservedState,
     calls: set[int],
-) -> dict[int, tuple[tuple[Any, Any, Any], dict[str, torch.Tensor]]]:
-    """Replay the step once more and copy, for the given module calls, their inputs (and
-    the RNG state at the call) and the gradients arriving at their outputs."""
+) -> dict[int, tuple[CallCapture, dict[str, torch.Tensor]]]:
+    """Replay the step once more and copy, for the given module calls, their inputs as
+    at the call (and the RNG state then) and the gradients arriving at their outputs."""
     st.reset_buffers()
     st.clear_grads()
     counter = [0]
-    got: dict[int, tuple[tuple[Any, Any, Any], dict[str, torch.Tensor]]] = {}
+    got: dict[int, tuple[CallCapture, dict[str, torch.Tensor]]] = {}
     stack: list[int] = []
 
     def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -351,7 +461,7 @@ def _capture(
         counter[0] += 1
         stack.append(c)
         if c in calls:
-            got[c] = ((clone_structure(args), clone_structure(kwargs), RngState.capture()), {})
+            got[c] = (CallCapture.take(args, kwargs), {})
 
     def post(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         c = stack.pop()
@@ -367,35 +477,67 @@ def _capture(
         for m in hookable_modules(model):
             hooks.add(m.register_forward_pre_hook(pre, with_kwargs=True))
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
-        output = call_model(model, inputs)
+        output = call_model(model, _fresh(inputs))
         loss = compute_loss(output, target, loss_fn)
         _backward(loss, st, inputs)
     return got
 
 
 # ---------------------------------------------------------------------- results
-def _events(rec: Recorder, vectors: list[np.ndarray]) -> list[Event]:
+def _events(
+    rec: Recorder, vectors: list[np.ndarray], found: _Found | None = None
+) -> tuple[list[Event], Event | None]:
+    """Every event, built once; the origin's op, source, chain and note are part of its
+    construction. When the producing module is not the event's own (a parent's code),
+    the origin is its own record with the same index."""
     events = []
+    origin: Event | None = None
     for i, (r, (stats, hist)) in enumerate(zip(rec.raw, finalize_many(vectors))):
-        events.append(
-            Event(
-                index=i,
-                phase=r.phase,
-                module=r.module,
-                kind=r.kind,
-                name=r.name,
-                shape=r.shape,
-                dtype=r.dtype,
-                stats=stats,
-                hist=hist,
-                samples=list(r.samples),
-                call=r.call,
-                depth=r.depth,
-                module_type=r.module_type,
-                param=r.param,
+        if found is not None and i == found.event >= 0:
+            extra = {
+                "op": found.op,
+                "source": found.source,
+                "chain": found.chain,
+                "note": found.note,
+                "param": found.param or r.param,
+            }
+            samples = list(r.samples) or list(found.rows)
+            if found.module is None:
+                origin = _event(i, r, stats, hist, samples=samples, **extra)
+                events.append(origin)
+                continue
+            origin = _event(
+                i,
+                r,
+                stats,
+                hist,
+                samples=samples,
+                module=found.module,
+                module_type=rec.types.get(found.module, ""),
+                **extra,
             )
-        )
-    return events
+        events.append(_event(i, r, stats, hist))
+    return events, origin
+
+
+def _event(i: int, r: RawEvent, stats: Any, hist: Any, **fields: Any) -> Event:
+    return Event(
+        index=i,
+        phase=r.phase,
+        module=fields.pop("module", r.module),
+        kind=r.kind,
+        name=r.name,
+        shape=r.shape,
+        dtype=r.dtype,
+        stats=stats,
+        hist=hist,
+        samples=fields.pop("samples", None) or list(r.samples),
+        call=r.call,
+        depth=r.depth,
+        module_type=fields.pop("module_type", r.module_type),
+        param=fields.pop("param", r.param),
+        **fields,
+    )
 
 
 @dataclasses.dataclass
@@ -437,6 +579,7 @@ def _result(
     origin: Event | None,
     out: _Outcome,
     health: _ParamHealth,
+    found: _Found | None = None,
 ) -> Trace:
     grads = {e.param: e for e in events if e.kind == "param_grad"}
     params: list[ParamInfo] = []
@@ -480,5 +623,6 @@ def _result(
         n_params=sum(p.numel() for p in model.parameters()),
         batch=describe(inputs),
         module_types=dict(rec.types),
-        notes=out.notes,
+        notes=out.notes + (found.masks if found is not None else []),
+        masks=list(found.masks) if found is not None else [],
     )

@@ -1,0 +1,73 @@
+"""Inputs as they were at the call: copies of mutable arguments for the op-level replay."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nbdebug.core.capture import CallCapture, copy_arguments, frame_kind, has_state
+
+
+class Layer:
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+
+class Cache:
+    """Shaped like a Hugging Face DynamicCache: layers extended in place by each call."""
+
+    def __init__(self, n: int) -> None:
+        self.layers = [Layer() for _ in range(n)]
+        self.first = self.layers[0]  # a second reference to the same layer
+
+    def update(self, i: int, k: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        layer.keys = k if layer.keys is None else torch.cat([layer.keys, k], 1)
+        return layer.keys
+
+
+def test_a_copied_cache_can_be_extended_without_touching_the_original() -> None:
+    cache = Cache(2)
+    cache.update(0, torch.ones(2, 3))
+    copy = copy_arguments(cache)
+    assert copy is not cache and copy.layers[0] is not cache.layers[0]
+    assert copy.first is copy.layers[0]  # shared references stay shared
+    copy.update(0, torch.ones(2, 3))
+    copy.layers[0].keys.mul_(5)
+    assert cache.layers[0].keys.shape == (2, 3)
+    assert torch.equal(cache.layers[0].keys, torch.ones(2, 3))
+
+
+def test_modules_functions_and_plain_batches_are_not_copied() -> None:
+    lin = nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    out = copy_arguments({"m": lin, "f": torch.relu, "x": x, "n": 3}, clone_tensors=False)
+    assert out["m"] is lin and out["f"] is torch.relu and out["x"] is x and out["n"] == 3
+    assert not has_state({"x": x, "mask": [x, None, 2.0], "name": "a"})
+    assert has_state({"x": x, "cache": Cache(1)})
+
+
+def test_clone_tensors_detaches_and_copies_once_per_tensor() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    a, b = copy_arguments((y, y))
+    assert a is b and a is not y and not a.requires_grad and torch.equal(a, y.detach())
+
+
+def test_a_capture_gives_fresh_copies_for_each_replay() -> None:
+    cache = Cache(1)
+    cap = CallCapture.take((torch.zeros(1),), {"cache": cache})
+    cache.update(0, torch.ones(1, 4))  # the call extends the user's cache afterwards
+    for _ in range(2):
+        _, kwargs = cap.fresh()
+        assert kwargs["cache"].layers[0].keys is None
+        kwargs["cache"].update(0, torch.ones(1, 4))
+
+
+def test_frame_kinds() -> None:
+    import os
+
+    assert frame_kind(torch.__file__) == "torch"
+    assert frame_kind(os.__file__) == "python"
+    assert frame_kind(__file__) == "user"
+    assert frame_kind(os.path.join(os.path.dirname(torch.__file__) + "vision", "x.py")) == "user"
