@@ -98,8 +98,15 @@ class Recorder:
         exact: bool,
         batch_size: int | None,
         capture: bool = False,
+        modules: set[str] | None = None,
+        keep: set[str] | None = None,
     ) -> None:
         self.model = model
+        self.modules = modules  # names of the modules to record (None: all)
+        self.keep = keep or set()  # names of the modules whose outputs are kept
+        self.kept: dict[str, torch.Tensor] = {}
+        # quick mode: (event index, parameter) whose gradient is measured after the backward
+        self._pending_grads: list[tuple[int, torch.Tensor]] = []
         self.exact = exact
         self.capture = capture and exact
         self.batch_size = batch_size
@@ -131,11 +138,15 @@ class Recorder:
     def install(self, hooks: HookSet, params: list[torch.nn.Parameter]) -> None:
         for m in hookable_modules(self.model):
             name = self.names[id(m)]
+            if self.modules is not None and name not in self.modules:
+                continue
             hooks.add(m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             hooks.add(m.register_forward_hook(self._post_hook(name), with_kwargs=True))
         for p in params:
             if p.requires_grad and id(p) in self.param_names:
-                hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)])))
+                if self.modules is not None and self.param_names[id(p)][0] not in self.modules:
+                    continue
+                hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)], p)))
 
     # ------------------------------------------------------------------ statistics
     def _record(
@@ -265,6 +276,8 @@ class Recorder:
                 return None
             any_bad = False
             for oname, t in named_tensors(output, "output"):
+                if name in self.keep:
+                    self.keep_output(name, oname, t)
                 key = (id(t), t._version)
                 hit = self._measured.get(key)
                 if hit is not None and hit[0]() is t:  # a container returning a child's output
@@ -360,20 +373,44 @@ class Recorder:
 
         return hook
 
-    def _param_hook(self, module: str, short: str, qual: str):
+    def _param_hook(self, module: str, short: str, qual: str, param: torch.Tensor):
         depth = module.count(".") + 1 if module else 0
 
         def hook(grad: torch.Tensor) -> None:
-            self._record("backward", "param_grad", module, short, grad, -1, depth, param=qual)
+            if self.exact:
+                self._record("backward", "param_grad", module, short, grad, -1, depth, param=qual)
+                return None
+            # quick mode: only the event's place here; its statistics are taken from
+            # ``.grad`` once the backward is over (off its critical path, and no reference
+            # to ``grad`` held, which would make autograd copy it into ``.grad``)
+            i = self._record(
+                "backward", "param_grad", module, short, grad, -1, depth, param=qual, vector=()
+            )
+            self._pending_grads.append((i, param))
             return None
 
         return hook
+
+    def measure_param_grads(self) -> None:
+        """Quick mode: measure the parameter gradients whose hooks fired, from their
+        ``.grad`` (the backward is over; one reduction set per gradient)."""
+        for i, p in self._pending_grads:
+            g = p.grad
+            self.raw[i].vector = quick_parts(g) if g is not None else ()
+        self._pending_grads = []
+
+    def keep_output(self, module: str, name: str, t: torch.Tensor) -> None:
+        """A detached copy of a module output named by ``keep=`` (later in-place changes
+        do not reach it)."""
+        key = module if name == "output" else f"{module}:{name}"
+        self.kept[key] = t.detach().clone()
 
     # ------------------------------------------------------------------ results
     def host_vectors(self) -> list[np.ndarray]:
         """All statistics vectors on the host: one transfer per device."""
         if self.exact:
             return [r.vector for r in self.raw]
+        self.measure_param_grads()
         out: list[Any] = [None] * len(self.raw)
         by_device: dict[Any, list[int]] = {}
         first: dict[int, int] = {}  # events sharing one measurement are assembled once
