@@ -15,7 +15,9 @@ produced), and a tensor hook on every parameter. Two modes:
 
 from __future__ import annotations
 
+import fnmatch
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 
 from .batch import named_tensors
 from .capture import CallCapture
-from .hooks import HookSet, hookable_modules
+from .hooks import HookSet, hookable_modules, hookable_named_modules
 from .stats import (
     IDX_NNAN,
     assemble_quick,
@@ -426,6 +428,39 @@ class Recorder:
             for row, i in zip(rows, idx):
                 out[i] = row
         return [out[first[id(r.vector)]] for r in self.raw]
+
+
+def select_modules(
+    model: torch.nn.Module, patterns: str | Sequence[str] | None, option: str
+) -> set[str] | None:
+    """Names of the modules of ``model`` matching any of the ``fnmatch`` ``patterns``
+    (``"transformer.h.3.*"``; a pattern ending in ``.*`` also matches the module it names,
+    and ``""`` the model itself). None when ``patterns`` is None; a ValueError naming
+    ``option`` when a pattern matches nothing."""
+    if patterns is None:
+        return None
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not pats or not all(isinstance(p, str) for p in pats):
+        raise ValueError(
+            f"{option}= expects module name patterns (a str or a list of str), got {patterns!r}"
+        )
+    names = [n for n, _ in hookable_named_modules(model)]
+    chosen: set[str] = set()
+    for pat in pats:
+        hit = [
+            n
+            for n in names
+            if fnmatch.fnmatchcase(n, pat) or (pat.endswith(".*") and n == pat[:-2])
+        ]
+        if not hit:
+            sample = ", ".join(repr(n) for n in names[1:6]) or "''"
+            raise ValueError(
+                f"{option}={pat!r} matches no module of {type(model).__name__}: its "
+                f"{len(names)} module names look like {sample} (fnmatch patterns, "
+                f"e.g. {names[-1]!r} or '{names[-1].rpartition('.')[0] or names[-1]}.*')"
+            )
+        chosen.update(hit)
+    return chosen
 
 
 def _numel(shape: tuple[int, ...]) -> int:
