@@ -456,8 +456,8 @@ def select_modules(
             sample = ", ".join(repr(n) for n in names[1:6]) or "''"
             raise ValueError(
                 f"{option}={pat!r} matches no module of {type(model).__name__}: its "
-                f"{len(names)} module names look like {sample} (fnmatch patterns, "
-                f"e.g. {names[-1]!r} or '{names[-1].rpartition('.')[0] or names[-1]}.*')"
+                f"{len(names)} module names look like {sample} (fnmatch patterns such as "
+                f"{names[-1]!r} or '{names[-1].rpartition('.')[0] or names[-1]}.*')"
             )
         chosen.update(hit)
     return chosen
