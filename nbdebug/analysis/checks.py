@@ -27,8 +27,10 @@ constant_feature        warning   feature std across the batch <= ``CONSTANT_STD
 unscaled_input          warning   floating input max - min > ``UNSCALED_RANGE`` (1e4)
 exp_overflow_risk       error     the first Inf made by exp/exp2/expm1/cosh/sinh
                         warning   input to Softmax/LogSoftmax/Softmin, or model output feeding a
-                                  hand-written (or Poisson log_input) loss, with abs > ``EXP_LIMIT``
-                                  (88.72 float32/bfloat16, 11.09 float16, 709.8 float64)
+                                  hand-written (or Poisson log_input) loss, with abs >
+                                  ``EXP_RISK_FRACTION`` (0.5) x ``EXP_LIMIT`` (88.72
+                                  float32/bfloat16, 11.09 float16, 709.8 float64): before the
+                                  overflow, where exp(x)**2 already overflows
 fp16_overflow_risk      error     the first Inf made in float16 (by a non-exp, non-division op)
                         warning   float16 activation abs > ``FP16_RISK_FRACTION`` (0.5) x 65504;
                                   float32 ones too when a GradScaler (float16 autocast) is in use

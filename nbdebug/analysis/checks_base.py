@@ -30,6 +30,10 @@ EXP_LIMIT = {
     "float32": math.log(3.4028234663852886e38),
     "float64": math.log(1.7976931348623157e308),
 }
+#: exp_overflow_risk warns from this share of EXP_LIMIT: beyond half the limit exp(x)**2 (a
+#: product of two exponentials, a variance of them) already overflows, and a sum of exps is
+#: a factor exp(limit / 2) from it (1.8e19 in float32).
+EXP_RISK_FRACTION = 0.5
 #: The largest finite float16.
 FP16_MAX = 65504.0
 #: fp16_overflow_risk: activations above this share of FP16_MAX (a factor 2 from overflow).

@@ -15,6 +15,7 @@ from ..core.text import fmt_num, rows_text
 from .checks_base import (
     DEAD_RELU_ZERO_FRAC,
     EXP_LIMIT,
+    EXP_RISK_FRACTION,
     FP16_MAX,
     FP16_RISK_FRACTION,
     SATURATION_EPS,
@@ -284,7 +285,7 @@ def forward_findings(
             inp = view.input_of(e)
             if inp is not None and inp.finite and is_floating(inp.dtype):
                 lim = exp_limit(e.dtype)
-                if inp.stats.absmax > lim:
+                if inp.stats.absmax > EXP_RISK_FRACTION * lim:
                     keep(
                         Finding(
                             "exp_overflow_risk",
@@ -292,12 +293,14 @@ def forward_findings(
                             where,
                             {
                                 "input_absmax": inp.stats.absmax,
-                                "threshold": lim,
+                                "threshold": EXP_RISK_FRACTION * lim,
+                                "limit": lim,
                                 "input_from": inp.label,
                             },
                             f"inputs up to {fmt_num(inp.stats.absmax)} reach this "
                             f"{mtype} (exp overflows above "
-                            f"{lim:.4g} in {e.dtype}); its probabilities saturate to "
+                            f"{lim:.4g} in {e.dtype}, warned from "
+                            f"{EXP_RISK_FRACTION * lim:.4g}); its probabilities saturate to "
                             f"exact 0/1 and a log of "
                             "them gives -inf: scale the logits down (temperature, "
                             "normalisation) or keep "
@@ -484,7 +487,7 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
     poisson_exp = "poisson" in name and bool(getattr(loss_fn, "log_input", True))
     if not is_torch_loss(loss_fn) or poisson_exp:
         lim = exp_limit(out.dtype)
-        if out.stats.absmax > lim:
+        if out.stats.absmax > EXP_RISK_FRACTION * lim:
             kind = (
                 "PoissonNLLLoss with log_input=True computes exp(input)"
                 if poisson_exp
@@ -498,9 +501,14 @@ def _loss_input_findings(view: TraceView, loss_fn: Any) -> list[Finding]:
                     "exp_overflow_risk",
                     "warning",
                     "the loss (model output)",
-                    {"output_absmax": out.stats.absmax, "threshold": lim},
-                    f"the model's outputs reach {fmt_num(out.stats.absmax)} (> "
-                    f"{lim:.4g} in {out.dtype}): {kind}; "
+                    {
+                        "output_absmax": out.stats.absmax,
+                        "threshold": EXP_RISK_FRACTION * lim,
+                        "limit": lim,
+                    },
+                    f"the model's outputs reach {fmt_num(out.stats.absmax)} (exp "
+                    f"overflows above {lim:.4g} in {out.dtype}, warned from "
+                    f"{EXP_RISK_FRACTION * lim:.4g}): {kind}; "
                     "use a stable built-in (F.cross_entropy, F.log_softmax, "
                     "torch.logsumexp) or scale the logits.",
                     fix="loss = F.cross_entropy(logits, y)",

@@ -17,14 +17,16 @@ from typing import Any
 from .recorder import Recorder
 from .stats import IDX_NINF, IDX_NNAN, row_dim, vector_is_finite
 
-__all__ = ["Located", "MaskInfo", "batch_masks", "locate"]
+__all__ = ["Located", "MaskInfo", "batch_masks", "inf_count", "locate", "nan_count"]
 
 
-def _n_nan(v: Any) -> float:
+def nan_count(v: Any) -> float:
+    """NaN elements counted in a statistics vector."""
     return float(v[IDX_NNAN])
 
 
-def _n_inf(v: Any) -> float:
+def inf_count(v: Any) -> float:
+    """Inf elements counted in a statistics vector."""
     return float(v[IDX_NINF])
 
 
@@ -82,7 +84,7 @@ def batch_masks(rec: Recorder) -> MaskInfo:
             bad_rows.update(r.samples if not vector_is_finite(r.vector) else ())
         all_finite = all_finite and vector_is_finite(r.vector)
     for i, r in enumerate(rec.raw):
-        if r.phase != "input" or vector_is_finite(r.vector) or _n_nan(r.vector) > 0:
+        if r.phase != "input" or vector_is_finite(r.vector) or nan_count(r.vector) > 0:
             continue
         if all_finite:
             used = True
@@ -104,7 +106,7 @@ def locate(rec: Recorder, bad_params: dict[str, list[str]], masks: MaskInfo) -> 
     for i, r in enumerate(raw):
         if vector_is_finite(r.vector):
             continue
-        kind = "nan" if _n_nan(r.vector) > 0 else "inf"
+        kind = "nan" if nan_count(r.vector) > 0 else "inf"
         if r.phase == "input":
             if i in masks.batch:
                 continue

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .batch import named_tensors
-from .capture import CallCapture
+from .capture import CallCapture, clone_structure
 from .hooks import HookSet, hookable_modules, hookable_named_modules
 from .stats import (
     IDX_NNAN,
@@ -37,6 +37,9 @@ from .stats import (
     vector_is_finite,
 )
 from .text import dtype_name, qualified_name
+
+# clone_structure lives in capture.py; re-exported here for the gradcheck sweep
+__all__ = ["CallRecord", "RawEvent", "Recorder", "Slot", "clone_structure"]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from .capture import CallCapture, clone_structure, copy_arguments, has_state
 from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
 from .norms import fused_norms
-from .origin import Located, MaskInfo, batch_masks, locate
+from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
 from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
 from .recorder import RawEvent, Recorder, select_modules
 from .result import Trace, TraceError
@@ -354,7 +354,7 @@ def _find_origin(
                 modules, inputs, target, loss_fn, st, rec, loc, masks, out, bs, model
             )
         except Exception as e:  # the replay is a diagnosis aid: never fail the trace for it
-            finding = OpFinding(note=f"op-level replay failed: {type(e).__name__}: {e}")
+            finding = OpFinding(note=_failed_note(rec, loc, e))
         if finding.mask and round_ < _MAX_MASK_ROUNDS - 1:
             call = rec.calls[loc.call]
             masks.slots.update(call.output_slots)
@@ -417,6 +417,17 @@ def _replay(
     return OpFinding(), event_index, loc
 
 
+def _failed_note(rec: Recorder, loc: Located, e: Exception) -> str:
+    what = "the loss function"
+    if loc.call >= 0:
+        what = rec.calls[loc.call].module or "<model>"
+    return (
+        f"op-level replay failed: {what} raised {type(e).__name__}: {e} when run again on "
+        "its inputs as recorded at the call (a forward with side effects or state outside "
+        "its inputs cannot be replayed), so no operation is named."
+    )
+
+
 _NOT_RECORDED = (
     "op-level replay skipped: the inputs of {} were not recorded (they already held NaN), "
     "so the operation is not named."
@@ -428,7 +439,7 @@ def _checked(f: OpFinding, rec: Recorder, call: int) -> OpFinding:
     depends on something besides its inputs (state its first run changed, a closure over
     external state), so an op found on other values could be the wrong one."""
     vecs = [rec.raw[e].vector for e in rec.calls[call].output_events]
-    recorded = (int(sum(v[6] for v in vecs)), int(sum(v[7] for v in vecs)))
+    recorded = (int(sum(nan_count(v) for v in vecs)), int(sum(inf_count(v) for v in vecs)))
     if f.counts == recorded or f.mask:
         return f
     module = rec.calls[call].module or "<model>"
