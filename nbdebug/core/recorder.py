@@ -1,11 +1,13 @@
 """The hooks of one pass over a model: what :func:`nbdebug.trace` records.
 
-A pass installs a forward pre-hook and a forward hook on every module, a tensor hook on
+A pass installs a forward pre-hook and a forward hook on every module (or on those that
+``modules=`` names), a tensor hook on
 every module output that requires grad (and on every module input that no module
 produced), and a tensor hook on every parameter. Two modes:
 
-* quick (``exact=False``): statistics vectors stay on the device (:func:`quick_vector`);
-  nothing is synchronised until the pass is over.
+* quick (``exact=False``): statistics vectors stay on the device (:func:`quick_parts`);
+  nothing is synchronised until the pass is over. A parameter's hook only marks the
+  event's place; its gradient is measured from ``.grad`` after the backward.
 * exact (``exact=True``): run only when the quick pass saw a NaN/Inf. Element-wise
   statistics, the batch rows holding non-finite values, which inputs of each module call
   were finite, the data flow between calls, and a copy of the inputs of the calls still

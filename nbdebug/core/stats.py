@@ -2,14 +2,17 @@
 
 Two kernels share one result layout (a float64 vector, see ``VECTOR_LEN``):
 
-* :func:`quick_vector`: the hot path. Four reductions (row sums, norm, aminmax,
-  count_nonzero) plus a log10-magnitude histogram of at most ``HIST_SAMPLE`` evenly
-  strided elements. It never synchronises with the host. A finite min and max mean
-  "no NaN/Inf" (both propagate NaN and carry +-inf), so NaN/Inf are never counted
+* :func:`quick_parts` / :func:`assemble_quick` (:func:`quick_vector` for one tensor): the
+  hot path. Four reductions (sum, sum of squares as a dot product, min, max; float32
+  accumulation) plus a log10-magnitude histogram of at most ``HIST_SAMPLE`` evenly
+  strided elements. It never synchronises with the host. A finite sum, min and max mean
+  "no NaN/Inf" (they propagate NaN and carry +-inf), so NaN/Inf are never counted
   element-wise here.
-* :func:`exact_vector`: element-wise, for tensors that hold non-finite values. Counts
-  NaN and Inf, and computes the moments over the *finite* elements only, so a single
-  NaN does not hide the scale of everything else.
+* :func:`exact_vector`: for the exact pass. A finite sum costs it the quick kernel's
+  reductions; otherwise it counts NaN and Inf element-wise and computes the moments over
+  the *finite* elements only (float64 accumulation), so a single NaN does not hide the
+  scale of everything else. Its histogram also comes from the sample: no full-size
+  float64 copy.
 
 :func:`finalize` turns a host-side vector into :class:`TensorStats` and :class:`Histogram`.
 """
