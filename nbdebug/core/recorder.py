@@ -1,9 +1,9 @@
 """The hooks of one pass over a model: what :func:`nbdebug.trace` records.
 
 A pass installs a forward pre-hook and a forward hook on every module (or on those that
-``modules=`` names), a tensor hook on
-every module output that requires grad (and on every module input that no module
-produced), and a tensor hook on every parameter. Two modes:
+``modules=`` names), a tensor hook on every module output that requires grad (and on
+every module input that no module produced), and a tensor hook on every parameter (of
+those modules). Two modes:
 
 * quick (``exact=False``): statistics vectors stay on the device (:func:`quick_parts`);
   nothing is synchronised until the pass is over. A parameter's hook only marks the
