@@ -11,6 +11,7 @@ pass, origin and replay) against a plain step, and the peak memory of each varia
 (each in a fresh subprocess), and the 2,000-module check.
 
     python benchmarks/bench_trace.py [--rounds 3] [--models transformer,gpt2_124m]
+        [--threads 1,2] [--no-memory]
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3, help="rounds (x3 for the small models)")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts timed; 0: none")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-child", nargs=2)
     a = ap.parse_args()
@@ -260,12 +262,14 @@ def main() -> None:
     if unknown:
         ap.error(f"--models expects names from {sorted(MODELS)}, got {unknown}")
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
-    torch.set_num_threads(1)
-    print("-- 1 torch thread, CPU time of this process (median per call; ratio to plain)")
-    timed(names, a.rounds, time.process_time)
-    torch.set_num_threads(2)
-    print("-- 2 torch threads, wall time (median per call; ratio to plain)")
-    timed(names, a.rounds, time.perf_counter)
+    for n in [int(v) for v in a.threads.split(",") if int(v) > 0]:
+        torch.set_num_threads(n)
+        if n == 1:
+            print("-- 1 torch thread, CPU time of this process (median per call; ratio to plain)")
+            timed(names, a.rounds, time.process_time)
+        else:
+            print(f"-- {n} torch threads, wall time (median per call; ratio to plain)")
+            timed(names, a.rounds, time.perf_counter)
     torch.set_num_threads(1)
     if "gpt2_124m" in names:
         nan_path(a.rounds, time.process_time)
