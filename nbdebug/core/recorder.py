@@ -31,6 +31,7 @@ from .capture import CallCapture, clone_structure
 from .hooks import HookSet, hookable_modules, hookable_named_modules
 from .stats import (
     IDX_NNAN,
+    IDX_NUMEL,
     assemble_quick,
     exact_vector,
     quick_parts,
@@ -199,7 +200,9 @@ class Recorder:
         samples: list[int] = []
         if not vector_is_finite(v):
             d = row_dim(t.shape, self.batch_size)
-            if d is not None and t.layout == torch.strided:
+            if d is not None and v[IDX_NNAN] == v[IDX_NUMEL]:
+                samples = list(range(t.shape[d]))  # all NaN: every row
+            elif d is not None and t.layout == torch.strided:
                 samples = torch.nonzero(row_flags(t, d)).flatten().tolist()
         return v, samples
 

@@ -360,10 +360,15 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
         n_fin = torch.full((), float(numel), dtype=f64, device=dev)
         share = hist[HIST_BINS] / hist[HIST_BINS + 2].clamp(min=1)
         nnz = numel * (1.0 - share)
+    elif bool((n_nan := torch.isnan(x).sum().to(f64)) == numel):
+        # all NaN (what a NaN turns every later tensor into): nothing else to measure
+        total = norm = torch.zeros((), dtype=f64, device=dev)
+        mn = mx = torch.full((), float("nan"), dtype=f64, device=dev)
+        n_inf = n_fin = torch.zeros((), dtype=f64, device=dev)
+        nnz = n_nan  # NaN is non-zero
     else:
         fin = torch.isfinite(x)
         n_fin = fin.sum().to(f64)
-        n_nan = torch.isnan(x).sum().to(f64)
         n_inf = numel - n_nan - n_fin
         vals = torch.where(fin, x, 0)
         total = vals.sum(dtype=f64)
