@@ -1,13 +1,17 @@
-"""nbdebug.trace() against a plain forward+backward and torch.autograd.detect_anomaly.
+"""nbdebug.trace() against a plain forward+backward, torch.autograd.detect_anomaly, naive
+per-module norm hooks and (GPT-2 models) Hugging Face's ``DebugUnderflowOverflow``.
 
-Prints, for the two reference models of DESIGN.md, the median time of each variant and
-the ratios, measured side by side in one run (the variants are interleaved round by
-round so that machine noise hits them alike). Times are CPU time of this process with
-one torch thread (robust on a shared machine) and wall time with the default threads.
-Then the peak memory of each variant (each in a fresh subprocess) and the 2,000-module
-check.
+Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
+5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
+modules), batch 2 x 64), the median time of each variant and the ratios to plain,
+measured side by side in one run (the variants are interleaved round by round so that
+machine noise hits them alike), with 1 torch thread (CPU time of this process) and 2
+(wall time). Then the NaN path (one NaN weight in the 124M model: quick pass, exact
+pass, origin and replay) against a plain step, and the peak memory of each variant
+(each in a fresh subprocess), and the 2,000-module check.
 
-    python benchmarks/bench_trace.py [--rounds 15]
+    python benchmarks/bench_trace.py [--rounds 3] [--models transformer,gpt2_124m]
+        [--threads 1,2] [--no-memory]
 """
 
 from __future__ import annotations
@@ -19,89 +23,153 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import cnn, mean_square, narrow_cnn, transformer
+from models import cnn, gpt2_124m, gpt2_deep, mean_square, resnet18, transformer
 
 import nbdebug
 
-MODELS = {"transformer": transformer, "cnn": cnn, "narrow_cnn": narrow_cnn}
+MODELS = {
+    "transformer": transformer,
+    "cnn": cnn,
+    "resnet18": resnet18,
+    "gpt2_124m": gpt2_124m,
+    "gpt2_80x304": gpt2_deep,
+}
+BIG = ("gpt2_124m", "gpt2_80x304")  # fewer rounds, and DebugUnderflowOverflow
 
 
-def variants(model: nn.Module, x: torch.Tensor):
+def _loss(model: nn.Module, x: Any) -> torch.Tensor:
+    if isinstance(x, dict):
+        return model(**x).loss
+    return mean_square(model(x))
+
+
+def _trace(model: nn.Module, x: Any) -> Any:
+    if isinstance(x, dict):
+        return nbdebug.trace(model, x)
+    return nbdebug.trace(model, x, loss_fn=mean_square)
+
+
+def _naive_hooks(model: nn.Module) -> list[Any]:
+    """The hand-written way: a forward hook per module that takes the norm of its
+    output and hooks the output's gradient for its norm, each read on the host."""
+    got: list[float] = []
+
+    def fwd(module: nn.Module, args: Any, out: Any) -> None:
+        outs = out if isinstance(out, tuple) else (out,)
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                got.append(float(t.detach().norm()))
+                if t.requires_grad:
+                    t.register_hook(lambda g: got.append(float(g.norm())))
+
+    return [m.register_forward_hook(fwd) for m in model.modules()]
+
+
+def _hf_debug(model: nn.Module) -> list[tuple[dict, int]]:
+    """Attach ``DebugUnderflowOverflow`` and return its hooks (it keeps no handles)."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    before = {id(m): set(m._forward_hooks) for m in model.modules()}
+    DebugUnderflowOverflow(model)
+    return [
+        (m._forward_hooks, k)
+        for m in model.modules()
+        for k in m._forward_hooks
+        if k not in before[id(m)]
+    ]
+
+
+def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None]]:
     params = [p for p in model.parameters() if p.requires_grad]
 
     def plain() -> None:
-        torch.autograd.grad(mean_square(model(x)), params)
+        torch.autograd.grad(_loss(model, x), params)
 
     def traced() -> None:
-        nbdebug.trace(model, x, loss_fn=mean_square)
+        _trace(model, x)
 
     def anomaly() -> None:
         with torch.autograd.detect_anomaly(check_nan=True):
-            torch.autograd.grad(mean_square(model(x)), params)
+            torch.autograd.grad(_loss(model, x), params)
 
-    return {"plain": plain, "trace": traced, "detect_anomaly": anomaly}
+    def naive() -> None:
+        handles = _naive_hooks(model)
+        try:
+            torch.autograd.grad(_loss(model, x), params)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def hf() -> None:
+        hooks = _hf_debug(model)
+        try:
+            torch.autograd.grad(_loss(model, x), params)
+        finally:
+            for d, k in hooks:
+                del d[k]
+
+    out = {"plain": plain, "trace": traced, "detect_anomaly": anomaly, "naive_hooks": naive}
+    if big:
+        out["hf_debug"] = hf
+    return out
 
 
-def timed(rounds: int, clock) -> dict[str, dict[str, float]]:
-    out = {}
-    for name, make in MODELS.items():
-        model, x = make()
-        vs = variants(model, x)
+def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
+    for name in names:
+        model, x = MODELS[name]()
+        big = name in BIG
+        vs = variants(model, x, big)
         for f in vs.values():  # warm-up
             f()
-            f()
         times: dict[str, list[float]] = {k: [] for k in vs}
-        for _ in range(rounds):
+        for _ in range(rounds if big else 3 * rounds):
             for k, f in vs.items():
                 t = clock()
                 f()
                 times[k].append(clock() - t)
-        out[name] = {k: statistics.median(v) for k, v in times.items()}
-    return out
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios = "  ".join(f"{k} {med[k] / med['plain']:.2f}x" for k in vs if k != "plain")
+        print(f"{name:12s} plain {med['plain'] * 1e3:7.0f} ms  |  {ratios}")
+        del model, x, vs
 
 
-def nan_path(rounds: int, clock) -> None:
-    """The NaN path (quick pass, exact pass, origin and the op-level replay of the origin
-    module) against a plain step, interleaved: the transformer with one weight of
-    ``layers.2.linear1`` set to NaN."""
-    model, x = transformer()
+def nan_model() -> tuple[nn.Module, Any]:
+    """The 124M GPT-2 with one NaN weight in ``transformer.h.5.mlp.c_fc``."""
+    model, x = gpt2_124m()
     with torch.no_grad():
-        model.layers[2].linear1.weight[0, 0] = float("nan")
-    vs = variants(model, x)
-    vs.pop("detect_anomaly")
+        model.transformer.h[5].mlp.c_fc.weight[7, 11] = float("nan")
+    return model, x
+
+
+def nan_path(rounds: int, clock: Callable[[], float]) -> None:
+    """The NaN path (quick pass, exact pass, origin and the op-level replay of the origin
+    module) against a plain step, interleaved."""
+    model, x = nan_model()
+    vs = {k: f for k, f in variants(model, x, False).items() if k in ("plain", "trace")}
     for f in vs.values():
         f()
     times: dict[str, list[float]] = {k: [] for k in vs}
-    for _ in range(max(3, rounds // 3)):
+    for _ in range(rounds):
         for k, f in vs.items():
             t = clock()
             f()
             times[k].append(clock() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    tr = nbdebug.trace(model, x, loss_fn=mean_square)
+    tr = _trace(model, x)
+    o = tr.origin
     print(
-        f"-- NaN path, transformer (origin {tr.origin.module if tr.origin else None}, "
-        f"op {tr.origin.op if tr.origin else None}): plain {med['plain'] * 1e3:.1f} ms  "
-        f"trace {med['trace'] * 1e3:.1f} ms  |  trace/plain {med['trace'] / med['plain']:.2f}x "
-        "(target <= 3x)"
+        f"-- NaN path, gpt2_124m with one NaN weight (origin {o.module if o else None}, "
+        f"param {o.param if o else None}, op {o.op if o else None}): plain "
+        f"{med['plain'] * 1e3:.0f} ms  trace {med['trace'] * 1e3:.0f} ms  |  trace/plain "
+        f"{med['trace'] / med['plain']:.2f}x (target <= 3x)"
     )
-
-
-def report(title: str, res: dict[str, dict[str, float]]) -> None:
-    print(f"-- {title}")
-    for name, r in res.items():
-        print(
-            f"{name:12s} plain {r['plain'] * 1e3:8.1f} ms  trace {r['trace'] * 1e3:8.1f} ms  "
-            f"detect_anomaly {r['detect_anomaly'] * 1e3:8.1f} ms  |  trace/plain "
-            f"{r['trace'] / r['plain']:.2f}x  "
-            f"anomaly/plain {r['detect_anomaly'] / r['plain']:.2f}x  trace/anomaly "
-            f"{r['trace'] / r['detect_anomaly']:.2f}x"
-        )
 
 
 def _status_kib(field: str) -> int:
@@ -115,30 +183,46 @@ def _status_kib(field: str) -> int:
 def peak_memory_child(model_name: str, variant: str) -> None:
     """Peak resident memory above the resting level during one call (Linux: the peak is
     reset through /proc/self/clear_refs before the call)."""
-    model, x = MODELS[model_name]()
-    f = variants(model, x)[variant]
+    if model_name == "gpt2_nan":
+        model, x = nan_model()
+    else:
+        model, x = MODELS[model_name]()
+    f = variants(model, x, False)[variant]
     f()  # warm-up: allocator pools, lazy imports
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
     base = _status_kib("VmRSS")
     f()
     peak = _status_kib("VmHWM")
-    print(json.dumps({"delta_mib": (peak - base) / 1024}))
+    print(json.dumps({"delta_mib": (peak - base) / 1024, "base_mib": base / 1024}))
 
 
-def peak_memory() -> None:
-    print("-- peak memory above resting RSS during one call (fresh process each, MiB)")
-    for name in MODELS:
-        row = []
-        for v in ("plain", "trace", "detect_anomaly"):
-            r = subprocess.run(
-                [sys.executable, __file__, "--memory-child", name, v],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            row.append(f"{v} {json.loads(r.stdout.strip().splitlines()[-1])['delta_mib']:7.1f}")
-        print(f"{name:12s} " + "  ".join(row))
+def _child(name: str, variant: str) -> dict[str, float]:
+    r = subprocess.run(
+        [sys.executable, __file__, "--memory-child", name, variant],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def peak_memory(names: list[str]) -> None:
+    print(
+        "-- peak memory during one call (fresh process each; MiB above the resting RSS, "
+        "which holds the model; ratio of resting + peak to plain's)"
+    )
+    rows = [(n, n) for n in names]
+    if "gpt2_124m" in names:
+        rows.append(("gpt2_nan", "gpt2_124m + one NaN weight (NaN path)"))
+    for name, label in rows:
+        p, t = _child(name, "plain"), _child(name, "trace")
+        ratio = (t["base_mib"] + t["delta_mib"]) / (p["base_mib"] + p["delta_mib"])
+        extra = t["delta_mib"] / max(p["delta_mib"], 1e-9)
+        print(
+            f"{label:12s} plain +{p['delta_mib']:7.1f}  trace +{t['delta_mib']:7.1f}  |  "
+            f"peak trace/plain {ratio:.2f}x (above resting: {extra:.2f}x)"
+        )
 
 
 def many_modules() -> None:
@@ -164,23 +248,39 @@ def many_modules() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (x3 for the small models)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts timed; 0: none")
+    ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-child", nargs=2)
     a = ap.parse_args()
     if a.memory_child:
         peak_memory_child(*a.memory_child)
         return
-    threads = torch.get_num_threads()
+    names = [n for n in a.models.split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        ap.error(f"--models expects names from {sorted(MODELS)}, got {unknown}")
+    print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    for n in [int(v) for v in a.threads.split(",") if int(v) > 0]:
+        torch.set_num_threads(n)
+        if n == 1:
+            print("-- 1 torch thread, CPU time of this process (median per call; ratio to plain)")
+            timed(names, a.rounds, time.process_time)
+        else:
+            print(f"-- {n} torch threads, wall time (median per call; ratio to plain)")
+            timed(names, a.rounds, time.perf_counter)
     torch.set_num_threads(1)
-    report("CPU time, 1 torch thread (median per call)", timed(a.rounds, time.process_time))
-    torch.set_num_threads(threads)
-    report(
-        f"wall time, {threads} torch threads (median per call)", timed(a.rounds, time.perf_counter)
-    )
-    nan_path(a.rounds, time.perf_counter)
-    peak_memory()
+    if "gpt2_124m" in names:
+        nan_path(a.rounds, time.process_time)
+    if not a.no_memory:
+        peak_memory(names)
     many_modules()
-    print("targets: trace/plain <= 1.25x on both models")
+    print(
+        "targets: trace/plain <= 1.25x; NaN path <= 3x with peak memory <= 1.25x; "
+        "healthy peak memory <= 1.10x"
+    )
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

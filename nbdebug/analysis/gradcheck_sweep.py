@@ -12,8 +12,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..core.batch import batch_size, call_model, check_inputs, check_model
+from ..core.capture import clone_structure
 from ..core.hooks import HookSet, hookable_named_modules
-from ..core.recorder import clone_structure
 from ..core.state import RngState, preserved
 from ..core.text import first_line
 from .gradcheck import run_gradcheck

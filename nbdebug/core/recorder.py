@@ -1,11 +1,13 @@
 """The hooks of one pass over a model: what :func:`nbdebug.trace` records.
 
-A pass installs a forward pre-hook and a forward hook on every module, a tensor hook on
-every module output that requires grad (and on every module input that no module
-produced), and a tensor hook on every parameter. Two modes:
+A pass installs a forward pre-hook and a forward hook on every module (or on those that
+``modules=`` names), a tensor hook on every module output that requires grad (and on
+every module input that no module produced), and a tensor hook on every parameter (of
+those modules). Two modes:
 
-* quick (``exact=False``): statistics vectors stay on the device (:func:`quick_vector`);
-  nothing is synchronised until the pass is over.
+* quick (``exact=False``): statistics vectors stay on the device (:func:`quick_parts`);
+  nothing is synchronised until the pass is over. A parameter's hook only marks the
+  event's place; its gradient is measured from ``.grad`` after the backward.
 * exact (``exact=True``): run only when the quick pass saw a NaN/Inf. Element-wise
   statistics, the batch rows holding non-finite values, which inputs of each module call
   were finite, the data flow between calls, and a copy of the inputs of the calls still
@@ -15,7 +17,9 @@ produced), and a tensor hook on every parameter. Two modes:
 
 from __future__ import annotations
 
+import fnmatch
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +28,10 @@ import torch
 
 from .batch import named_tensors
 from .capture import CallCapture, clone_structure
-from .hooks import HookSet, hookable_modules
+from .hooks import HookSet, hookable_modules, hookable_named_modules
 from .stats import (
     IDX_NNAN,
+    IDX_NUMEL,
     assemble_quick,
     exact_vector,
     quick_parts,
@@ -101,8 +106,15 @@ class Recorder:
         exact: bool,
         batch_size: int | None,
         capture: bool = False,
+        modules: set[str] | None = None,
+        keep: set[str] | None = None,
     ) -> None:
         self.model = model
+        self.modules = modules  # names of the modules to record (None: all)
+        self.keep = keep or set()  # names of the modules whose outputs are kept
+        self.kept: dict[str, torch.Tensor] = {}
+        # quick mode: (event index, parameter) whose gradient is measured after the backward
+        self._pending_grads: list[tuple[int, torch.Tensor]] = []
         self.exact = exact
         self.capture = capture and exact
         self.batch_size = batch_size
@@ -134,11 +146,15 @@ class Recorder:
     def install(self, hooks: HookSet, params: list[torch.nn.Parameter]) -> None:
         for m in hookable_modules(self.model):
             name = self.names[id(m)]
+            if self.modules is not None and name not in self.modules:
+                continue
             hooks.add(m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             hooks.add(m.register_forward_hook(self._post_hook(name), with_kwargs=True))
         for p in params:
             if p.requires_grad and id(p) in self.param_names:
-                hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)])))
+                if self.modules is not None and self.param_names[id(p)][0] not in self.modules:
+                    continue
+                hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)], p)))
 
     # ------------------------------------------------------------------ statistics
     def _record(
@@ -184,7 +200,9 @@ class Recorder:
         samples: list[int] = []
         if not vector_is_finite(v):
             d = row_dim(t.shape, self.batch_size)
-            if d is not None and t.layout == torch.strided:
+            if d is not None and v[IDX_NNAN] == v[IDX_NUMEL]:
+                samples = list(range(t.shape[d]))  # all NaN: every row
+            elif d is not None and t.layout == torch.strided:
                 samples = torch.nonzero(row_flags(t, d)).flatten().tolist()
         return v, samples
 
@@ -268,6 +286,8 @@ class Recorder:
                 return None
             any_bad = False
             for oname, t in named_tensors(output, "output"):
+                if name in self.keep:
+                    self.keep_output(name, oname, t)
                 key = (id(t), t._version)
                 hit = self._measured.get(key)
                 if hit is not None and hit[0]() is t:  # a container returning a child's output
@@ -363,20 +383,44 @@ class Recorder:
 
         return hook
 
-    def _param_hook(self, module: str, short: str, qual: str):
+    def _param_hook(self, module: str, short: str, qual: str, param: torch.Tensor):
         depth = module.count(".") + 1 if module else 0
 
         def hook(grad: torch.Tensor) -> None:
-            self._record("backward", "param_grad", module, short, grad, -1, depth, param=qual)
+            if self.exact:
+                self._record("backward", "param_grad", module, short, grad, -1, depth, param=qual)
+                return None
+            # quick mode: only the event's place here; its statistics are taken from
+            # ``.grad`` once the backward is over (off its critical path, and no reference
+            # to ``grad`` held, which would make autograd copy it into ``.grad``)
+            i = self._record(
+                "backward", "param_grad", module, short, grad, -1, depth, param=qual, vector=()
+            )
+            self._pending_grads.append((i, param))
             return None
 
         return hook
+
+    def measure_param_grads(self) -> None:
+        """Quick mode: measure the parameter gradients whose hooks fired, from their
+        ``.grad`` (the backward is over; one reduction set per gradient)."""
+        for i, p in self._pending_grads:
+            g = p.grad
+            self.raw[i].vector = quick_parts(g) if g is not None else ()
+        self._pending_grads = []
+
+    def keep_output(self, module: str, name: str, t: torch.Tensor) -> None:
+        """A detached copy of a module output named by ``keep=`` (later in-place changes
+        do not reach it)."""
+        key = module if name == "output" else f"{module}:{name}"
+        self.kept[key] = t.detach().clone()
 
     # ------------------------------------------------------------------ results
     def host_vectors(self) -> list[np.ndarray]:
         """All statistics vectors on the host: one transfer per device."""
         if self.exact:
             return [r.vector for r in self.raw]
+        self.measure_param_grads()
         out: list[Any] = [None] * len(self.raw)
         by_device: dict[Any, list[int]] = {}
         first: dict[int, int] = {}  # events sharing one measurement are assembled once
@@ -392,6 +436,39 @@ class Recorder:
             for row, i in zip(rows, idx):
                 out[i] = row
         return [out[first[id(r.vector)]] for r in self.raw]
+
+
+def select_modules(
+    model: torch.nn.Module, patterns: str | Sequence[str] | None, option: str
+) -> set[str] | None:
+    """Names of the modules of ``model`` matching any of the ``fnmatch`` ``patterns``
+    (``"transformer.h.3.*"``; a pattern ending in ``.*`` also matches the module it names,
+    and ``""`` the model itself). None when ``patterns`` is None; a ValueError naming
+    ``option`` when a pattern matches nothing."""
+    if patterns is None:
+        return None
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not pats or not all(isinstance(p, str) for p in pats):
+        raise ValueError(
+            f"{option}= expects module name patterns (a str or a list of str), got {patterns!r}"
+        )
+    names = [n for n, _ in hookable_named_modules(model)]
+    chosen: set[str] = set()
+    for pat in pats:
+        hit = [
+            n
+            for n in names
+            if fnmatch.fnmatchcase(n, pat) or (pat.endswith(".*") and n == pat[:-2])
+        ]
+        if not hit:
+            sample = ", ".join(repr(n) for n in names[1:6]) or "''"
+            raise ValueError(
+                f"{option}={pat!r} matches no module of {type(model).__name__}: its "
+                f"{len(names)} module names look like {sample} (fnmatch patterns such as "
+                f"{names[-1]!r} or '{names[-1].rpartition('.')[0] or names[-1]}.*')"
+            )
+        chosen.update(hit)
+    return chosen
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -66,6 +66,10 @@ class Trace:
         Intended masks that were not taken for the origin: ``"batch holds -inf in
         `attention_mask`, used as a mask"`` (also in ``notes``).
     notes : list of str
+    kept : dict of str to Tensor
+        Detached copies of the module outputs asked for with ``trace(..., keep=...)``,
+        keyed by module name (``"module:output[1]"`` for the further outputs of a module
+        returning several); empty by default. Their size: ``kept_bytes``.
     """
 
     events: list[Event]
@@ -81,6 +85,12 @@ class Trace:
     module_types: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     masks: list[str] = field(default_factory=list)
+    kept: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Memory held by ``kept`` (bytes)."""
+        return sum(t.numel() * t.element_size() for t in self.kept.values())
 
     @property
     def healthy(self) -> bool:

@@ -2,14 +2,17 @@
 
 Two kernels share one result layout (a float64 vector, see ``VECTOR_LEN``):
 
-* :func:`quick_vector`: the hot path. Four reductions (row sums, norm, aminmax,
-  count_nonzero) plus a log10-magnitude histogram of at most ``HIST_SAMPLE`` evenly
-  strided elements. It never synchronises with the host. A finite min and max mean
-  "no NaN/Inf" (both propagate NaN and carry +-inf), so NaN/Inf are never counted
+* :func:`quick_parts` / :func:`assemble_quick` (:func:`quick_vector` for one tensor): the
+  hot path. Four reductions (sum, sum of squares as a dot product, min, max; float32
+  accumulation) plus a log10-magnitude histogram of at most ``HIST_SAMPLE`` evenly
+  strided elements. It never synchronises with the host. A finite sum, min and max mean
+  "no NaN/Inf" (they propagate NaN and carry +-inf), so NaN/Inf are never counted
   element-wise here.
-* :func:`exact_vector`: element-wise, for tensors that hold non-finite values. Counts
-  NaN and Inf, and computes the moments over the *finite* elements only, so a single
-  NaN does not hide the scale of everything else.
+* :func:`exact_vector`: for the exact pass. A finite sum costs it the quick kernel's
+  reductions; otherwise it counts NaN and Inf element-wise and computes the moments over
+  the *finite* elements only (float64 accumulation), so a single NaN does not hide the
+  scale of everything else. Its histogram also comes from the sample: no full-size
+  float64 copy.
 
 :func:`finalize` turns a host-side vector into :class:`TensorStats` and :class:`Histogram`.
 """
@@ -193,61 +196,97 @@ def row_dim(shape: torch.Size | tuple[int, ...], batch_size: int | None) -> int 
     return None
 
 
-QuickParts = tuple  # (sum, norm, min, max, sample): device tensors
+QuickParts = tuple  # (sum, sum of squares, min, max, sample): device tensors
+
+
+def _flat_view(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as a 1-D view in memory order (statistics do not depend on the order), or
+    None when its elements do not fill a dense block (then only a copy can flatten it)."""
+    if x.is_contiguous():
+        return x.view(-1)
+    order = sorted(range(x.dim()), key=lambda d: x.stride(d))
+    expect = 1
+    for d in order:
+        if x.shape[d] != 1 and x.stride(d) != expect:
+            return None
+        expect *= x.shape[d]
+    return x.as_strided((x.numel(),), (1,), x.storage_offset())
+
+
+def _sum_squares(x: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
+    # a dot product costs about a third of ``vector_norm`` on CPU; half precision types
+    # are squared in float32 by ``vector_norm`` instead (``dot`` would accumulate in them)
+    if flat is not None and x.dtype in (torch.float32, torch.float64):
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(x, dtype=_accum_dtype(x)).square()
+
+
+def _sample_of(x: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
+    """At most ``HIST_SAMPLE`` evenly strided elements, copied (the tensor may be
+    modified in place after the hook that measures it)."""
+    if flat is None:
+        if x.numel() <= HIST_SAMPLE:
+            return x.reshape(-1).clone()
+        flat = x.reshape(-1)  # not dense: a copy cannot be avoided
+    if flat.numel() <= HIST_SAMPLE:
+        return flat.clone()
+    return _sample(flat).contiguous()
 
 
 def quick_parts(t: torch.Tensor) -> QuickParts:
-    """The hot path: four reductions (sum, norm, min, max) and a strided sample of ``t``,
-    left on its device.
+    """The hot path: four reductions (sum, sum of squares, min, max) and a strided
+    sample of ``t``, left on its device.
 
-    No host synchronisation, and no per-tensor assembly: :func:`assemble_quick` stacks
-    the parts of all tensors of a pass at once. The share of zeros and the histogram come
-    from the sample (exact up to ``HIST_SAMPLE`` elements): counting zeros exactly costs
-    as much as the four reductions together.
+    No host synchronisation, no float64 pass and no per-tensor assembly:
+    :func:`assemble_quick` stacks the parts of all tensors of a pass at once. The sum
+    and the sum of squares accumulate in float32 for float32 and lower precision
+    tensors; a value that overflows float32 there is re-measured by the exact kernel
+    (see :func:`quick_is_complete`). The share of zeros and the histogram come from the
+    sample (exact up to ``HIST_SAMPLE`` elements): counting zeros exactly costs as much
+    as the four reductions together.
     """
     x = as_real(t)
-    flat = x.reshape(-1)
-    if flat.numel() == 0:
+    if x.numel() == 0:
         return ()
-    acc = _accum_dtype(x)
-    # a copy: the tensor may be modified in place after this hook
-    sample = flat.clone() if flat.numel() <= HIST_SAMPLE else _sample(flat).contiguous()
+    flat = _flat_view(x)
     return (
-        flat.sum(dtype=acc),
-        torch.linalg.vector_norm(flat, dtype=acc),
-        flat.amin(),
-        flat.amax(),
-        sample,
+        x.sum(dtype=_accum_dtype(x)),
+        _sum_squares(x, flat),
+        x.amin(),
+        x.amax(),
+        _sample_of(x, flat),
     )
 
 
 def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     """Statistics vectors (rows) of many tensors from their :func:`quick_parts`, all on
     one device, with one transfer to the host. NaN/Inf counts are left at -1 (not
-    counted): a finite min and max mean there are none (see :func:`vector_is_finite`)."""
+    counted): a finite sum, min and max mean there are none (see
+    :func:`vector_is_finite`)."""
     n = len(parts)
     out = np.zeros((n, VECTOR_LEN))
     out[:, IDX_NNAN] = out[:, IDX_NINF] = out[:, IDX_NFIN] = -1.0
+    out[:, IDX_NUMEL] = numels
     live = [i for i in range(n) if parts[i]]
-    for i in range(n):
-        out[i, IDX_NUMEL] = numels[i]
-        if not parts[i]:
-            out[i, IDX_MIN] = out[i, IDX_MAX] = np.nan
-            out[i, IDX_NNAN] = out[i, IDX_NINF] = 0.0
+    dead = [i for i in range(n) if not parts[i]]
+    if dead:
+        out[dead, IDX_MIN] = out[dead, IDX_MAX] = np.nan
+        out[dead, IDX_NNAN] = out[dead, IDX_NINF] = 0.0
     if not live:
         return out
-    scal = torch.stack([x for i in live for x in parts[i][:4]]).to(torch.float64)
+    # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
+    scal = torch.stack(
+        [torch.stack([parts[i][k] for i in live]).to(torch.float64) for k in range(4)], 1
+    )
     samples = [parts[i][4] for i in live]
-    lengths = torch.tensor([s.numel() for s in samples], device=samples[0].device)
-    cat = torch.cat([s.reshape(-1) for s in samples]).to(torch.float32)
-    seg = torch.repeat_interleave(torch.arange(len(live), device=cat.device), lengths)
-    hist = _segment_hist(cat, seg, len(live))
+    hist = sample_hist(samples)
     host = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
     sc = host[: 4 * len(live)].reshape(len(live), 4)
     hs = host[4 * len(live) :].reshape(len(live), HIST_BINS + 3)
     rows = np.asarray(live)
     out[rows, IDX_SUM] = sc[:, 0]
-    out[rows, IDX_NORM] = sc[:, 1]
+    with np.errstate(invalid="ignore"):
+        out[rows, IDX_NORM] = np.sqrt(sc[:, 1])
     out[rows, IDX_MIN] = sc[:, 2]
     out[rows, IDX_MAX] = sc[:, 3]
     out[rows, IDX_HIST0:] = hs
@@ -255,6 +294,18 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     zero_share = hs[:, HIST_BINS] / np.maximum(hs[:, HIST_BINS + 2], 1)
     out[rows, IDX_NNZ] = out[rows, IDX_NUMEL] * (1.0 - zero_share)
     return out
+
+
+def sample_hist(samples: list[torch.Tensor]) -> torch.Tensor:
+    """Float64 ``(len(samples), HIST_BINS + 3)``: per sample its bin counts of
+    log10|x|, then its zeros, its NaN/Inf and its size. One pass over all samples
+    (all on one device); float64 samples are binned in float64, others in float32."""
+    wide = any(s.dtype == torch.float64 for s in samples)
+    dtype = torch.float64 if wide else torch.float32
+    lengths = torch.tensor([s.numel() for s in samples], device=samples[0].device)
+    cat = torch.cat([s.reshape(-1).to(dtype) for s in samples])
+    seg = torch.repeat_interleave(torch.arange(len(samples), device=cat.device), lengths)
+    return _segment_hist(cat, seg, len(samples))
 
 
 def _segment_hist(values: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
@@ -267,8 +318,7 @@ def _segment_hist(values: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tens
     b = ((logs - HIST_LO) * (HIST_BINS / (HIST_HI - HIST_LO))).floor().clamp_(0, HIST_BINS - 1)
     b = torch.where(nz, b, torch.where(fin, HIST_BINS, HIST_BINS + 1))
     flat_idx = seg * width + b.to(torch.int64)
-    counts = torch.zeros(n * width, dtype=torch.float64, device=values.device)
-    counts.index_add_(0, flat_idx, torch.ones_like(values, dtype=torch.float64))
+    counts = torch.bincount(flat_idx, minlength=n * width).to(torch.float64)
     counts = counts.reshape(n, width)
     counts[:, HIST_BINS + 2] = counts[:, : HIST_BINS + 2].sum(1)
     return counts
@@ -280,45 +330,60 @@ def quick_vector(t: torch.Tensor) -> np.ndarray:
 
 
 def exact_vector(t: torch.Tensor) -> torch.Tensor:
-    """Element-wise statistics vector (NaN/Inf counted, moments over finite elements)."""
+    """Statistics vector with NaN/Inf counted (moments over the finite elements).
+
+    A finite float32 sum proves there is no NaN/Inf: such a tensor costs the quick
+    kernel's four reductions. Otherwise NaN and Inf are counted element-wise, and the
+    moments of the finite elements accumulate in float64 (finite values near 1e19 square
+    past float32's range). The histogram, and for finite tensors the share of zeros,
+    come from the strided sample as in :func:`quick_parts` (exact up to
+    ``HIST_SAMPLE`` elements); no full-size float64 copy is made.
+    """
     x = as_real(t)
     dev = x.device
     if x.numel() == 0:
         return empty_vector(dev)
-    flat = x.reshape(-1)
-    nan = torch.isnan(flat)
-    fin = torch.isfinite(flat)
-    n_nan = nan.sum().to(torch.float64)
-    n_fin = fin.sum().to(torch.float64)
-    n_inf = (flat.numel() - n_nan - n_fin).to(torch.float64)
-    vals = flat[fin]
-    if vals.numel():
-        # float64 accumulation: finite values near 1e19 square past float32's range
-        total = vals.sum(dtype=torch.float64)
-        norm = torch.linalg.vector_norm(vals, dtype=torch.float64)
-        mn, mx = torch.aminmax(vals)
-        mn, mx = mn.to(torch.float64), mx.to(torch.float64)
+    numel = x.numel()
+    flat = _flat_view(x)
+    f64 = torch.float64
+    total = x.sum(dtype=_accum_dtype(x))
+    sample = _sample_of(x, flat)
+    hist = sample_hist([sample.to(f64)])[0]  # binned in float64, as the reference does
+    if bool(torch.isfinite(total)):
+        sq = _sum_squares(x, flat).to(f64)
+        if not bool(torch.isfinite(sq)):
+            sq = torch.linalg.vector_norm(x, dtype=f64).square()
+        norm = sq.sqrt()
+        total = total.to(f64)
+        mn, mx = x.amin().to(f64), x.amax().to(f64)
+        n_nan = n_inf = torch.zeros((), dtype=f64, device=dev)
+        n_fin = torch.full((), float(numel), dtype=f64, device=dev)
+        share = hist[HIST_BINS] / hist[HIST_BINS + 2].clamp(min=1)
+        nnz = numel * (1.0 - share)
+    elif bool((n_nan := torch.isnan(x).sum().to(f64)) == numel):
+        # all NaN (what a NaN turns every later tensor into): nothing else to measure
+        total = norm = torch.zeros((), dtype=f64, device=dev)
+        mn = mx = torch.full((), float("nan"), dtype=f64, device=dev)
+        n_inf = n_fin = torch.zeros((), dtype=f64, device=dev)
+        nnz = n_nan  # NaN is non-zero
     else:
-        total = norm = torch.zeros((), dtype=torch.float64, device=dev)
-        mn = mx = torch.full((), float("nan"), dtype=torch.float64, device=dev)
-    nnz = (fin & (flat != 0)).sum().to(torch.float64) + (flat.numel() - n_fin)
+        fin = torch.isfinite(x)
+        n_fin = fin.sum().to(f64)
+        n_inf = numel - n_nan - n_fin
+        vals = torch.where(fin, x, 0)
+        total = vals.sum(dtype=f64)
+        norm = torch.linalg.vector_norm(vals, dtype=f64)
+        del vals
+        if bool(n_fin > 0):
+            mn = torch.where(fin, x, math.inf).amin().to(f64)
+            mx = torch.where(fin, x, -math.inf).amax().to(f64)
+        else:
+            mn = mx = torch.full((), float("nan"), dtype=f64, device=dev)
+        nnz = torch.count_nonzero(x).to(f64)  # NaN and Inf are non-zero
     head = torch.stack(
-        [
-            total.new_tensor(float(x.numel())),
-            total,
-            norm,
-            mn,
-            mx,
-            nnz,
-            n_nan,
-            n_inf,
-            n_fin,
-        ]
+        [total.new_tensor(float(numel)), total, norm, mn, mx, nnz, n_nan, n_inf, n_fin]
     )
-    hist = _segment_hist(
-        flat.to(torch.float64), torch.zeros(flat.numel(), dtype=torch.int64, device=dev), 1
-    )
-    return torch.cat([head, hist[0]])
+    return torch.cat([head, hist])
 
 
 def empty_vector(device: torch.device) -> torch.Tensor:

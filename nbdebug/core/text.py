@@ -66,3 +66,12 @@ def qualified_name(prefix: str, name: str) -> str:
     """A parameter's or buffer's name as ``model.named_parameters()`` gives it:
     ``"encoder.0" + "weight"`` -> ``"encoder.0.weight"``; the root module's own: ``name``."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def fmt_bytes(n: float) -> str:
+    """``"512 B"``, ``"12.5 KiB"``, ``"3.2 MiB"``, ``"1.1 GiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover - the loop always returns

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,11 +36,11 @@ from .hooks import HookSet, hookable_modules
 from .norms import fused_norms
 from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
 from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
-from .recorder import RawEvent, Recorder
+from .recorder import RawEvent, Recorder, select_modules
 from .result import Trace, TraceError
 from .state import PreservedState, preserved
 from .stats import finalize_many, quick_is_complete, tensor_stats
-from .text import dtype_name, qualified_name
+from .text import dtype_name, fmt_bytes, qualified_name
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -50,6 +50,9 @@ def trace(
     inputs: Any,
     target: Any = None,
     loss_fn: Callable[..., Any] | None = None,
+    *,
+    modules: str | Sequence[str] | None = None,
+    keep: str | Sequence[str] | None = None,
 ) -> Trace:
     """Run one forward and backward pass of ``model`` on ``inputs`` and record every
     module's output, the loss, every gradient and every parameter's gradient.
@@ -66,6 +69,18 @@ def trace(
     loss_fn : callable, optional
         ``loss_fn(output, target)`` or ``loss_fn(output)``. Without it the loss is
         ``output["loss"]``, ``output.loss`` or the output itself when it is a scalar.
+
+    modules : str or sequence of str, optional
+        Record only the modules whose names match one of these ``fnmatch`` patterns
+        (``"transformer.h.3.*"``; a pattern ending in ``.*`` also matches the module it
+        names), with their parameters' gradients; the batch and the loss are always
+        recorded. For very large models. When the step holds a NaN/Inf, the exact pass
+        that locates the origin still records every module.
+    keep : str or sequence of str, optional
+        Keep a detached copy of the outputs of the modules matching these patterns in
+        ``Trace.kept`` (for the detail view; opt-in: these copies are the only tensors a
+        trace keeps, and their size is in ``Trace.kept_bytes`` and the notes). Kept
+        modules are recorded even when ``modules`` does not name them.
 
     Returns
     -------
@@ -90,20 +105,37 @@ def trace(
     model = check_model(model)
     check_inputs(inputs)
     bs = batch_size(inputs)
+    kept_names = select_modules(model, keep, "keep")
+    chosen = select_modules(model, modules, "modules")
+    if chosen is not None and kept_names:
+        chosen |= kept_names
     with _gc_paused(), preserved(model) as st:
         health = _ParamHealth.measure(model, st.params)
-        rec, out = _run(model, inputs, target, loss_fn, st, exact=False)
+        rec, out = _run(
+            model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
+        )
+        kept = rec.kept
         vectors = rec.host_vectors()
         if all(quick_is_complete(v) for v in vectors) and not health.bad:
             events, _ = _events(rec, vectors)
-            return _result(model, inputs, rec, events, None, out, health)
+            return _with_kept(_result(model, inputs, rec, events, None, out, health), kept)
         # something is not finite (or overflowed float32 sums): replay the step exactly
         st.reset_buffers()
         rec, out = _run(model, inputs, target, loss_fn, st, exact=True, capture=True)
         vectors = rec.host_vectors()
         found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
-        return _result(model, inputs, rec, events, origin, out, health, found)
+        return _with_kept(_result(model, inputs, rec, events, origin, out, health, found), kept)
+
+
+def _with_kept(tr: Trace, kept: dict[str, torch.Tensor]) -> Trace:
+    if kept:
+        tr.kept = kept
+        tr.notes.append(
+            f"kept {len(kept)} activation tensor{'s' if len(kept) != 1 else ''} (keep=): "
+            f"{fmt_bytes(tr.kept_bytes)}"
+        )
+    return tr
 
 
 @contextmanager
@@ -137,8 +169,17 @@ def _run(
     *,
     exact: bool,
     capture: bool = False,
+    modules: set[str] | None = None,
+    keep: set[str] | None = None,
 ) -> tuple[Recorder, _Outcome]:
-    rec = Recorder(model, exact=exact, batch_size=batch_size(inputs), capture=capture)
+    rec = Recorder(
+        model,
+        exact=exact,
+        batch_size=batch_size(inputs),
+        capture=capture,
+        modules=modules,
+        keep=keep,
+    )
     st.clear_grads()
     outcome = _Outcome(None)
     stage = "forward"
