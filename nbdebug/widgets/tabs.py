@@ -35,8 +35,6 @@ class TabContext:
     pred_probs: Any = None
     journal: str | os.PathLike[str] = "labels.journal.jsonl"
     backend: str | None = None
-    snapshot: Any = None
-    loss_fn: Any = None
 
 
 @dataclass(frozen=True)
