@@ -187,7 +187,8 @@ PANELS = (
     ),
     Panel(
         "drift",
-        'shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, reference=tab_x[:60]), "Drift", "drift")',
+        "shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
+        '      reference=tab_x[:60]), "Drift", "drift")',
         ("x0", "feature"),
     ),
 )

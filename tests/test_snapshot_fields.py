@@ -243,3 +243,15 @@ def test_core_reads_the_version_from_version_module(tmp_path):
                 assert node.module is not None, f"core/{p.name} imports the package root"
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert node.module != "nbdebug", f"core/{p.name} imports the package root"
+
+
+def test_shorten_cuts_a_long_message_at_a_word_boundary():
+    # Snapshot.__repr__ shows the reason's message through it
+    from nbdebug.core.text import shorten
+
+    words = " ".join(f"word{i}" for i in range(60))
+    short = shorten(words, 120)
+    assert len(short) <= 120 and short.endswith(" ...")
+    kept = short.removesuffix(" ...").split(" ")
+    assert kept == words.split(" ")[: len(kept)]  # whole words only, in order
+    assert shorten("a short message") == "a short message"

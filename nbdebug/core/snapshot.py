@@ -56,7 +56,7 @@ from .snapshot_format import (
     validate_payload,
 )
 from .state import RngState
-from .text import first_line
+from .text import first_line, shorten
 
 # --------------------------------------------------------------------------- saving
 
@@ -658,7 +658,8 @@ class Snapshot:
         )
         name = self.path.name if self.path is not None else "<memory>"
         return (
-            f"Snapshot({name}: step {self.step}, {self.kind}: {self.message[:120]}; model {model}, "
+            f"Snapshot({name}: step {self.step}, {self.kind}: {shorten(self.message)}; "
+            f"model {model}, "
             f"batch {describe(self.inputs)}, history {len(self.history)} rows)"
         )
 

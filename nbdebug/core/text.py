@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,3 +76,9 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"  # pragma: no cover - the loop always returns
+
+
+def shorten(text: str, width: int = 120) -> str:
+    """``text`` on one line, cut at a word boundary to at most ``width`` characters
+    (``" ..."`` marks the cut); never cut mid-word."""
+    return textwrap.shorten(str(text), width, placeholder=" ...")
