@@ -609,12 +609,15 @@ def test_panel_driven_in_python(backend):
     assert order == list(rep.features.index) and panel.feature.value == names[5]
     # the table is HTML (issue 17.1): every feature name, header and multi-word cell is text
     table = panel.table.value
-    rows = re.findall(r'class="row_heading level0 row\d+" >([^<]*)</th>', table)
+    # one header row, no index column (a named index adds a row of blank header cells)
+    assert "row_heading" not in table and "index_name" not in table
+    rows = re.findall(r'class="data row\d+ col0" >([^<]*)</td>', table)
     assert rows == order
     headers = re.findall(r'class="col_heading level0 col\d+" >([^<]*)</th>', table)
-    assert len(headers) == 9 and all(h.strip() for h in headers)
+    assert len(headers) == 10 and all(h.strip() for h in headers)
+    assert headers[0] == "feature"
     assert "share of prediction shift" in headers and "quadrant" in headers
-    cells = re.findall(r'class="data row(\d+) col0" >([^<]*)</td>', table)
+    cells = re.findall(r'class="data row(\d+) col1" >([^<]*)</td>', table)
     assert [q for _, q in cells] == list(rep.features["quadrant"])
     fills = {}
     for selectors, colour in re.findall(r"([^{}]+)\{\s*background-color: ([^;]+);", table):
@@ -624,7 +627,7 @@ def test_panel_driven_in_python(backend):
             )
     r, g, b_ = QUADRANT_RGB["input+explanation"]
     for i, q in enumerate(rep.features["quadrant"]):
-        assert (f"rgba({r},{g},{b_}" in fills.get(f"row{i}_col0", "")) == (q == "input+explanation")
+        assert (f"rgba({r},{g},{b_}" in fills.get(f"row{i}_col1", "")) == (q == "input+explanation")
     bars = panel.exposure.figure.data[0]
     shares = rep.features["exposure_share"].sort_values(ascending=False, kind="stable")
     assert list(bars.y)[::-1] == [str(f) for f in shares.index[: len(bars.y)]]

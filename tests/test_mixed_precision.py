@@ -122,3 +122,12 @@ def test_a_loss_computed_in_bfloat16_is_named() -> None:
         tr = nbdebug.trace(model(), torch.randn(3, 4), loss_fn=lambda o: o.sum())
     codes = [(f.code, f.where) for f in nbdebug.check(tr)]
     assert ("bf16_precision_loss", "the loss") in codes
+
+
+def test_an_ordinary_bfloat16_layer_is_not_flagged() -> None:
+    # random weights on a random batch: the outputs spread far beyond one bfloat16 step
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tr = nbdebug.trace(m, torch.randn(16, 8), loss_fn=lambda o: o.float().mean())
+    assert [f for f in precision_findings(TraceView(tr)) if f.module in ("0", "2")] == []

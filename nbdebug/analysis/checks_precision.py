@@ -14,7 +14,8 @@ GradScaler).
 code                    severity  triggered by (threshold)
 ======================  ========  ==============================================================
 bf16_precision_loss     warning   a bfloat16 module output whose std < ``BF16_SPREAD`` (2**-8) x
-                                  abs(mean) (its spread is below one bfloat16 step), or a loss
+                                  abs(mean) (its spread is below one bfloat16 step; a constant
+                                  non-zero output included), or a loss
                                   computed in bfloat16
 ======================  ========  ==============================================================
 """
@@ -51,7 +52,7 @@ def precision_findings(view: TraceView) -> list[Finding]:
                 )
             )
             continue
-        if e.phase != "forward" or e.kind != "output" or s.numel < 2 or not s.mean or s.std <= 0:
+        if e.phase != "forward" or e.kind != "output" or s.numel < 2 or not s.mean:
             continue
         ratio = s.std / abs(s.mean)
         if ratio < BF16_SPREAD:

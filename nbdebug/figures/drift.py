@@ -80,12 +80,15 @@ def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> s
     VS Code, Colab and a static page (a plotly ``go.Table`` inside a ``FigureWidget``
     drops text with spaces in JupyterLab)."""
     f = report.features if max_rows is None else report.features.head(max_rows)
+    # the feature is a column (a named index would add a header row with blank cells)
     shown = pd.DataFrame(
         {
-            label: [fmt_num(v, spec, nan="–") if spec else str(v) for v in f[col]]
-            for col, (label, spec) in TABLE_COLUMNS.items()
-        },
-        index=pd.Index([str(i) for i in f.index], name="feature"),
+            "feature": [str(i) for i in f.index],
+            **{
+                label: [fmt_num(v, spec, nan="–") if spec else str(v) for v in f[col]]
+                for col, (label, spec) in TABLE_COLUMNS.items()
+            },
+        }
     )
     quad = list(f["quadrant"])
     heat = {
@@ -97,13 +100,14 @@ def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> s
     def colours(frame: pd.DataFrame) -> pd.DataFrame:
         out = pd.DataFrame("", index=frame.index, columns=frame.columns)
         out["quadrant"] = [f"background-color: {quadrant_color(q)}" for q in quad]
+        out["feature"] = [f"background-color: {quadrant_color(q)}; font-weight: bold" for q in quad]
         for col, fills in heat.items():
             out[col] = [f"background-color: {c}" for c in fills]
         return out
 
     styler = (
         shown.style.apply(colours, axis=None)
-        .apply_index(lambda idx: [f"background-color: {quadrant_color(q)}" for q in quad], axis=0)
+        .hide(axis="index")
         .set_caption(
             f"Features by drift ({report.correction}-corrected at alpha={report.alpha:g}; "
             f"exposure in {report.output})"
