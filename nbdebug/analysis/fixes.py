@@ -67,6 +67,22 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
 
+@contextmanager
+def forward_replaced(m: torch.nn.Module, wrap: Callable[..., Any]) -> Iterator[None]:
+    """For the block, module ``m`` runs ``wrap(m.forward)`` instead of its ``forward`` (an
+    instance attribute); the module's own attribute state is put back afterwards."""
+    had = "forward" in m.__dict__
+    old = m.__dict__.get("forward")
+    m.forward = wrap(m.forward)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            m.forward = old  # type: ignore[method-assign, assignment]
+        else:
+            del m.forward
+
+
 # ---------------------------------------------------------------------- the replay
 @dataclass
 class Replay:
@@ -111,23 +127,16 @@ class Replay:
     def around_forward(self, name: str, make: Callable[[], Any]) -> Iterator[None]:
         """Run the ``forward`` of module ``name`` inside the context manager ``make()``
         for the duration of the block (an instance attribute on the replay's copy)."""
-        m = self.module(name)
-        had = "forward" in m.__dict__
-        old = m.__dict__.get("forward")
-        inner = m.forward
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with make():
-                return inner(*args, **kwargs)
+        def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                with make():
+                    return inner(*args, **kwargs)
 
-        m.forward = forward  # type: ignore[method-assign]
-        try:
+            return forward
+
+        with forward_replaced(self.module(name), wrap):
             yield
-        finally:
-            if had:
-                m.forward = old  # type: ignore[method-assign, assignment]
-            else:
-                del m.forward
 
     @contextmanager
     def around_loss(self, make: Callable[[], Any]) -> Iterator[None]:
@@ -687,8 +696,6 @@ class Float32Fix(Fix):
                 return type(obj)(cast_out(v, like) for v in obj)
             return obj
 
-        had = "forward" in m.__dict__
-        old = m.__dict__.get("forward")
         inner = m.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -700,14 +707,10 @@ class Float32Fix(Fix):
                 out = inner(*cast_in(args), **cast_in(kwargs))
             return cast_out(out, like)
 
-        m.forward = forward  # type: ignore[method-assign]
         try:
-            yield
+            with forward_replaced(m, lambda _inner: forward):
+                yield
         finally:
-            if had:
-                m.forward = old  # type: ignore[method-assign, assignment]
-            else:
-                del m.forward
             for t, data in saved:
                 t.data = data
             for st, k, v in opt_saved:
