@@ -3,8 +3,10 @@ of the step, and the stub that stands in for a callback whose framework is missi
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,3 +132,36 @@ def make_guard(
         directory=directory,
         **options,
     )
+
+
+class CallbackState:
+    """What both trainer callbacks keep (mixed into each framework's callback class).
+
+    Attributes
+    ----------
+    directory : pathlib.Path
+        Where snapshots go.
+    guard_options : dict
+        The checked :class:`nbdebug.NaNGuard` options.
+    guard : nbdebug.NaNGuard or None
+        The guard (made when training starts).
+    skipped : list of int
+        The steps whose update was skipped.
+    """
+
+    def init_state(
+        self,
+        directory: str | os.PathLike[str],
+        guard_options: dict[str, Any],
+        *,
+        framework: str,
+        version: str,
+        supported: tuple[str, str],
+    ) -> None:
+        """Check the framework's version and the options; start with no guard."""
+        check_version(framework, version, *supported)
+        self.directory = Path(directory)
+        self.guard_options = check_options("NaNGuardCallback", guard_options)
+        self.guard: Any = None
+        self.skipped: list[int] = []
+        self.step_batch = StepBatch()

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .base import StepBatch, check_options, check_version, make_guard, missing_framework
+from .base import CallbackState, make_guard, missing_framework
 
 __all__ = ["SUPPORTED", "NaNGuardCallback"]
 
@@ -46,7 +45,7 @@ except ImportError as _error:  # the extra is not installed
     NaNGuardCallback: Any = missing_framework(__name__, "transformers", "hf", _error)
 else:
 
-    class NaNGuardCallback(transformers.TrainerCallback):  # type: ignore[no-redef]
+    class NaNGuardCallback(CallbackState, transformers.TrainerCallback):  # type: ignore[no-redef]
         """Run :class:`nbdebug.NaNGuard` on every optimizer step of a ``transformers.Trainer``.
 
         The guard checks in ``on_pre_optimizer_step`` (after the backward and the gradient
@@ -82,21 +81,20 @@ else:
 
         Attributes
         ----------
-        guard : nbdebug.NaNGuard or None
-            The guard (made when training starts).
-        skipped : list of int
-            The steps whose update was skipped.
+        directory, guard_options, guard, skipped
+            As in :class:`nbdebug.integrations.base.CallbackState`.
         """
 
         def __init__(
             self, directory: str | os.PathLike[str] = "nbdebug-snapshots", **guard_options: Any
         ):
-            check_version("transformers", transformers.__version__, *SUPPORTED)
-            self.directory = Path(directory)
-            self.guard_options = check_options("NaNGuardCallback", guard_options)
-            self.guard: Any = None
-            self.skipped: list[int] = []
-            self._batch = StepBatch()
+            self.init_state(
+                directory,
+                guard_options,
+                framework="transformers",
+                version=transformers.__version__,
+                supported=SUPPORTED,
+            )
             self._hook: Any = None
             self._unlogged = 0
 
@@ -125,10 +123,10 @@ else:
 
         def _record(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
             if module.training and torch.is_grad_enabled():
-                self._batch.add(dict(kwargs) if kwargs and not args else (args or kwargs))
+                self.step_batch.add(dict(kwargs) if kwargs and not args else (args or kwargs))
                 loss = _loss_of(output)
                 if loss is not None:
-                    self._batch.set_loss(loss)
+                    self.step_batch.set_loss(loss)
 
         def _remove_hook(self) -> None:
             if self._hook is not None:
@@ -174,8 +172,8 @@ else:
             if self.guard is None:
                 return
             step = int(state.global_step)
-            inputs, loss = self._batch.batch, self._batch.loss
-            self._batch.reset()
+            inputs, loss = self.step_batch.batch, self.step_batch.loss
+            self.step_batch.reset()
             self.guard.writer.fields["trainer"]["global_step"] = step
             try:
                 ok = self.guard.check(loss, inputs=inputs, step=step)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from .base import (
-    StepBatch,
-    check_options,
-    check_version,
+    CallbackState,
     make_guard,
     missing_framework,
     split_batch,
@@ -37,7 +34,7 @@ except ImportError as _error:  # the extra is not installed
 else:
     _PRECISION_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
 
-    class NaNGuardCallback(pl.Callback):  # type: ignore[no-redef]
+    class NaNGuardCallback(CallbackState, pl.Callback):  # type: ignore[no-redef]
         """Run :class:`nbdebug.NaNGuard` on every optimizer step of a Lightning ``Trainer``.
 
         The guard checks in ``on_before_optimizer_step``: after the backward (the closure
@@ -66,21 +63,20 @@ else:
 
         Attributes
         ----------
-        guard : nbdebug.NaNGuard or None
-            The guard (made when training starts).
-        skipped : list of int
-            The steps whose update was skipped.
+        directory, guard_options, guard, skipped
+            As in :class:`nbdebug.integrations.base.CallbackState`.
         """
 
         def __init__(
             self, directory: str | os.PathLike[str] = "nbdebug-snapshots", **guard_options: Any
         ):
-            check_version("lightning", lightning.__version__, *SUPPORTED)
-            self.directory = Path(directory)
-            self.guard_options = check_options("NaNGuardCallback", guard_options)
-            self.guard: Any = None
-            self.skipped: list[int] = []
-            self._batch = StepBatch()
+            self.init_state(
+                directory,
+                guard_options,
+                framework="lightning",
+                version=lightning.__version__,
+                supported=SUPPORTED,
+            )
 
         def __repr__(self) -> str:
             return (
@@ -138,20 +134,20 @@ else:
         ) -> None:
             if self.guard is None:
                 return
-            if self._batch.batch is None:  # the first micro-batch of an optimizer step
+            if self.step_batch.batch is None:  # the first micro-batch of an optimizer step
                 self.guard.mark_step_start()
-            self._batch.add(batch)
+            self.step_batch.add(batch)
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-            self._batch.set_loss(loss)
+            self.step_batch.set_loss(loss)
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if self.guard is None:
                 return
             step = int(trainer.global_step)
-            inputs, target = split_batch(self._batch.batch)
-            loss = self._batch.loss
-            self._batch.reset()
+            inputs, target = split_batch(self.step_batch.batch)
+            loss = self.step_batch.loss
+            self.step_batch.reset()
             self.guard.writer.fields["trainer"]["global_step"] = step
             if self.guard.check(loss, inputs=inputs, target=target, step=step):
                 return
