@@ -4,7 +4,13 @@ snapshot records the autocast state and the replay uses it; bfloat16 (precision)
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,3 +137,143 @@ def test_an_ordinary_bfloat16_layer_is_not_flagged() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tr = nbdebug.trace(m, torch.randn(16, 8), loss_fn=lambda o: o.float().mean())
     assert [f for f in precision_findings(TraceView(tr)) if f.module in ("0", "2")] == []
+
+
+# ------------------------------------------------------------- float16 + GradScaler (CPU)
+OVERFLOW_STEP = 2  # the batch x100: the forward is finite, the scaled float16 gradients are not
+FORWARD_STEP = 4  # row 1 = 3e4: unit 0 of the first Linear passes 65504 in the forward
+FP16_STEPS = 6
+
+
+def fp16_model() -> nn.Module:
+    m = model()
+    with torch.no_grad():
+        m[0].weight[0] = 1.0  # unit 0 sums its inputs: 4 x 3e4 > 65504 in float16
+    return m
+
+
+def fp16_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+    if step == OVERFLOW_STEP:
+        x = x * 100
+    if step == FORWARD_STEP:
+        x[1] = 3e4  # finite in float16 itself
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A hand-written float16 loop: autocast forward, scaled backward, unscale_, the guard,
+    scaler.step() when the guard says so, scaler.update() every step."""
+    m = fp16_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    directory = tmp_path_factory.mktemp("fp16")
+    guard = nbdebug.NaNGuard(
+        m, opt, scaler=scaler, directory=directory, loss_fn=F.mse_loss, autocast=torch.float16
+    )
+    oks, changed, scales = [], [], []
+    for step in range(FP16_STEPS):
+        x, y = fp16_batch(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(m(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        before = [p.detach().clone() for p in m.parameters()]
+        ok = guard.check(loss, inputs=x, target=y, step=step)
+        if ok:
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        oks.append(ok)
+        changed.append(any(not torch.equal(b, p) for b, p in zip(before, m.parameters())))
+        scales.append(scaler.get_scale())
+    return {"guard": guard, "model": m, "oks": oks, "changed": changed, "scales": scales}
+
+
+def test_fp16_gradient_overflow_is_the_scalers_skip_and_a_forward_overflow_a_snapshot(
+    fp16_run: dict[str, Any],
+) -> None:
+    guard = fp16_run["guard"]
+    rows = {r["step"]: r for r in guard.history}
+    # the gradient overflow: check() says go on, scaler.step() skips the update itself,
+    # update() halves the scale; no snapshot, the row says skipped without a failure
+    assert fp16_run["oks"][OVERFLOW_STEP] is True
+    assert fp16_run["changed"][OVERFLOW_STEP] is False
+    assert fp16_run["scales"][OVERFLOW_STEP - 1 : OVERFLOW_STEP + 1] == [2.0**8, 2.0**7]
+    assert rows[OVERFLOW_STEP]["skipped"] is True and rows[OVERFLOW_STEP]["nonfinite"] is None
+    assert math.isfinite(rows[OVERFLOW_STEP]["loss"])
+    assert not math.isfinite(rows[OVERFLOW_STEP]["grad_norm"])
+    # the forward overflow: a failure of its own (no scale fixes a forward), one snapshot
+    assert fp16_run["oks"][FORWARD_STEP] is False
+    assert fp16_run["changed"][FORWARD_STEP] is False
+    assert rows[FORWARD_STEP]["nonfinite"] == "loss" and rows[FORWARD_STEP]["skipped"] is True
+    assert [p.name for p in guard.snapshots] == [f"step-{FORWARD_STEP:09d}.nbsnap"]
+    others = [i for i in range(FP16_STEPS) if i not in (OVERFLOW_STEP, FORWARD_STEP)]
+    assert all(fp16_run["oks"][i] and fp16_run["changed"][i] for i in others)
+    assert all(bool(torch.isfinite(p).all()) for p in fp16_run["model"].parameters())
+
+
+def test_the_fp16_snapshot_holds_scaler_and_autocast_and_replays_in_a_fresh_process(
+    fp16_run: dict[str, Any],
+) -> None:
+    (path,) = fp16_run["guard"].snapshots
+    snap = nbdebug.load_snapshot(path, model=fp16_model)
+    assert snap.autocast == {"device_type": "cpu", "dtype": "float16"}
+    assert snap.scaler_state is not None
+    assert snap.scaler_state["scale"] == fp16_run["scales"][FORWARD_STEP - 1]  # before update()
+    assert snap.reason["kind"] == "loss" and snap.reason["scale"] == snap.scaler_state["scale"]
+    assert torch.equal(snap.inputs, fp16_batch(FORWARD_STEP)[0])
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import nbdebug
+        from test_mixed_precision import fp16_model
+        snap = nbdebug.load_snapshot({str(path)!r}, model=fp16_model)
+        o = snap.trace().origin
+        plain = snap.trace(autocast=False).origin
+        print(json.dumps({{"phase": o.phase, "module": o.module, "samples": o.samples,
+                           "dtype": o.dtype, "float32": plain is None}}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    origin = json.loads(out.stdout.strip().splitlines()[-1])
+    assert origin == {
+        "phase": "forward",
+        "module": "0",
+        "samples": [1],
+        "dtype": "float16",
+        "float32": True,  # the step is finite in float32: only the float16 replay fails
+    }
+
+
+def test_the_guarded_step_form_updates_the_scaler_after_unscale_on_a_skipped_step(
+    tmp_path: Path,
+) -> None:
+    m = fp16_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = nbdebug.NaNGuard(m, opt, scaler=scaler, directory=tmp_path, patience=None)
+    oks = []
+    for step in (3, FORWARD_STEP, 5):  # the middle one is skipped by the guard
+        x, y = fp16_batch(step)
+        with guard.step(x, y, step=step) as s:
+            with torch.autocast("cpu", dtype=torch.float16):
+                s.loss = F.mse_loss(m(x).float(), y)
+            scaler.scale(s.loss).backward()
+            scaler.unscale_(opt)  # raises on the next step if the skipped one left no update()
+        oks.append(s.ok)
+    assert oks == [True, False, True]
+    assert scaler.get_scale() == 2.0**7  # the skipped step's inf lowered the scale once
+    assert len(guard.snapshots) == 1
+
+
+def test_the_autocast_option_takes_a_half_dtype(tmp_path: Path) -> None:
+    guard = nbdebug.NaNGuard(model(), directory=tmp_path, autocast="bfloat16")
+    assert guard.writer.fields["autocast"] == {"device_type": "cpu", "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match=r"autocast must be torch.float16, torch.bfloat16 .*"):
+        nbdebug.NaNGuard(model(), directory=tmp_path, autocast=torch.float32)

@@ -29,15 +29,24 @@ Three forms, all sharing one :meth:`NaNGuard.check`::
 
 With a ``torch.amp.GradScaler``, pass it as ``scaler=`` and step through it::
 
+    guard = nbdebug.NaNGuard(model, optimizer, scaler=scaler, autocast=torch.float16)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)          # optional: the guard reads unscaled gradients
     if guard.check(loss, inputs=x, target=y, step=step):   # pass the unscaled loss
-        scaler.step(optimizer)
-        scaler.update()
+        scaler.step(optimizer)          # skips an overflow step by itself
+    scaler.update()                     # after unscale_(), also on a step the guard skipped
     optimizer.zero_grad()
 
-Inf/NaN gradients with a finite loss are then the scaler's business (it skips the step
-and lowers its scale): they are recorded as skipped, not reported, until the scale
-collapses (below ``min_scale``, or ``scaler_patience`` overflows in a row).
+A step whose loss is finite but whose gradients hold Inf/NaN is the scaler's business (a
+float16 gradient overflow is routine: the scaler skips the update and lowers its scale):
+``check()`` returns ``True`` so that ``scaler.step()`` skips it, writes no snapshot and
+records the history row as ``skipped=True, nonfinite=None``, until the scale collapses
+(below ``min_scale``, or ``scaler_patience`` overflows in a row: ``kind="scale"``). A
+non-finite loss (a NaN or an overflow in the forward, which no scale fixes) is a failure
+like without a scaler: a snapshot (holding the scaler's state and the autocast state) and
+``False``.
 """
 
 from __future__ import annotations
@@ -143,6 +152,20 @@ def _training_objects(optimizer: Any, scaler: Any, scheduler: Any) -> tuple[Any,
     return optimizer, scaler, scheduler
 
 
+_HALF = ("float16", "bfloat16")
+
+
+def _autocast_option(value: Any, device_type: str) -> dict[str, str]:
+    """``NaNGuard(autocast=...)`` as the snapshot's ``autocast`` field."""
+    name = str(value).replace("torch.", "") if isinstance(value, (torch.dtype, str)) else None
+    if name not in _HALF:
+        raise ValueError(
+            "autocast must be torch.float16, torch.bfloat16 (or 'float16', 'bfloat16') or "
+            f"None; got {value!r}."
+        )
+    return {"device_type": device_type, "dtype": name}
+
+
 def _option(owner: str, name: str) -> Any:
     """A read-only guard attribute that is ``guard.<owner>.<name>``."""
     return property(
@@ -237,6 +260,12 @@ class NaNGuard:
         background thread, so that a run that goes on (``on_nonfinite="continue"``) is
         not blocked by the disk. :meth:`close` waits for the writes and raises the first
         error; a process that exits waits for them too.
+    autocast : torch.dtype, str or None
+        The autocast dtype the step's forward runs in (``torch.float16``,
+        ``torch.bfloat16`` or their names), for a loop whose ``check()`` comes after the
+        ``torch.autocast`` block: the snapshots replay under it, on the model's device
+        type (``snap.autocast``). ``check()`` called inside the block records the active
+        state by itself. ``None``: only what ``check()`` finds.
 
     Attributes
     ----------
@@ -283,6 +312,7 @@ class NaNGuard:
         check_replicas_every: int | None = None,
         timeout: float | None = None,
         async_save: bool = False,
+        autocast: torch.dtype | str | None = None,
     ):
         wrapper = model
         if isinstance(model, torch.nn.Module):
@@ -337,6 +367,8 @@ class NaNGuard:
                         self._extra.append(p)
         devices = {p.device for p in self._params}
         self._device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        if autocast is not None:
+            self.writer.fields["autocast"] = _autocast_option(autocast, self._device.type)
         self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
         self._rng_cuda = self._cuda_rng()
         self.agreement = RankAgreement.create(
@@ -391,6 +423,14 @@ class NaNGuard:
             ts = [t.detach() for t in tensors]
             return float(total_norm(ts, device=self._device, dtype=torch.float64))
 
+    def _scaler_unscaled(self) -> bool:
+        """Whether ``scaler.unscale_(optimizer)`` ran since the scaler's last update."""
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if self.optimizer is None or not isinstance(states, dict):
+            return False
+        stage = states.get(id(self.optimizer), {}).get("stage")
+        return getattr(stage, "name", "") == "UNSCALED"
+
     def _scale_info(self) -> tuple[Any, bool]:
         """(the scaler's scale as a tensor or float or None, whether grads are still scaled)."""
         sc = self.scaler
@@ -399,12 +439,7 @@ class NaNGuard:
         scale = getattr(sc, "_scale", None)
         if not isinstance(scale, torch.Tensor):
             scale = float(sc.get_scale())
-        scaled = True
-        states = getattr(sc, "_per_optimizer_states", None)
-        if self.optimizer is not None and isinstance(states, dict):
-            stage = states.get(id(self.optimizer), {}).get("stage")
-            scaled = getattr(stage, "name", "") != "UNSCALED"  # unscale_() already ran
-        return scale, scaled
+        return scale, not self._scaler_unscaled()
 
     def check(
         self,
@@ -427,8 +462,10 @@ class NaNGuard:
 
         Called inside a ``torch.autocast`` block, the guard records its state (device
         type, dtype) and its snapshots replay under it (``snap.autocast``); outside it,
-        set ``guard.writer.fields["autocast"] = {"device_type": "cuda", "dtype":
-        "bfloat16"}`` once.
+        give the dtype once as ``NaNGuard(..., autocast=torch.float16)``.
+
+        With a GradScaler, Inf/NaN gradients under a finite loss return ``True``: the
+        scaler's ``step()`` skips that update itself (see the module docstring).
 
         Returns
         -------
@@ -829,12 +866,15 @@ class NaNGuard:
         opt = self.optimizer
         try:
             s.ok = self.check(loss, inputs=s.inputs, target=s.target, step=s.step)
-            if s.ok and opt is not None:
-                if self.scaler is not None:
+            if opt is not None and self.scaler is not None:
+                if s.ok:
                     self.scaler.step(opt)
+                if s.ok or self._scaler_unscaled():
+                    # after unscale_() in the block the scaler expects its update(), also on
+                    # a step the guard skipped (the next unscale_() raises otherwise)
                     self.scaler.update()
-                else:
-                    opt.step()
+            elif s.ok and opt is not None:
+                opt.step()
         finally:
             if opt is not None:
                 opt.zero_grad(set_to_none=True)

@@ -22,8 +22,9 @@ __all__ = [
     "split_batch",
 ]
 
-#: NaNGuard arguments that a callback takes from its trainer, not from the user
-FROM_TRAINER = ("model", "optimizer", "scheduler", "scaler")
+#: NaNGuard arguments that a callback takes from its trainer (autocast: from its precision
+#: setting), not from the user
+FROM_TRAINER = ("model", "optimizer", "scheduler", "scaler", "autocast")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
