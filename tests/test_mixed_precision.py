@@ -277,3 +277,27 @@ def test_the_autocast_option_takes_a_half_dtype(tmp_path: Path) -> None:
     assert guard.writer.fields["autocast"] == {"device_type": "cpu", "dtype": "bfloat16"}
     with pytest.raises(ValueError, match=r"autocast must be torch.float16, torch.bfloat16 .*"):
         nbdebug.NaNGuard(model(), directory=tmp_path, autocast=torch.float32)
+
+
+# ------------------------------------------------------------- diagnose under autocast
+def test_diagnose_replays_a_float16_only_overflow_under_float16(tmp_path: Path) -> None:
+    x = torch.randn(3, 4)
+    x[1] = 3e4  # its Linear output passes 65504 in float16 only
+    path = guarded_step(tmp_path, torch.float16, x)
+    d = nbdebug.diagnose(path, model=wide_model, progress=False)
+    assert d.plain.finite is False and d.plain.loss_finite is False  # the baseline fails
+    assert d.trace is not None and d.trace.origin is not None
+    assert (d.trace.origin.module, d.trace.origin.dtype) == ("0", "float16")
+    assert d.cause.finite and (d.cause.kind, d.cause.rows) == ("drop_rows", [1])
+    # the fix is verified under float16: the rows dropped, the model still runs in it
+    fixed = d.trace_with(d.cause.fix)
+    dtypes = {e.module: e.dtype for e in fixed.events if e.phase == "forward"}
+    assert dtypes["0"] == "float16" and dtypes["2"] == "float16" and fixed.origin is None
+    by_kind = {(r.kind, r.module): r for r in d.results}
+    assert by_kind[("float32", "")].finite  # the whole model in float32 is finite too
+    # the first Linear alone in float32 is not: its 1.2e5 overflows again where the
+    # second Linear casts it to float16 (a float32 replay would call this fix verified)
+    assert not by_kind[("float32", "0")].finite
+    # without the recorded autocast the step is finite: nothing to fix
+    plain32 = nbdebug.diagnose(path, model=wide_model, progress=False, autocast=False)
+    assert plain32.plain.finite and plain32.cause.kind == "not_reproducible"

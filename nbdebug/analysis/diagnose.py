@@ -40,7 +40,13 @@ from ..core.batch import (
     named_tensors,
 )
 from ..core.result import Trace, TraceError
-from ..core.snapshot import Snapshot, SnapshotError, list_snapshots, load_snapshot
+from ..core.snapshot import (
+    Snapshot,
+    SnapshotError,
+    list_snapshots,
+    load_snapshot,
+    replay_autocast,
+)
 from ..core.snapshot_data import to_device
 from ..core.state import PreservedState, RngState, unique_parameters
 from ..core.text import first_line, fmt_num, rows_text
@@ -303,6 +309,10 @@ class Workbench:
     copy's parameters); the copies' weights, buffers, gradients, train flags and the
     optimizer state are put back before every replay, and the RNG set to the step's.
     Nothing here holds a reference the user's objects could be written through.
+
+    ``autocast`` is the step's recorded autocast state (a snapshot's ``autocast`` field):
+    every replay's forward and loss (and every trace of the step) run under it, on the
+    model's device type, as :meth:`nbdebug.Snapshot.trace` replays it.
     """
 
     def __init__(
@@ -316,6 +326,7 @@ class Workbench:
         scaler_state: dict[str, Any] | None = None,
         rng: RngState | None = None,
         steps: int = 1,
+        autocast: dict[str, Any] | None = None,
     ):
         try:
             self.model, self.optimizer = copy.deepcopy((model, optimizer))
@@ -332,6 +343,9 @@ class Workbench:
         self.scaler_state = scaler_state
         self.rng = rng if rng is not None else RngState.capture()
         self.params = unique_parameters(self.model)
+        self.device = next((p.device for p in self.params), torch.device("cpu"))
+        self.autocast = autocast
+        self.autocast_context()  # a dtype this machine lacks: one SnapshotError, now
         self._saved_params = [p.detach().clone() for p in self.params]
         self._opt_saved = _OptimizerState.capture(self.optimizer)
         for p in self.params:
@@ -349,6 +363,11 @@ class Workbench:
         self._state.restore()  # buffers, RNG, grads (None), requires_grad, train flags
         if self._opt_saved is not None:
             self._opt_saved.restore()
+
+    def autocast_context(self) -> Any:
+        """A fresh context manager entering the step's autocast state (a null context
+        without one)."""
+        return replay_autocast(self.autocast, self.device)
 
     def replay(self) -> Replay:
         return Replay(
@@ -382,7 +401,7 @@ class Workbench:
                 if r.lr_factor != 1.0 and r.optimizer is not None:
                     _scale_lr(r.optimizer, r.lr_factor)
                 for _ in range(self.steps):
-                    step_out = _step(r)
+                    step_out = _step(r, self.autocast_context)
                     if out.loss is None:
                         out = step_out
                     else:  # later steps: all must stay finite
@@ -401,7 +420,7 @@ class Workbench:
         self.reset()
         r = self.replay()
         try:
-            with fix.apply(r) if fix is not None else nullcontext():
+            with fix.apply(r) if fix is not None else nullcontext(), self.autocast_context():
                 return run_trace(r.model, r.inputs, target=r.target, loss_fn=r.loss_fn)
         finally:
             self.reset()
@@ -415,7 +434,7 @@ class Workbench:
         found: list[tuple[str, str, str]] = []
         mode_cls = _ProbeMode
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast_context():
                 if module is None:
                     with r.around_loss(lambda: mode_cls(found, families)):
                         compute_loss(call_model(r.model, r.inputs), r.target, r.loss_fn)
@@ -564,20 +583,22 @@ def _scale_lr(opt: Any, factor: float) -> None:
             g["lr"] = lr * factor
 
 
-def _step(r: Replay) -> StepOutcome:
-    """One training step on the replay's copies."""
+def _step(r: Replay, autocast: Any = nullcontext) -> StepOutcome:
+    """One training step on the replay's copies; the forward and the loss run inside
+    ``autocast()`` (the step's autocast state), the backward and the update after it."""
     out = StepOutcome()
     params = unique_parameters(r.model)
     for p in params:
         p.grad = None
     with torch.enable_grad():
-        output = call_model(r.model, r.inputs)
-        out.forward = all(
-            bool(torch.isfinite(t).all())
-            for _, t in named_tensors(output)
-            if t.is_floating_point() and t.numel()
-        )
-        loss = compute_loss(output, r.target, r.loss_fn)
+        with autocast():
+            output = call_model(r.model, r.inputs)
+            out.forward = all(
+                bool(torch.isfinite(t).all())
+                for _, t in named_tensors(output)
+                if t.is_floating_point() and t.numel()
+            )
+            loss = compute_loss(output, r.target, r.loss_fn)
         out.loss = float(loss.detach().float())
         out.loss_finite = math.isfinite(out.loss)
         if loss.requires_grad:
@@ -618,6 +639,7 @@ class _Source:
     recorded_failure: str | None  # the snapshot's reason, when it recorded one
     notes: list[str]
     snapshot: Snapshot | None = None
+    autocast: dict[str, Any] | None = None  # the step's recorded autocast state
 
 
 def _resolve(
@@ -718,6 +740,7 @@ def _resolve(
             recorded_failure=reason,
             notes=notes,
             snapshot=snap,
+            autocast=snap.autocast,
         )
     if isinstance(source, torch.nn.Module):
         m = check_model(source)
@@ -856,6 +879,7 @@ def diagnose(
     budget_s: float | None = None,
     trust_recipe: bool = False,
     progress: bool = True,
+    autocast: bool = True,
 ) -> Diagnosis:
     """Replay the failing step with candidate fixes and rank the causes by what removes the
     NaN/Inf.
@@ -890,6 +914,12 @@ def diagnose(
         With a snapshot path and no ``model``: build the model from the recorded recipe.
     progress : bool
         A ``tqdm.auto`` progress bar over the replays.
+    autocast : bool
+        With a snapshot of a step that ran under ``torch.autocast`` (``snap.autocast``):
+        the trace and every replay (the plain one and each fix) run their forward and
+        loss under the same dtype, as ``snap.trace()`` does. ``False``: in the model's
+        own dtypes. (With a model, the replays run under whatever autocast is active
+        around the call.)
 
     Returns
     -------
@@ -901,7 +931,9 @@ def diagnose(
     TypeError, ValueError
         A source of the wrong type, a missing batch, an optimizer over other parameters.
     SnapshotError
-        An unreadable snapshot, a model that does not fit it, no model to build.
+        An unreadable snapshot, a model that does not fit it, no model to build, an
+        autocast dtype this machine's device does not support (``autocast=False``
+        replays without it).
 
     Examples
     --------
@@ -940,6 +972,7 @@ def diagnose(
             scaler_state=src.scaler_state,
             rng=src.rng,
             steps=steps,
+            autocast=src.autocast if autocast else None,
         )
         notes = list(src.notes)
         try:
