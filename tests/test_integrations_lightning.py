@@ -99,11 +99,16 @@ class WeightWatch(L.Callback):
 
 
 def trainer(
-    callbacks: list[Any], logger: Any = False, steps: int = STEPS, precision: str = "32-true"
+    callbacks: list[Any],
+    logger: Any = False,
+    steps: int = STEPS,
+    precision: str | None = "32-true",
+    plugins: Any = None,
 ) -> Any:
     return L.Trainer(
         max_steps=steps,
         precision=precision,
+        plugins=plugins,
         callbacks=callbacks,
         logger=logger,
         accelerator="cpu",
@@ -212,3 +217,48 @@ def test_under_bf16_mixed_the_snapshot_replays_in_bfloat16(tmp_path: Path) -> No
     assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
     plain = snap.trace(autocast=False)
     assert {e.dtype for e in plain.events if e.phase == "forward"} == {"float32"}
+
+
+def test_16_mixed_on_cpu_is_lightnings_bf16_fallback_and_recorded_as_what_ran(
+    tmp_path: Path,
+) -> None:
+    # Lightning 2.x itself turns precision="16-mixed" on CPU into "bf16-mixed" with a warning
+    # (no GradScaler): the callback records what ran, not what was asked for
+    cb = NaNGuardCallback(directory=tmp_path, loss_fn=F.mse_loss)
+    with pytest.warns(UserWarning, match=r"AMP with fp16 is not supported on CPU\. Using "):
+        t = trainer([cb], steps=K + 1, precision="16-mixed")
+    t.fit(TinyModule(), data())
+    assert t.precision == "bf16-mixed" and cb.skipped == [K]
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TinyModule)
+    assert snap.autocast == {"device_type": "cpu", "dtype": "bfloat16"}
+    assert snap.scaler_state is None and snap.trainer["args"]["precision"] == "bf16-mixed"
+
+
+def test_float16_with_a_gradscaler_on_cpu_through_the_mixed_precision_plugin(
+    tmp_path: Path,
+) -> None:
+    # float16 on CPU: Lightning's MixedPrecision plugin given explicitly (a GradScaler("cpu"),
+    # initial scale 65536: the first step's float16 gradients overflow)
+    from lightning.pytorch.plugins import MixedPrecision
+
+    cb = NaNGuardCallback(directory=tmp_path, loss_fn=F.mse_loss)
+    watch = WeightWatch()
+    module = TinyModule()
+    t = trainer([cb, watch], precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
+    t.fit(module, data())
+    assert t.precision == "16-mixed" and cb.guard.scaler is t.precision_plugin.scaler
+    rows = {r["step"]: r for r in cb.guard.history}
+    # step 0: the scaler's overflow skip (its update skipped, the scale halved), no snapshot
+    assert rows[0]["skipped"] is True and rows[0]["nonfinite"] is None
+    assert watch.changed[0] is False and rows[1]["scale"] == rows[0]["scale"] / 2
+    # step K: the NaN the model makes is the guard's: skipped, one snapshot
+    assert cb.skipped == [K] and rows[K]["nonfinite"] == "loss" and watch.changed[K] is False
+    assert [p.name for p in cb.guard.snapshots] == [f"step-{K:09d}.nbsnap"]
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TinyModule)
+    assert snap.autocast == {"device_type": "cpu", "dtype": "float16"}
+    assert snap.scaler_state is not None and snap.scaler_state["scale"] == rows[K]["scale"]
+    tr = snap.trace()
+    dtypes = {e.module: e.dtype for e in tr.events if e.phase == "forward"}
+    assert dtypes["a"] == "float16" and dtypes["b"] == "float16"
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])

@@ -52,6 +52,19 @@ else:
         The optimizer's learning-rate scheduler still steps (Lightning steps it after the
         optimizer). With several optimizers, the first one is guarded.
 
+        Mixed precision: the autocast dtype the trainer ran (``trainer.precision``) goes
+        into the snapshot. On CPU, Lightning 2.x itself runs ``precision="16-mixed"`` as
+        ``"bf16-mixed"`` (with its warning "AMP with fp16 is not supported on CPU"), so
+        the snapshot says bfloat16; float16 with a GradScaler on CPU takes
+        ``plugins=[MixedPrecision("16-mixed", "cpu")]``. A step whose float16 gradients
+        overflow under the GradScaler is the scaler's own skip (it skips the update and
+        lowers the scale): no snapshot, not in :attr:`skipped`, a history row with
+        ``skipped=True, nonfinite=None``; a non-finite loss is the guard's.
+
+        Under DDP every rank runs its own callback: the guards agree on each step (one
+        ``all_reduce``), every rank skips a step that any rank found non-finite, and each
+        writes ``step-...-rankN.nbsnap`` (see :func:`nbdebug.compare_ranks`).
+
         Parameters
         ----------
         directory : str or PathLike

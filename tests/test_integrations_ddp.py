@@ -1,0 +1,160 @@
+"""The Lightning callback under DDP: a real 2-process gloo run on CPU (``strategy="ddp"``,
+``devices=2``) with a NaN made on rank 1 only at step K.
+
+The processes are started by ``distributed_helpers.launch`` (free port, process group
+initialised, every process joined or killed); each sets the environment a launcher such as
+torchrun would (``LOCAL_RANK`` among it), so Lightning starts no processes of its own and
+uses the group that is already there.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import distributed_helpers as h
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+L = pytest.importorskip("lightning", reason="the nbdebug[lightning] extra is not installed")
+
+import nbdebug  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not built in"
+)
+
+K = 2  # the step whose batch makes a NaN on rank 1
+BAD_RANK = 1
+BAD_ROW = 3
+STEPS = 4
+BATCH = 4
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class DDPModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.log_in = Log()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(self.log_in(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def rank_data(rank: int) -> torch.utils.data.DataLoader:
+    """Each rank's own batches (no DistributedSampler); rank 1's batch K makes log(-1)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.rand(BATCH * STEPS, 4, generator=g) + 0.5
+    y = torch.randn(BATCH * STEPS, 1, generator=g)
+    if rank == BAD_RANK:
+        x[K * BATCH + BAD_ROW, 0] = -1.0
+    ds = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=False)
+
+
+def fit_ddp(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """One rank of the run: the environment a launcher sets, then ``Trainer.fit``."""
+    from nbdebug.integrations.lightning import NaNGuardCallback
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",  # unused: the process group is already initialised
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    cb = NaNGuardCallback(directory=directory, loss_fn=F.mse_loss, timeout=30)
+    module = DDPModule()
+    changed: list[bool] = []
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, b: Any, i: int) -> None:
+            self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, o: Any, b: Any, i: int) -> None:
+            now = list(pl_module.parameters())
+            changed.append(any(not torch.equal(a, p) for a, p in zip(self.before, now)))
+
+    trainer = L.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        use_distributed_sampler=False,
+        callbacks=[cb, Watch()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, rank_data(rank))
+    rows = {r["step"]: r["nonfinite"] for r in cb.guard.history}
+    return {
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": trainer.world_size,
+        "skipped": list(cb.skipped),
+        "rows": rows,
+        "changed": changed,
+        "snapshots": [Path(p).name for p in cb.guard.snapshots],
+        "hash": h.params_hash(module),
+        "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    directory = tmp_path_factory.mktemp("lightning_ddp")
+    results = h.launch(fit_ddp, 2, str(directory), timeout=120)
+    assert sorted(results) == [0, 1], results
+    for r in (0, 1):
+        assert "value" in results[r], results[r].get("traceback", results[r])
+    return directory, [results[0]["value"], results[1]["value"]]
+
+
+@pytest.mark.timeout(180)
+def test_under_ddp_every_rank_skips_the_step_one_rank_made_nan(ddp_run: Any) -> None:
+    directory, values = ddp_run
+    for r, v in enumerate(values):
+        assert (v["strategy"], v["world_size"]) == ("DDPStrategy", 2)
+        assert v["skipped"] == [K], (r, v)
+        assert v["changed"] == [i != K for i in range(STEPS)], (r, v["changed"])
+        assert v["snapshots"] == [f"step-{K:09d}-rank{r}.nbsnap"]
+        assert v["finite"]
+    # rank 1's own loss was NaN; rank 0 got the NaN through DDP's gradient all-reduce
+    assert values[BAD_RANK]["rows"][K] == "loss" and values[0]["rows"][K] == "grad"
+    assert all(values[r]["rows"][i] is None for r in (0, 1) for i in range(STEPS) if i != K)
+    assert values[0]["hash"] == values[1]["hash"]  # identical replicas after the run
+    files = sorted(p.name for p in directory.glob("*.nbsnap"))
+    assert files == [f"step-{K:09d}-rank{r}.nbsnap" for r in (0, 1)]
+
+
+@pytest.mark.timeout(180)
+def test_compare_ranks_over_the_lightning_snapshots_names_rank_1(ddp_run: Any) -> None:
+    directory, _ = ddp_run
+    report = nbdebug.compare_ranks(directory, model=DDPModule)
+    assert (report.step, report.world_size, report.missing_ranks) == (K, 2, [])
+    assert report.culprit_ranks == [BAD_RANK] and report.replayed_culprits == [BAD_RANK]
+    assert report.params_agree is True
+    bad = report.rank(BAD_RANK)
+    assert (bad.origin_phase, bad.origin_rows) == ("forward", [BAD_ROW])
+    snap = nbdebug.load_snapshot(directory / f"step-{K:09d}-rank{BAD_RANK}.nbsnap", model=DDPModule)
+    assert snap.trainer is not None and snap.trainer["framework"] == "lightning"
+    assert snap.trace().origin.module == "log_in"
