@@ -1,10 +1,11 @@
-"""The Lightning callback under DDP: a real 2-process gloo run on CPU (``strategy="ddp"``,
-``devices=2``) with a NaN made on rank 1 only at step K.
+"""The trainer callbacks under DDP: real 2-process gloo runs on CPU with a NaN on rank 1
+only at step K: the Lightning ``Trainer`` (``strategy="ddp"``, ``devices=2``) and the
+Hugging Face ``Trainer`` (DDP through accelerate).
 
 The processes are started by ``distributed_helpers.launch`` (free port, process group
 initialised, every process joined or killed); each sets the environment a launcher such as
-torchrun would (``LOCAL_RANK`` among it), so Lightning starts no processes of its own and
-uses the group that is already there.
+torchrun would (``LOCAL_RANK`` among it), so neither trainer starts processes of its own:
+both use the group that is already there.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-L = pytest.importorskip("lightning", reason="the nbdebug[lightning] extra is not installed")
+import nbdebug
 
-import nbdebug  # noqa: E402
+try:
+    import lightning as L
+except ImportError:  # the extra is not installed: the Lightning tests are skipped
+    L = None
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not built in"
+)
+needs_lightning = pytest.mark.skipif(
+    L is None, reason="the nbdebug[lightning] extra is not installed"
 )
 
 K = 2  # the step whose batch makes a NaN on rank 1
@@ -39,7 +46,7 @@ class Log(nn.Module):
         return torch.log(x)
 
 
-class DDPModule(L.LightningModule):
+class DDPModule(L.LightningModule if L is not None else nn.Module):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -129,6 +136,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
     return directory, [results[0]["value"], results[1]["value"]]
 
 
+@needs_lightning
 @pytest.mark.timeout(180)
 def test_under_ddp_every_rank_skips_the_step_one_rank_made_nan(ddp_run: Any) -> None:
     directory, values = ddp_run
@@ -146,6 +154,7 @@ def test_under_ddp_every_rank_skips_the_step_one_rank_made_nan(ddp_run: Any) -> 
     assert files == [f"step-{K:09d}-rank{r}.nbsnap" for r in (0, 1)]
 
 
+@needs_lightning
 @pytest.mark.timeout(180)
 def test_compare_ranks_over_the_lightning_snapshots_names_rank_1(ddp_run: Any) -> None:
     directory, _ = ddp_run
@@ -158,3 +167,116 @@ def test_compare_ranks_over_the_lightning_snapshots_names_rank_1(ddp_run: Any) -
     snap = nbdebug.load_snapshot(directory / f"step-{K:09d}-rank{BAD_RANK}.nbsnap", model=DDPModule)
     assert snap.trainer is not None and snap.trainer["framework"] == "lightning"
     assert snap.trace().origin.module == "log_in"
+
+
+# --------------------------------------------------------------------------- Hugging Face
+HF_STEPS = 4
+
+
+def env(rank: int, world: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",  # unused: the process group is already initialised
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+
+
+def make_gpt2() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=32,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+class RankRows(torch.utils.data.Dataset):
+    """Each rank's own rows; on rank 1 the row read as row BAD_ROW of step K's batch holds
+    a NaN (rows are read in order: no workers)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.rank + i)
+        embeds = torch.randn(8, 16, generator=g)
+        if self.rank == BAD_RANK and self.reads == K * BATCH + BAD_ROW:
+            embeds[3, 5] = float("nan")
+        self.reads += 1
+        return {"inputs_embeds": embeds, "labels": torch.randint(0, 32, (8,), generator=g)}
+
+
+def train_hf(rank: int, world: int, directory: str) -> dict[str, Any]:
+    import transformers
+
+    from nbdebug.integrations.hf import NaNGuardCallback
+
+    env(rank, world)
+    model = make_gpt2()
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(directory, f"out-rank{rank}"),
+        max_steps=HF_STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    cb = NaNGuardCallback(directory=os.path.join(directory, "snaps"), timeout=30)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=RankRows(rank), callbacks=[cb]
+    )
+    trainer.train()
+    return {
+        "parallel": str(args.parallel_mode),
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "skipped": list(cb.skipped),
+        "rows": {r["step"]: r["nonfinite"] for r in cb.guard.history},
+        "snapshots": [Path(p).name for p in cb.guard.snapshots],
+        "hash": h.params_hash(model),
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_the_hf_trainer_under_ddp_skips_on_every_rank_and_names_rank_1(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers", reason="the nbdebug[hf] extra is not installed")
+    pytest.importorskip("accelerate", reason="the nbdebug[hf] extra (accelerate) is not installed")
+    results = h.launch(train_hf, 2, str(tmp_path), timeout=150)
+    assert sorted(results) == [0, 1], results
+    for r in (0, 1):
+        assert "value" in results[r], results[r].get("traceback", results[r])
+    values = [results[0]["value"], results[1]["value"]]
+    for r, v in enumerate(values):
+        assert (v["parallel"], v["wrapped"]) == (
+            "ParallelMode.DISTRIBUTED",
+            "DistributedDataParallel",
+        )
+        assert v["skipped"] == [K] and v["snapshots"] == [f"step-{K:09d}-rank{r}.nbsnap"]
+        assert v["finite"]
+    assert values[BAD_RANK]["rows"][K] == "loss" and values[0]["rows"][K] == "grad"
+    assert values[0]["hash"] == values[1]["hash"]
+    report = nbdebug.compare_ranks(tmp_path / "snaps", model=make_gpt2)
+    assert report.culprit_ranks == [BAD_RANK] and report.replayed_culprits == [BAD_RANK]
+    bad = report.rank(BAD_RANK)
+    assert bad.origin_phase == "input" and bad.origin_rows == [BAD_ROW]
