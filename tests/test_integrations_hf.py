@@ -106,6 +106,7 @@ def test_the_nan_step_is_a_no_op(run: dict[str, Any]) -> None:
     logged = [row for row in run["trainer"].state.log_history if "nbdebug/skipped" in row]
     assert [row["nbdebug/skipped"] for row in logged] == [1.0]
     assert run["model"]._forward_hooks_with_kwargs == {}  # the batch hook is gone
+    assert all(not m._forward_pre_hooks for m in run["model"].modules())  # the autocast one too
 
 
 def test_the_snapshot_holds_the_fed_batch_args_and_scheduler(run: dict[str, Any]) -> None:
@@ -199,3 +200,37 @@ def test_without_transformers_the_callback_raises_the_install_hint() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "needs transformers" in out.stdout and "pip install nbdebug[hf]" in out.stdout
+
+
+def mixed_run(tmp: Path, **precision: Any) -> Any:
+    cb = NaNGuardCallback(directory=tmp / "snaps")
+    trainer = transformers.Trainer(
+        model=make_model(),
+        args=arguments(tmp / "out", **precision),
+        train_dataset=Rows(),
+        callbacks=[cb],
+    )
+    trainer.train()
+    assert len(cb.skipped) == 1 and cb.guard.scaler is None  # no GradScaler on CPU
+    return nbdebug.load_snapshot(cb.guard.snapshots[0], model=make_model)
+
+
+def test_under_bf16_the_snapshot_records_the_autocast_the_forward_ran_in(tmp_path: Path) -> None:
+    snap = mixed_run(tmp_path, bf16=True)
+    assert snap.autocast == {"device_type": "cpu", "dtype": "bfloat16"}
+    tr = snap.trace()
+    assert {e.dtype for e in tr.events if e.module_type == "Conv1D" and e.phase == "forward"} == {
+        "bfloat16"
+    }
+    assert tr.origin is not None and tr.origin.phase == "input"
+
+
+def test_fp16_on_cpu_runs_in_float32_and_the_snapshot_says_so(tmp_path: Path) -> None:
+    # accelerate runs fp16=True on CPU without autocast (and without a GradScaler): the
+    # snapshot records no autocast, so the replay runs in float32 like the training did
+    snap = mixed_run(tmp_path, fp16=True)
+    assert snap.trainer is not None and snap.trainer["args"]["fp16"] is True
+    assert snap.autocast is None
+    assert {
+        e.dtype for e in snap.trace().events if (e.module_type, e.phase) == ("Conv1D", "forward")
+    } == {"float32"}

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..core.snapshot import autocast_state
 from .base import CallbackState, make_guard, missing_framework
 
 __all__ = ["SUPPORTED", "NaNGuardCallback"]
@@ -67,8 +68,18 @@ else:
         ``compute_loss`` adds such as ``num_items_in_batch``; under gradient accumulation
         the first micro-batch whose loss was not finite, else the last), the
         ``TrainingArguments`` as plain data (``snap.trainer["args"]``), the optimizer and
-        the learning-rate scheduler states, and the autocast state under ``bf16=True`` /
-        ``fp16=True`` (``snap.autocast``).
+        the learning-rate scheduler states, and the autocast state the forward actually
+        ran under (``snap.autocast``, read inside the model's forward by a pre-hook on its
+        first submodule: under ``bf16=True`` bfloat16; under ``fp16=True`` float16 on a
+        GPU, but nothing on CPU, where accelerate trains ``fp16=True`` in float32 without
+        autocast). Under ``fp16=True`` on a GPU the guard gets accelerate's GradScaler: a
+        step whose float16 gradients overflow is the scaler's own skip (no snapshot, not
+        in :attr:`skipped`).
+
+        Under DDP (the Trainer started by ``torchrun`` or ``accelerate launch``) every
+        rank runs its own callback: the guards agree on each step (one ``all_reduce``),
+        every rank makes a step that any rank found non-finite a no-op, and each writes
+        ``step-...-rankN.nbsnap`` (see :func:`nbdebug.compare_ranks`).
 
         Parameters
         ----------
@@ -95,8 +106,10 @@ else:
                 version=transformers.__version__,
                 supported=SUPPORTED,
             )
-            self._hook: Any = None
+            self._hooks: list[Any] = []
             self._unlogged = 0
+            self._device_type = "cpu"
+            self._autocast_seen: dict[str, str] | None = None
 
         def __repr__(self) -> str:
             return (
@@ -128,10 +141,13 @@ else:
                 if loss is not None:
                     self.step_batch.set_loss(loss)
 
+        def _watch_autocast(self, module: Any, args: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                self._autocast_seen = autocast_state(self._device_type)
+
         def _remove_hook(self) -> None:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            while self._hooks:
+                self._hooks.pop().remove()
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             model = kwargs.get("model")
@@ -140,12 +156,17 @@ else:
                     "nbdebug.integrations.hf.NaNGuardCallback expects the Trainer to pass its "
                     f"model (a torch.nn.Module); found {type(model).__qualname__}."
                 )
+            optimizer = kwargs.get("optimizer")
+            options = dict(self.guard_options)
+            scaler = getattr(optimizer, "scaler", None)  # accelerate's, under fp16 on a GPU
+            if scaler is not None:
+                options["scaler"] = scaler
             self.guard = make_guard(
                 model,
-                kwargs.get("optimizer"),
+                optimizer,
                 kwargs.get("lr_scheduler"),
                 directory=self.directory,
-                options=self.guard_options,
+                options=options,
                 unwrap=_unwrap,
             )
             self.guard.writer.fields["trainer"] = {
@@ -154,12 +175,13 @@ else:
                 "global_step": int(state.global_step),
                 "args": args.to_dict(),
             }
-            dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
-            if dtype is not None:
-                device = next((p.device.type for p in model.parameters()), "cpu")
-                self.guard.writer.fields["autocast"] = {"device_type": device, "dtype": dtype}
+            self._device_type = next((p.device.type for p in model.parameters()), "cpu")
+            self._autocast_seen = None
             self._remove_hook()
-            self._hook = model.register_forward_hook(self._record, with_kwargs=True)
+            self._hooks.append(model.register_forward_hook(self._record, with_kwargs=True))
+            # accelerate enters autocast inside the model's forward: a submodule sees it
+            inner = next((m for m in model.modules() if m is not model), model)
+            self._hooks.append(inner.register_forward_pre_hook(self._watch_autocast))
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._remove_hook()
@@ -174,7 +196,13 @@ else:
             step = int(state.global_step)
             inputs, loss = self.step_batch.batch, self.step_batch.loss
             self.step_batch.reset()
-            self.guard.writer.fields["trainer"]["global_step"] = step
+            fields = self.guard.writer.fields
+            fields["trainer"]["global_step"] = step
+            if self._autocast_seen is not None:
+                fields["autocast"] = self._autocast_seen
+            else:
+                fields.pop("autocast", None)
+            self._autocast_seen = None
             try:
                 ok = self.guard.check(loss, inputs=inputs, step=step)
             except BaseException:
