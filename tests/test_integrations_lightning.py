@@ -177,6 +177,8 @@ def test_a_bad_guard_option_is_refused_when_the_callback_is_made() -> None:
         NaNGuardCallback(directory="x", patince=2)
     with pytest.raises(TypeError, match="takes 'optimizer' from the trainer"):
         NaNGuardCallback(directory="x", optimizer=None)
+    with pytest.raises(TypeError, match="takes 'autocast' from the trainer"):
+        NaNGuardCallback(directory="x", autocast="float16")  # from its precision setting
 
 
 def test_an_unsupported_lightning_version_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,8 +69,8 @@ else:
         the first micro-batch whose loss was not finite, else the last), the
         ``TrainingArguments`` as plain data (``snap.trainer["args"]``), the optimizer and
         the learning-rate scheduler states, and the autocast state the forward actually
-        ran under (``snap.autocast``, read inside the model's forward by a pre-hook on its
-        first submodule: under ``bf16=True`` bfloat16; under ``fp16=True`` float16 on a
+        ran under (``snap.autocast``, read inside the model's forward by pre-hooks on its
+        children: under ``bf16=True`` bfloat16; under ``fp16=True`` float16 on a
         GPU, but nothing on CPU, where accelerate trains ``fp16=True`` in float32 without
         autocast). Under ``fp16=True`` on a GPU the guard gets accelerate's GradScaler: a
         step whose float16 gradients overflow is the scaler's own skip (no snapshot, not
@@ -179,9 +179,9 @@ else:
             self._autocast_seen = None
             self._remove_hook()
             self._hooks.append(model.register_forward_hook(self._record, with_kwargs=True))
-            # accelerate enters autocast inside the model's forward: a submodule sees it
-            inner = next((m for m in model.modules() if m is not model), model)
-            self._hooks.append(inner.register_forward_pre_hook(self._watch_autocast))
+            # accelerate enters autocast inside the model's forward: its children see it
+            for inner in list(model.children()) or [model]:
+                self._hooks.append(inner.register_forward_pre_hook(self._watch_autocast))
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._remove_hook()
