@@ -202,6 +202,9 @@ def _run(
                 outcome.loss = float(loss.detach().float().cpu())
                 if exact:
                     outcome.output = clone_structure(output)
+                # the output is not needed past the loss: holding it through the backward
+                # would keep what autograd frees as it goes (logits, a key/value cache)
+                output = None
                 stage = "backward"
                 rec.recomputing = True
                 note = _backward(loss, st, inputs)
