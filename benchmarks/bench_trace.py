@@ -140,36 +140,44 @@ def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
         del model, x, vs
 
 
-def nan_model() -> tuple[nn.Module, Any]:
-    """The 124M GPT-2 with one NaN weight in ``transformer.h.5.mlp.c_fc``."""
+def nan_model(kind: str = "nan") -> tuple[nn.Module, Any]:
+    """The 124M GPT-2 with one bad weight in ``transformer.h.5.mlp.c_fc``: ``"nan"`` a NaN
+    weight (corrupted weights: the parameter check sees it before the pass), ``"overflow"``
+    a finite 3e38 weight whose product overflows to inf in the forward (only the quick
+    pass can see that the step is not finite)."""
     model, x = gpt2_124m()
     with torch.no_grad():
-        model.transformer.h[5].mlp.c_fc.weight[7, 11] = float("nan")
+        model.transformer.h[5].mlp.c_fc.weight[7, 11] = float("nan") if kind == "nan" else 3e38
     return model, x
 
 
+NAN_CASES = {"nan": "one NaN weight", "overflow": "one 3e38 weight (inf in the forward)"}
+
+
 def nan_path(rounds: int, clock: Callable[[], float]) -> None:
-    """The NaN path (quick pass, exact pass, origin and the op-level replay of the origin
-    module) against a plain step, interleaved."""
-    model, x = nan_model()
-    vs = {k: f for k, f in variants(model, x, False).items() if k in ("plain", "trace")}
-    for f in vs.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in vs}
-    for _ in range(rounds):
-        for k, f in vs.items():
-            t = clock()
+    """The NaN path (quick pass when the weights are finite, exact pass, origin and the
+    op-level replay of the origin module) against a plain step, interleaved."""
+    for kind, label in NAN_CASES.items():
+        model, x = nan_model(kind)
+        vs = {k: f for k, f in variants(model, x, False).items() if k in ("plain", "trace")}
+        for f in vs.values():
             f()
-            times[k].append(clock() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    tr = _trace(model, x)
-    o = tr.origin
-    print(
-        f"-- NaN path, gpt2_124m with one NaN weight (origin {o.module if o else None}, "
-        f"param {o.param if o else None}, op {o.op if o else None}): plain "
-        f"{med['plain'] * 1e3:.0f} ms  trace {med['trace'] * 1e3:.0f} ms  |  trace/plain "
-        f"{med['trace'] / med['plain']:.2f}x (target <= 3x)"
-    )
+        times: dict[str, list[float]] = {k: [] for k in vs}
+        for _ in range(rounds):
+            for k, f in vs.items():
+                t = clock()
+                f()
+                times[k].append(clock() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tr = _trace(model, x)
+        o = tr.origin
+        print(
+            f"-- NaN path, gpt2_124m with {label} (origin {o.module if o else None}, "
+            f"param {o.param if o else None}, op {o.op if o else None}): plain "
+            f"{med['plain'] * 1e3:.0f} ms  trace {med['trace'] * 1e3:.0f} ms  |  trace/plain "
+            f"{med['trace'] / med['plain']:.2f}x (target <= 3x)"
+        )
+        del model, x, vs, tr
 
 
 def _status_kib(field: str) -> int:
@@ -183,8 +191,8 @@ def _status_kib(field: str) -> int:
 def peak_memory_child(model_name: str, variant: str) -> None:
     """Peak resident memory above the resting level during one call (Linux: the peak is
     reset through /proc/self/clear_refs before the call)."""
-    if model_name == "gpt2_nan":
-        model, x = nan_model()
+    if model_name.startswith("gpt2_nan:"):
+        model, x = nan_model(model_name.split(":")[1])
     else:
         model, x = MODELS[model_name]()
     f = variants(model, x, False)[variant]
@@ -197,32 +205,45 @@ def peak_memory_child(model_name: str, variant: str) -> None:
     print(json.dumps({"delta_mib": (peak - base) / 1024, "base_mib": base / 1024}))
 
 
-def _child(name: str, variant: str) -> dict[str, float]:
+def _child(name: str, variant: str, env: dict[str, str] | None = None) -> dict[str, float]:
     r = subprocess.run(
         [sys.executable, __file__, "--memory-child", name, variant],
         capture_output=True,
         text=True,
         check=True,
+        env={**os.environ, **(env or {})},
     )
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# glibc's malloc raises its mmap threshold each time a large mmapped block is freed, after
+# which blocks of that size come from the heap, and freed heap below live small blocks is
+# not returned: resting RSS then depends on the allocation history. A fixed threshold
+# (blocks over 128 KiB mmapped and unmapped when freed) shows the memory each variant
+# actually holds.
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def peak_memory(names: list[str]) -> None:
     print(
         "-- peak memory during one call (fresh process each; MiB above the resting RSS, "
-        "which holds the model; ratio of resting + peak to plain's)"
+        "which holds the model; ratio of resting + peak to plain's; first with glibc's "
+        "default malloc, then [held] with a fixed mmap threshold: the memory held)"
     )
     rows = [(n, n) for n in names]
     if "gpt2_124m" in names:
-        rows.append(("gpt2_nan", "gpt2_124m + one NaN weight (NaN path)"))
+        rows += [(f"gpt2_nan:{k}", f"gpt2_124m, {v} (NaN path)") for k, v in NAN_CASES.items()]
     for name, label in rows:
-        p, t = _child(name, "plain"), _child(name, "trace")
-        ratio = (t["base_mib"] + t["delta_mib"]) / (p["base_mib"] + p["delta_mib"])
-        extra = t["delta_mib"] / max(p["delta_mib"], 1e-9)
-        print(
-            f"{label:12s} plain +{p['delta_mib']:7.1f}  trace +{t['delta_mib']:7.1f}  |  "
-            f"peak trace/plain {ratio:.2f}x (above resting: {extra:.2f}x)"
-        )
+        cells = []
+        for env in (None, FIXED_MMAP):
+            p, t = _child(name, "plain", env), _child(name, "trace", env)
+            ratio = (t["base_mib"] + t["delta_mib"]) / (p["base_mib"] + p["delta_mib"])
+            extra = t["delta_mib"] / max(p["delta_mib"], 1e-9)
+            cells.append(
+                f"{'[held] ' if env else ''}plain +{p['delta_mib']:6.1f}  trace "
+                f"+{t['delta_mib']:6.1f}  peak {ratio:.2f}x (above resting {extra:.2f}x)"
+            )
+        print(f"{label:12s} " + "  |  ".join(cells))
 
 
 def many_modules() -> None:

@@ -92,8 +92,15 @@ class Slot:
     from_output: bool = False  # a module returned it (else: the batch or a module's own code)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _dtype(t: torch.Tensor) -> str:
-    return dtype_name(t.dtype)
+    # runs once per event: the name of each dtype is built once
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = dtype_name(t.dtype)
+    return name
 
 
 class Recorder:

@@ -111,21 +111,27 @@ def trace(
         chosen |= kept_names
     with _gc_paused(), preserved(model) as st:
         health = _ParamHealth.measure(model, st.params)
+        if not health.bad:
+            rec, out = _run(
+                model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
+            )
+            vectors = rec.host_vectors()
+            if all(quick_is_complete(v) for v in vectors):
+                events, _ = _events(rec, vectors)
+                return _with_kept(_result(model, inputs, rec, events, None, out, health), rec.kept)
+            # something is not finite (or overflowed float32 sums): replay the step exactly
+            st.reset_buffers()
+        # (a parameter or buffer that is already non-finite makes the step need the exact
+        # pass: the quick one is skipped)
         rec, out = _run(
-            model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
+            model, inputs, target, loss_fn, st, exact=True, capture=True, keep=kept_names
         )
-        kept = rec.kept
-        vectors = rec.host_vectors()
-        if all(quick_is_complete(v) for v in vectors) and not health.bad:
-            events, _ = _events(rec, vectors)
-            return _with_kept(_result(model, inputs, rec, events, None, out, health), kept)
-        # something is not finite (or overflowed float32 sums): replay the step exactly
-        st.reset_buffers()
-        rec, out = _run(model, inputs, target, loss_fn, st, exact=True, capture=True)
         vectors = rec.host_vectors()
         found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
-        return _with_kept(_result(model, inputs, rec, events, origin, out, health, found), kept)
+        return _with_kept(
+            _result(model, inputs, rec, events, origin, out, health, found), rec.kept
+        )
 
 
 def _with_kept(tr: Trace, kept: dict[str, torch.Tensor]) -> Trace:
@@ -196,6 +202,9 @@ def _run(
                 outcome.loss = float(loss.detach().float().cpu())
                 if exact:
                     outcome.output = clone_structure(output)
+                # the output is not needed past the loss: holding it through the backward
+                # would keep what autograd frees as it goes (logits, a key/value cache)
+                output = None
                 stage = "backward"
                 rec.recomputing = True
                 note = _backward(loss, st, inputs)
