@@ -292,11 +292,11 @@ def test_explainer_auto_choice_and_local_accuracy():
     check(rep, f(ref[:25, :4]), f(cur[:25, :4]), 1e-6)
 
 
-def test_multiclass_output_is_the_predicted_class_by_default():
+def test_multiclass_output_predicted_class_on_request():
     x, _, names = dataset("wine")
     lr = fitted("wine", "lr")
     a, b = halves(len(x), 0)
-    rep = run(lr, x[a], x[b], feature_names=names)
+    rep = run(lr, x[a], x[b], feature_names=names, output="predicted")
     assert "predicted class" in rep.output
     pred = lr.decision_function(x[a])
     cls = pred.argmax(axis=1)
@@ -307,6 +307,34 @@ def test_multiclass_output_is_the_predicted_class_by_default():
     rep2 = run(lr, x[a], x[b], output=2)
     assert "class 2" in rep2.output
     assert not np.allclose(rep2.reference_shap, rep.reference_shap)
+
+
+def test_multiclass_default_explains_the_moved_probability_mass(capsys):
+    """Three classes: by default the explained output is the sum of the class outputs,
+    each signed by how its mean predicted probability moved (measured here from
+    predict_proba), so exposure says which features moved probability between classes;
+    it finds the two shifted features' explanation drift where each row's predicted
+    class does not."""
+    x, _, names = dataset("wine")
+    lr = fitted("wine", "lr")
+    found = {"auto": 0, "predicted": 0}
+    for seed in range(6):
+        a, b = halves(len(x), 100 + seed)
+        cur = x[b].copy()
+        cur[:, :2] += x[a][:, :2].std(axis=0)
+        signs = np.sign(lr.predict_proba(cur).mean(axis=0) - lr.predict_proba(x[a]).mean(axis=0))
+        for out in found:
+            rep = run(lr, x[a], cur, feature_names=names, random_state=seed, output=out)
+            found[out] += {names[0], names[1]} <= set(rep.drifted_explanations)
+            if out != "auto":
+                continue
+            assert "moved predict_proba mass" in rep.output
+            f_ref, f_cur = lr.decision_function(x[a]) @ signs, lr.decision_function(cur) @ signs
+            base = np.r_[f_ref, f_cur] - np.r_[rep.reference_shap, rep.current_shap].sum(axis=1)
+            assert np.ptp(base) < 1e-6  # SHAP of the signed sum: local accuracy
+            assert rep.prediction_shift == pytest.approx(f_cur.mean() - f_ref.mean(), abs=1e-6)
+    say(capsys, f"multi-class wine/lr: both shifted features' explanation drift found {found}/6")
+    assert found["auto"] >= 4 and found["auto"] > found["predicted"]
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -750,7 +750,11 @@ def drift(
         Seeds the subsample, the background, the clustering, the folds and the permutations.
     output : "auto", "predicted" or int
         Which model output to explain when there are several: ``"auto"`` is class 1 of
-        two classes and each row's predicted class otherwise.
+        two classes and, for more, the signed sum of the outputs by the sign of each
+        one's mean change between the batches, measured on every row: for
+        probabilities, the probability mass that moved between classes
+        (:func:`nbdebug.analysis.explain.moved_direction`); ``"predicted"`` explains each
+        row's predicted class.
     cluster_method : {"kmeans", "agglomerative"}
     n_permutations : "auto" or int
         Permutations for the cluster-share test (``"auto"``: enough to pass the correction).
@@ -848,6 +852,7 @@ def drift(
         random_state=random_state,
         progress=progress,
         adapter=adapter,
+        predictions=(pr, pc),
     )
     timings["shap"] = time.perf_counter() - t
     return drift_from_shap(
