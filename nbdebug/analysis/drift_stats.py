@@ -41,10 +41,32 @@ def scaled_wasserstein(ref: np.ndarray, cur: np.ndarray) -> float:
     return w / sd if sd > 0 else math.inf
 
 
+def category_test(ref: np.ndarray, cur: np.ndarray) -> tuple[float, float]:
+    """Category codes of one column in the two batches: the total-variation distance of
+    their shares (in [0, 1], the categorical counterpart of the KS statistic) and the
+    p-value of Pearson's chi-square test on the 2 x K table of counts
+    (``scipy.stats.chi2_contingency``; 1 when only one category occurs)."""
+    from scipy.stats import chi2_contingency
+
+    cats = np.union1d(ref, cur)
+    counts = np.stack([(ref[:, None] == cats).sum(axis=0), (cur[:, None] == cats).sum(axis=0)])
+    shares = counts / counts.sum(axis=1, keepdims=True)
+    tv = 0.5 * float(np.abs(shares[0] - shares[1]).sum())
+    if len(cats) < 2:
+        return tv, 1.0
+    return tv, float(chi2_contingency(counts, correction=False).pvalue)
+
+
 def feature_tests(
-    xr: np.ndarray, xc: np.ndarray, sr: np.ndarray, sc: np.ndarray, names: list[str]
+    xr: np.ndarray,
+    xc: np.ndarray,
+    sr: np.ndarray,
+    sc: np.ndarray,
+    names: list[str],
+    categorical: frozenset[int] = frozenset(),
 ) -> pd.DataFrame:
-    """Per-feature KS tests and scaled Wasserstein distances on inputs and SHAP values.
+    """Per-feature two-sample tests and scaled Wasserstein distances on inputs and SHAP
+    values.
 
     Parameters
     ----------
@@ -52,13 +74,19 @@ def feature_tests(
         Inputs, float64, ``(n_reference, d)`` and ``(n_current, d)``.
     sr, sc : numpy.ndarray
         SHAP values, same shapes.
+    categorical : set of int
+        Columns holding category codes: their input test is the chi-square test of the
+        category counts (:func:`category_test`; ``ks`` is then the total-variation distance
+        of the shares, ``wasserstein`` and ``mean_shift`` NaN); the other columns get
+        ``scipy.stats.ks_2samp``. SHAP columns are numbers: always KS.
 
     Returns
     -------
     pandas.DataFrame
-        Index ``feature``; columns ``ks``, ``ks_p``, ``wasserstein``, ``shap_ks``,
-        ``shap_ks_p``, ``shap_wasserstein``, ``mean_shift`` (current minus reference mean,
-        in reference stds) and ``shap_importance`` (mean |SHAP| on the reference).
+        Index ``feature``; columns ``input_test`` (``"KS"`` or ``"chi-square"``), ``ks``,
+        ``ks_p``, ``wasserstein``, ``shap_ks``, ``shap_ks_p``, ``shap_wasserstein``,
+        ``mean_shift`` (current minus reference mean, in reference stds) and
+        ``shap_importance`` (mean |SHAP| on the reference).
     """
     from scipy.stats import ks_2samp
 
@@ -66,26 +94,36 @@ def feature_tests(
     for j, name in enumerate(names):
         a, b = xr[:, j], xc[:, j]
         sa, sb = sr[:, j], sc[:, j]
-        ks = ks_2samp(a, b)
         sks = ks_2samp(sa, sb)
-        sd = float(np.std(a))
-        shift = float(np.mean(b) - np.mean(a))
-        rows.append(
-            {
-                "feature": name,
-                "ks": float(ks.statistic),
-                "ks_p": float(ks.pvalue),
-                "wasserstein": scaled_wasserstein(a, b),
-                "shap_ks": float(sks.statistic),
-                "shap_ks_p": float(sks.pvalue),
-                "shap_wasserstein": scaled_wasserstein(sa, sb),
-                "mean_shift": shift / sd
+        row = {
+            "feature": name,
+            "shap_ks": float(sks.statistic),
+            "shap_ks_p": float(sks.pvalue),
+            "shap_wasserstein": scaled_wasserstein(sa, sb),
+            "shap_importance": float(np.mean(np.abs(sa))),
+        }
+        if j in categorical:
+            tv, p = category_test(a, b)
+            row.update(
+                input_test="chi-square", ks=tv, ks_p=p, wasserstein=math.nan, mean_shift=math.nan
+            )
+        else:
+            ks = ks_2samp(a, b)
+            sd = float(np.std(a))
+            shift = float(np.mean(b) - np.mean(a))
+            row.update(
+                input_test="KS",
+                ks=float(ks.statistic),
+                ks_p=float(ks.pvalue),
+                wasserstein=scaled_wasserstein(a, b),
+                mean_shift=shift / sd
                 if sd > 0
                 else (0.0 if shift == 0 else math.copysign(math.inf, shift)),
-                "shap_importance": float(np.mean(np.abs(sa))),
-            }
-        )
-    return pd.DataFrame(rows).set_index("feature")
+            )
+        rows.append(row)
+    cols = ["feature", "input_test", "ks", "ks_p", "wasserstein", "shap_ks", "shap_ks_p"]
+    cols += ["shap_wasserstein", "mean_shift", "shap_importance"]
+    return pd.DataFrame(rows)[cols].set_index("feature")
 
 
 def correct(pvalues: np.ndarray, method: str) -> np.ndarray:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..core.state import RngState, preserved
+from .drift_data import model_frame
 from .explain_pipeline import plan_pipeline
 
 EXPLAINERS = ("auto", "tree", "linear", "deep", "gradient", "kernel", "permutation")
@@ -94,6 +95,7 @@ class ModelAdapter:
     torch_copy: Any = None  # torch: the module shap works on (a copy when possible)
     torch_dtype: Any = None
     torch_device: Any = None
+    categories: dict[str, list[Any]] | None = None  # string categories held as float codes
 
     def to_tensor(self, x: np.ndarray) -> Any:
         import torch
@@ -166,8 +168,14 @@ class _TabularOutput:
         return TabularOutput(module)
 
 
-def adapt_model(model: Any, n_features: int) -> ModelAdapter:
+def adapt_model(
+    model: Any, n_features: int, categories: dict[str, list[Any]] | None = None
+) -> ModelAdapter:
     """Wrap ``model`` (scikit-learn estimator, torch module or prediction function).
+
+    ``categories``: for an estimator fitted on a DataFrame, the columns whose float codes
+    stand for string categories (:class:`~nbdebug.analysis.drift_data.Batches`); the
+    model is called with the strings.
 
     Raises
     ------
@@ -240,16 +248,15 @@ def adapt_model(model: Any, n_features: int) -> ModelAdapter:
         fn = getattr(model, method)
 
         def predict_sklearn(x: np.ndarray) -> np.ndarray:
-            if columns is not None:
-                import pandas as pd
-
-                x = pd.DataFrame(x, columns=columns)  # type: ignore[assignment]
-            return _as_2d(fn(x), len(x), f"{type(model).__name__}.{method}")
+            frame = model_frame(x, columns, categories) if columns is not None else x
+            return _as_2d(fn(frame), len(x), f"{type(model).__name__}.{method}")
 
         classes = [
             c.item() if isinstance(c, np.generic) else c for c in getattr(model, "classes_", [])
         ]
-        return ModelAdapter("sklearn", model, predict_sklearn, method, classes or None)
+        return ModelAdapter(
+            "sklearn", model, predict_sklearn, method, classes or None, categories=categories
+        )
 
     if hasattr(model, "fit") and not callable(model):
         raise TypeError(
@@ -422,7 +429,7 @@ def _build_pipeline(
 ) -> tuple[_Built, ModelAdapter] | None:
     """The final estimator's exact explainer, mapped back to the input columns; None (and
     a note) when the pipeline cannot be explained that way."""
-    plan, why = plan_pipeline(adapter.model, d)
+    plan, why = plan_pipeline(adapter.model, d, adapter.categories)
     if plan is None:
         if why != "not a pipeline":
             notes.append(f"pipeline explained as a whole by KernelExplainer: {why}")
