@@ -141,7 +141,8 @@ def plan_pipeline(
     model: Any, n_features: int, categories: dict[str, list[Any]] | None = None
 ) -> tuple[PipelinePlan | None, str]:
     """A plan for a fitted ``Pipeline``, or ``(None, why not)``. ``categories``: columns
-    whose float codes stand for string categories (:func:`~nbdebug.analysis.drift_data.model_frame`)."""
+    whose float codes stand for string categories
+    (:func:`~nbdebug.analysis.drift_data.model_frame`)."""
     from sklearn.pipeline import Pipeline
 
     if not isinstance(model, Pipeline) or len(model.steps) < 2:
