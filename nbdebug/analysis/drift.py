@@ -467,7 +467,7 @@ def drift_from_shap(
     )
     if len(names) != d:
         raise ValueError(f"feature_names has {len(names)} names but the data has {d} columns.")
-    cat = (
+    cat: dict[int, list[Any] | None] = (
         {int(j): list(v) for j, v in categorical.items()}
         if isinstance(categorical, dict)
         else {int(j): None for j in categorical}
