@@ -230,10 +230,11 @@ def speed(args: argparse.Namespace) -> None:
     total = sum(rep.timings.values())
     for stage, secs in rep.timings.items():
         print(f"    {stage:<16} {secs:7.2f} s  ({secs / total:5.1%})")
+    m = len(rep.reference_rows) + len(rep.current_rows)
     print(
         f"  SHAP on {len(rep.reference_rows)} + {len(rep.current_rows)} stratified rows "
-        f"(CDF error <= {rep.sampling_error:.3f} at 95%, DKW) with {rep.explainer}; "
-        f"input tests on all rows"
+        f"(CDF error <= {rep.sampling_error:.3f} at 95%, DKW) with {rep.explainer}: "
+        f"{rep.timings['shap'] / m * 1000:.0f} ms a row; input tests on all rows"
     )
     print(
         f"  nbdebug: alarm={rep.alarm}, exposure shares "
