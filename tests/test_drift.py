@@ -34,7 +34,7 @@ from state import assert_unchanged, fingerprint
 import nbdebug
 from nbdebug.analysis.drift import DriftReport, drift, drift_from_shap
 from nbdebug.analysis.drift_stats import hierarchical
-from nbdebug.analysis.explain import explain_batches
+from nbdebug.analysis.explain import explain_batches, moved_direction
 
 ALPHA = 0.05
 LOADERS = {"breast_cancer": load_breast_cancer, "wine": load_wine}
@@ -55,6 +55,30 @@ def fitted(name: str, kind: str):
     if kind == "rf":
         return RandomForestClassifier(n_estimators=40, random_state=0, n_jobs=1).fit(x, y)
     return LogisticRegression(max_iter=2000).fit(x, y)
+
+
+@functools.cache
+def tree_shap_per_output(name: str) -> np.ndarray:
+    """SHAP values of every row for each output of the random forest ``(n, d, k)``
+    (TreeExplainer's row values do not depend on the other rows); one output for two
+    classes (class 1)."""
+    x, _, _ = dataset(name)
+    model = fitted(name, "rf")
+    k = len(model.classes_)
+    outputs = ["auto"] if k == 2 else list(range(k))
+    vals = [explain_batches(model, x, x[:2], output=o, progress=False).reference for o in outputs]
+    return np.stack(vals, axis=2)
+
+
+def tree_shap_as_drift(name: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """What drift() explains for the halves ``a``, ``b``, for every row: class 1, or for
+    more classes the classes signed by their mean change between the halves."""
+    x, _, _ = dataset(name)
+    vals = tree_shap_per_output(name)
+    if vals.shape[2] == 1:
+        return vals[:, :, 0]
+    proba = fitted(name, "rf").predict_proba
+    return vals @ moved_direction(proba(x[a]), proba(x[b]))
 
 
 def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -84,12 +108,12 @@ def test_a_no_drift_alarm_rate_at_most_alpha_plus_005(name, kind, capsys):
     # TreeExplainer's (path-dependent) SHAP row of a sample does not depend on the other
     # rows: explain all rows once and reuse (exactness checked below). LinearExplainer's
     # values depend on the background drawn from the reference: run drift() itself.
-    shap_all = explain_batches(model, x, x[:2], progress=False).reference if kind == "rf" else None
     seeds = 200 if kind == "rf" else 60
     alarms = 0
     for seed in range(seeds):
         a, b = halves(len(x), seed)
-        if shap_all is not None:
+        if kind == "rf":
+            shap_all = tree_shap_as_drift(name, a, b)
             rep = drift_from_shap(
                 x[a],
                 x[b],
@@ -113,8 +137,8 @@ def test_a_shortcut_equals_full_drift_for_trees(name):
     """The reuse in (a) is exact: drift() on the halves gives the same tests."""
     x, _, names = dataset(name)
     model = fitted(name, "rf")
-    shap_all = explain_batches(model, x, x[:2], progress=False).reference
     a, b = halves(len(x), 3)
+    shap_all = tree_shap_as_drift(name, a, b)
     full = run(model, x[a], x[b], feature_names=names, random_state=3)
     short = drift_from_shap(
         x[a], x[b], shap_all[a], shap_all[b], feature_names=names, random_state=3, progress=False
@@ -292,11 +316,11 @@ def test_explainer_auto_choice_and_local_accuracy():
     check(rep, f(ref[:25, :4]), f(cur[:25, :4]), 1e-6)
 
 
-def test_multiclass_output_is_the_predicted_class_by_default():
+def test_multiclass_output_predicted_class_on_request():
     x, _, names = dataset("wine")
     lr = fitted("wine", "lr")
     a, b = halves(len(x), 0)
-    rep = run(lr, x[a], x[b], feature_names=names)
+    rep = run(lr, x[a], x[b], feature_names=names, output="predicted")
     assert "predicted class" in rep.output
     pred = lr.decision_function(x[a])
     cls = pred.argmax(axis=1)
@@ -307,6 +331,34 @@ def test_multiclass_output_is_the_predicted_class_by_default():
     rep2 = run(lr, x[a], x[b], output=2)
     assert "class 2" in rep2.output
     assert not np.allclose(rep2.reference_shap, rep.reference_shap)
+
+
+def test_multiclass_default_explains_the_moved_probability_mass(capsys):
+    """Three classes: by default the explained output is the sum of the class outputs,
+    each signed by how its mean predicted probability moved (measured here from
+    predict_proba), so exposure says which features moved probability between classes;
+    it finds the two shifted features' explanation drift where each row's predicted
+    class does not."""
+    x, _, names = dataset("wine")
+    lr = fitted("wine", "lr")
+    found = {"auto": 0, "predicted": 0}
+    for seed in range(6):
+        a, b = halves(len(x), 100 + seed)
+        cur = x[b].copy()
+        cur[:, :2] += x[a][:, :2].std(axis=0)
+        signs = np.sign(lr.predict_proba(cur).mean(axis=0) - lr.predict_proba(x[a]).mean(axis=0))
+        for out in found:
+            rep = run(lr, x[a], cur, feature_names=names, random_state=seed, output=out)
+            found[out] += {names[0], names[1]} <= set(rep.drifted_explanations)
+            if out != "auto":
+                continue
+            assert "moved predict_proba mass" in rep.output
+            f_ref, f_cur = lr.decision_function(x[a]) @ signs, lr.decision_function(cur) @ signs
+            base = np.r_[f_ref, f_cur] - np.r_[rep.reference_shap, rep.current_shap].sum(axis=1)
+            assert np.ptp(base) < 1e-6  # SHAP of the signed sum: local accuracy
+            assert rep.prediction_shift == pytest.approx(f_cur.mean() - f_ref.mean(), abs=1e-6)
+    say(capsys, f"multi-class wine/lr: both shifted features' explanation drift found {found}/6")
+    assert found["auto"] >= 4 and found["auto"] > found["predicted"]
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -13,8 +13,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
-from nbdebug.analysis.drift_stats import classifier_test, cluster_shap, most_shifted_clustering
+from nbdebug.analysis.drift_stats import (
+    FAMILY_WEIGHTS,
+    classifier_test,
+    cluster_shap,
+    hierarchical,
+    holm_weighted,
+    most_shifted_clustering,
+)
 
 
 def _bound(level: float, runs: int) -> float:
@@ -61,3 +69,36 @@ def test_cluster_share_test_keeps_its_level_with_small_clusters():
     cur[:20] = True
     chosen, _, p = most_shifted_clustering(clustering, cur, 199, 0)
     assert p <= 0.01 and chosen.k >= 2
+
+
+def test_weighted_holm_steps_down_and_keeps_its_level_under_any_dependence():
+    w = np.array(list(FAMILY_WEIGHTS.values()))
+    assert w.sum() == 1.0 and w[0] == w.max()  # the inputs family gets the largest share
+    # by hand: p / w = 0.0025, 0.133, 3.33, 0.133; weights left 1, 0.6, 0.3, 0.15
+    adj = holm_weighted(np.array([0.001, 0.04, 0.5, 0.02]), w)
+    np.testing.assert_allclose(adj, [0.0025, 0.08, 0.5, 0.08])
+    assert np.isnan(holm_weighted(np.array([0.01, np.nan]), np.array([0.5, 0.5]))[1])
+    # null p-values with the worst dependences: two families identical (a linear model's
+    # SHAP columns repeat its inputs), one the mirror image of them; alarm <= alpha
+    rng = np.random.default_rng(0)
+    runs = 5000
+    u, v = rng.random(runs), rng.random(runs)
+    alarms = 0
+    for a, b in zip(u, v):
+        fams = {
+            "inputs": np.array([a]),
+            "explanations": np.array([a]),
+            "cluster shares": np.array([1 - a]),
+            "classifier": np.array([b]),
+        }
+        alarms += bool(hierarchical(fams, "fdr", 0.05, FAMILY_WEIGHTS)[1]["drift"].any())
+    assert alarms / runs <= _bound(0.05, runs), alarms / runs
+    # a drifted family passes its share on: the second family is tested at 0.3 / 0.6 alpha
+    adj2, table = hierarchical(
+        {"inputs": np.array([1e-9, 0.5]), "explanations": np.array([0.02, 0.9])},
+        "fdr",
+        0.05,
+        {"inputs": 0.4, "explanations": 0.3},
+    )
+    assert table["drift"].tolist() == [True, True]  # Simes 0.04 <= alpha * 0.3 / 0.3
+    assert adj2["explanations"][0] == pytest.approx(0.04)  # BH 0.04, alpha at its full level

@@ -167,3 +167,71 @@ def test_bad_input_one_sentence_each():
         drift(rf, x.iloc[:40], x.iloc[:1], progress=False)
     with pytest.raises(ValueError, match=r"sampling_error must be a number strictly between"):
         drift(rf, x.iloc[:40], x.iloc[40:80], sampling_error=0, progress=False)
+
+
+def _shop(n: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "age": rng.normal(40, 10, n),
+            "income": rng.normal(50, 15, n),
+            "city": rng.choice(["paris", "lyon", "nice"], n, p=[0.5, 0.3, 0.2]),
+            "plan": rng.choice(["basic", "pro"], n),
+        }
+    )
+
+
+def test_pipeline_with_string_categories_tests_their_counts():
+    """A ColumnTransformer that one-hot encodes string columns: the strings reach the
+    pipeline unchanged, each string column is one feature (its one-hot SHAP values
+    summed), and its input test is a chi-square test on the category counts; a shifted
+    category share is flagged and named."""
+    from scipy.stats import chi2_contingency
+    from sklearn.pipeline import Pipeline
+
+    df = _shop(1200, 0)
+    logit = 0.05 * (df.age - 40) + 1.5 * (df.city == "nice") - 1.0 * (df.city == "lyon")
+    y = (np.random.default_rng(1).random(len(df)) < 1 / (1 + np.exp(-logit))).astype(int)
+    pre = ColumnTransformer(
+        [("num", StandardScaler(), ["age", "income"]), ("cat", OneHotEncoder(), ["city", "plan"])]
+    )
+    pipe = Pipeline([("pre", pre), ("lr", LogisticRegression())]).fit(df[:400], y[:400])
+    ref = df[400:800].reset_index(drop=True)
+    cur = df[800:].reset_index(drop=True)
+    cur.loc[cur.index[cur.city == "paris"][:80], "city"] = "nice"  # nice: 20% -> 40%
+    before = cur.copy()
+    rep = _run(pipe, ref, cur)
+    pd.testing.assert_frame_equal(cur, before)  # the user's frame is untouched
+    assert rep.explainer.startswith("LinearExplainer of the pipeline's final LogisticRegression")
+    assert "7 transformed columns summed into 4 inputs" in rep.explainer
+    # exact: SHAP rows add up to the pipeline's own decision function, called on strings
+    f = np.r_[pipe.decision_function(ref), pipe.decision_function(cur)]
+    assert np.ptp(f - np.r_[rep.reference_shap, rep.current_shap].sum(axis=1)) < 1e-8
+    # city's SHAP value is the sum over its one-hot columns: it depends only on the city,
+    # and two cities differ by the difference of their coefficients
+    j = rep.feature_names.index("city")
+    cities = ref["city"].to_numpy()
+    names = list(pre.get_feature_names_out())
+    coef = dict(zip(names, pipe[-1].coef_[0]))
+    per_city = {c: rep.reference_shap[cities == c, j] for c in ("paris", "lyon", "nice")}
+    assert all(np.ptp(v) < 1e-12 for v in per_city.values())
+    assert per_city["nice"][0] - per_city["paris"][0] == pytest.approx(
+        coef["cat__city_nice"] - coef["cat__city_paris"]
+    )
+    f_ = rep.features
+    assert f_.loc["city", "input_test"] == "chi-square" and f_.loc["age", "input_test"] == "KS"
+    counts = np.stack(
+        [ref["city"].value_counts().sort_index(), cur["city"].value_counts().sort_index()]
+    )
+    assert f_.loc["city", "ks_p"] == pytest.approx(
+        chi2_contingency(counts, correction=False).pvalue
+    )
+    assert rep.drifted_inputs == ["city"]
+    assert f_.loc["city", "quadrant"] == "input+explanation"
+    assert "`city`" in rep.headline
+    assert any("kept as categories" in n for n in rep.notes)
+    # a missing category value: one sentence
+    bad = cur.copy()
+    bad.loc[0, "plan"] = None
+    with pytest.raises(ValueError, match=r"categorical column 'plan' has 1 missing value"):
+        _run(pipe, ref, bad)

@@ -17,13 +17,16 @@ stratified subsample of large ones, sized by the sampling error it allows
 (:mod:`nbdebug.analysis.drift_sample`).
 
 The report's tests form four families: a KS test per input column, a KS test per SHAP
-column, the permutation test of cluster shares and the classifier two-sample test. They are
-corrected in two levels (Benjamini and Bogomolov, 2014; Benjamini-Hochberg by default,
-Bonferroni on request): across the families on their global (Simes / Bonferroni)
-p-values, then within the families that drifted. ``alarm`` (some family drifted) fires at
-rate ``alpha`` or less when nothing drifted (``benchmarks/bench_drift.py calibration``),
-every flagged feature lies in a drifted
-family, and the two multivariate tests are not drowned by the ``2 d`` per-feature tests.
+column, the permutation test of cluster shares and the classifier two-sample test. Across
+the families a weighted Holm step (weights ``drift_stats.FAMILY_WEIGHTS``: inputs 0.4,
+explanations 0.3, cluster shares 0.15, classifier 0.15) runs on each family's global
+(Simes, or Bonferroni on request) p-value; within a family that drifted,
+Benjamini-Hochberg (default) or Bonferroni flags the tests
+(:func:`nbdebug.analysis.drift_stats.hierarchical`). ``alarm`` (some family drifted) and
+so every flag fire at rate ``alpha`` or less when nothing drifted, whatever the dependence
+between the families (``benchmarks/bench_drift.py calibration``); every flagged feature
+lies in a drifted family, and the two multivariate tests are not drowned by the ``2 d``
+per-feature tests.
 
 Choose a reference the model was *not* trained on (a validation split): SHAP values on
 training rows differ from those on new rows when the model over-fits, and that difference
@@ -47,6 +50,7 @@ from .drift_exposure import EXPOSURE_MIN, exposure_table, quadrant
 from .drift_groups import groups_frame, name_groups
 from .drift_sample import DEFAULT_SAMPLING_ERROR, dkw_error, rows_for_error, stratified_rows
 from .explain import EXPLAINERS, adapt_model, explain_batches, predict_batches
+from .explain_pipeline import takes_strings
 
 __all__ = ["ClassifierTest", "ClusterTest", "DriftReport", "drift", "drift_from_shap"]
 
@@ -99,8 +103,11 @@ class DriftReport:
         One row per feature, sorted by drift (flagged first, then by exposure share, then
         by the larger KS statistic): ``quadrant``, ``exposure_share``, ``exposure``,
         ``exposure_noise``, ``shap_mean_shift`` (all in output units, see
-        :mod:`~nbdebug.analysis.drift_exposure`), ``ks``, ``ks_p``, ``ks_p_adj``,
-        ``wasserstein`` (Wasserstein-1 / reference std), ``shap_ks``, ``shap_ks_p``,
+        :mod:`~nbdebug.analysis.drift_exposure`), ``input_test`` (``"KS"``, or
+        ``"chi-square"`` on the category counts of a string column), ``ks``, ``ks_p``,
+        ``ks_p_adj`` (for a category column: total-variation distance of the shares and
+        the chi-square p-value), ``wasserstein`` (Wasserstein-1 / reference std; NaN for a
+        category column), ``shap_ks``, ``shap_ks_p``,
         ``shap_ks_p_adj``, ``shap_wasserstein``, ``drifted_input``,
         ``drifted_explanation`` (the model acts on it: its SHAP distribution changed
         significantly *and* materially), ``mean_shift`` (in reference stds),
@@ -117,8 +124,8 @@ class DriftReport:
         Some family of tests drifted (see ``tests``).
     tests : pandas.DataFrame
         One row per family (``inputs``, ``explanations``, ``cluster shares``,
-        ``classifier``): ``n_tests``, ``p_value`` (global), ``p_adjusted`` (across
-        families), ``drift``.
+        ``classifier``): ``n_tests``, ``weight`` (share of ``alpha``), ``p_value``
+        (global), ``p_adjusted`` (weighted Holm across families), ``drift``.
     headline : str
         One sentence: what changed and whether the model cares.
     summary : str
@@ -323,8 +330,8 @@ def _summary(
     )
     s.append(
         f"Tests: four families (a KS test per input column, a KS test per SHAP column, the "
-        f"permutation test of cluster shares, the classifier test), {correction} across families "
-        f"and then within the drifted ones (Benjamini-Bogomolov); exposure is "
+        f"permutation test of cluster shares, the classifier test), weighted Holm across "
+        f"families, {correction} within the drifted ones; exposure is "
         f"material from "
         f"{EXPOSURE_MIN:.0%} of the output's spread. SHAP: {explainer} on {output}; "
         f"{n_ref} reference vs {n_cur} current rows; {sampled}."
@@ -388,6 +395,7 @@ def drift_from_shap(
     current_rows: Any = None,
     classes_reference: np.ndarray | None = None,
     classes_current: np.ndarray | None = None,
+    categorical: Any = (),
     n_clusters: Any = "auto",
     cluster_method: str = "kmeans",
     alpha: float = 0.05,
@@ -413,6 +421,10 @@ def drift_from_shap(
     classes_reference, classes_current : numpy.ndarray, optional
         The model's predicted class of every row, ``(n_reference,)`` and ``(n_current,)``:
         clusters that are a class are named by it.
+    categorical : dict of int to list, or sequence of int
+        Columns holding category codes (0, 1, ...), with their categories when a dict:
+        their input test is a chi-square test on the category counts instead of KS, and
+        a group rule on them names the categories.
 
     Other parameters are those of :func:`drift`; ``explainer``, ``output``, ``notes`` and
     ``timings`` only describe where the SHAP values came from.
@@ -455,6 +467,13 @@ def drift_from_shap(
     )
     if len(names) != d:
         raise ValueError(f"feature_names has {len(names)} names but the data has {d} columns.")
+    cat: dict[int, list[Any] | None] = (
+        {int(j): list(v) for j, v in categorical.items()}
+        if isinstance(categorical, dict)
+        else {int(j): None for j in categorical}
+    )
+    if any(j < 0 or j >= d for j in cat):
+        raise ValueError(f"categorical must be column indices in [0, {d}); got {sorted(cat)}.")
     timings = dict(timings or {})
     notes = list(notes or [])
     from threadpoolctl import threadpool_limits
@@ -472,6 +491,7 @@ def drift_from_shap(
             names,
             classes_reference,
             classes_current,
+            categorical=cat,
             n_clusters=n_clusters,
             cluster_method=cluster_method,
             alpha=float(alpha),
@@ -488,6 +508,7 @@ def drift_from_shap(
 
 FEATURE_COLUMNS = [
     "quadrant",
+    "input_test",
     "exposure_share",
     "exposure",
     "exposure_noise",
@@ -518,6 +539,7 @@ def _statistics(
     classes_reference: np.ndarray | None,
     classes_current: np.ndarray | None,
     *,
+    categorical: dict[int, list[Any] | None],
     n_clusters: Any,
     cluster_method: str,
     alpha: float,
@@ -531,7 +553,7 @@ def _statistics(
     timings: dict[str, float],
 ) -> DriftReport:
     t = time.perf_counter()
-    feats = st.feature_tests(xr, xc, sr, sc, names)
+    feats = st.feature_tests(xr, xc, sr, sc, names, frozenset(categorical))
     expo, scale = exposure_table(sr, sc, names, random_state=random_state)
     feats = feats.join(expo)
     timings["feature tests"] = time.perf_counter() - t
@@ -567,6 +589,7 @@ def _statistics(
         else None,
         classes_reference=classes_reference,
         classes_current=classes_current,
+        categories={j: v for j, v in categorical.items() if v is not None},
         random_state=random_state,
     )
     table = table.rename(columns={"name": "shap_profile"})
@@ -586,6 +609,7 @@ def _statistics(
         },
         correction,
         alpha,
+        st.FAMILY_WEIGHTS,
     )
     feats["ks_p_adj"] = adjusted["inputs"]
     feats["shap_ks_p_adj"] = adjusted["explanations"]
@@ -739,13 +763,18 @@ def drift(
     alpha : float
         Level of the tests, after correction.
     correction : {"fdr", "bonferroni"}
-        Benjamini-Hochberg (default) or Bonferroni, applied across the four test families
-        and within the drifted ones (see the module docstring).
+        Benjamini-Hochberg (default) or Bonferroni within each test family (its global
+        p-value: Simes or Bonferroni); across the four families a weighted Holm step
+        (see the module docstring).
     random_state : int
         Seeds the subsample, the background, the clustering, the folds and the permutations.
     output : "auto", "predicted" or int
         Which model output to explain when there are several: ``"auto"`` is class 1 of
-        two classes and each row's predicted class otherwise.
+        two classes and, for more, the signed sum of the outputs by the sign of each
+        one's mean change between the batches, measured on every row: for
+        probabilities, the probability mass that moved between classes
+        (:func:`nbdebug.analysis.explain.moved_direction`); ``"predicted"`` explains each
+        row's predicted class.
     cluster_method : {"kmeans", "agglomerative"}
     n_permutations : "auto" or int
         Permutations for the cluster-share test (``"auto"``: enough to pass the correction).
@@ -755,7 +784,11 @@ def drift(
         distribution is then within ``sampling_error`` of the whole batch's at 95%
         confidence (:mod:`nbdebug.analysis.drift_sample`). Input tests use every row.
     one_hot : bool
-        One-hot encode non-numeric columns instead of refusing them.
+        One-hot encode non-numeric columns instead of refusing them. A ``Pipeline``
+        fitted on a DataFrame (e.g. one whose ``ColumnTransformer`` one-hot encodes string
+        columns) gets the strings as they are: each such column is one feature, its SHAP
+        value the sum over its one-hot columns, its input test a chi-square test on the
+        category counts.
     nan_policy : {"raise", "impute"}
         Refuse NaN/inf values (default) or replace them with the reference median.
     progress : bool
@@ -798,7 +831,12 @@ def drift(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     batches = prepare_batches(
-        reference, current, feature_names=feature_names, one_hot=one_hot, nan_policy=nan_policy
+        reference,
+        current,
+        feature_names=feature_names,
+        one_hot=one_hot,
+        nan_policy=nan_policy,
+        categorical=takes_strings(model),
     )
     xr, xc, names = batches.reference, batches.current, batches.feature_names
     notes = list(batches.notes)
@@ -817,7 +855,9 @@ def drift(
             xr, xc = xr[:, order], xc[:, order]
             names = [names[j] for j in order]
             notes.append("columns were put in the order the model was fitted with")
-    adapter = adapt_model(model, xr.shape[1])
+    adapter = adapt_model(model, xr.shape[1], batches.categories or None)
+    cols = model_cols or batches.frame_columns or []
+    categorical = {j: batches.categories[c] for j, c in enumerate(cols) if c in batches.categories}
     timings["validate"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -843,6 +883,7 @@ def drift(
         random_state=random_state,
         progress=progress,
         adapter=adapter,
+        predictions=(pr, pc),
     )
     timings["shap"] = time.perf_counter() - t
     return drift_from_shap(
@@ -855,6 +896,7 @@ def drift(
         current_rows=ic,
         classes_reference=cls_r,
         classes_current=cls_c,
+        categorical=categorical,
         n_clusters=n_clusters,
         cluster_method=cluster_method,
         alpha=alpha,

@@ -34,6 +34,10 @@ class Batches:
         What was done to the data (columns reordered, one-hot encoded, values imputed).
     frame_columns : list[str] | None
         The DataFrame columns the model expects, when the batches were DataFrames.
+    categories : dict of str to list
+        Non-numeric columns kept as categories (``categorical=True``): frame column name ->
+        its categories; the matrices hold each value's index in that list
+        (:func:`model_frame` turns them back into the values for the model).
     """
 
     reference: np.ndarray
@@ -41,6 +45,19 @@ class Batches:
     feature_names: list[str]
     notes: list[str] = field(default_factory=list)
     frame_columns: list[str] | None = None
+    categories: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def model_frame(
+    x: np.ndarray, columns: list[str], categories: dict[str, list[Any]] | None = None
+) -> pd.DataFrame:
+    """The float matrix ``x (n, d)`` as the DataFrame a model fitted on a frame expects:
+    named ``columns``, category codes turned back into their values (strings)."""
+    df = pd.DataFrame(x, columns=columns)
+    for col, cats in (categories or {}).items():
+        codes = np.clip(np.rint(df[col].to_numpy()), 0, len(cats) - 1).astype(np.int64)
+        df[col] = np.asarray(cats, dtype=object)[codes]
+    return df
 
 
 def _kind(x: Any) -> str:
@@ -157,6 +174,7 @@ def prepare_batches(
     feature_names: list[str] | None = None,
     one_hot: bool = False,
     nan_policy: str = "raise",
+    categorical: bool = False,
 ) -> Batches:
     """Validate and align the two batches.
 
@@ -173,6 +191,10 @@ def prepare_batches(
     nan_policy : {"raise", "impute"}
         What to do with NaN/inf values: refuse them (default), or replace them with the
         reference column's median.
+    categorical : bool
+        Keep non-numeric columns as categories: each value becomes its index among the
+        sorted categories of both batches (``Batches.categories``), for a model that takes
+        the strings itself (a pipeline with a ``OneHotEncoder``). ``one_hot`` wins.
 
     Returns
     -------
@@ -205,6 +227,27 @@ def prepare_batches(
         cur = cur.set_axis(cols, axis=1)
 
     bad = {**_non_numeric(ref), **_non_numeric(cur)}
+    categories: dict[str, list[Any]] = {}
+    if bad and categorical and not one_hot and frame_columns is not None:
+        ref, cur = ref.copy(), cur.copy()
+        for col in bad:
+            both = pd.concat([ref[col], cur[col]], ignore_index=True)
+            missing = int(both.isna().sum())
+            if missing:
+                raise ValueError(
+                    f"the categorical column {col!r} has {missing} missing value(s); fill them "
+                    f"with a category of their own first."
+                )
+            cats = sorted(pd.unique(both), key=str)
+            lookup = {v: i for i, v in enumerate(cats)}
+            ref[col] = ref[col].map(lookup).astype(np.float64)
+            cur[col] = cur[col].map(lookup).astype(np.float64)
+            categories[str(col)] = list(cats)
+        notes.append(
+            f"{len(bad)} non-numeric column(s) kept as categories for the model "
+            f"(chi-square tests on their counts): {', '.join(bad)}"
+        )
+        bad = {}
     if bad:
         if not one_hot:
             listed = ", ".join(f"{k!r} ({v})" for k, v in bad.items())
@@ -221,7 +264,7 @@ def prepare_batches(
 
     names = (
         [str(c) for c in ref.columns]
-        if (ref_named or cur_named or bad)
+        if (ref_named or cur_named or bad or categories)
         else [f"x{j}" for j in range(ref.shape[1])]
     )
     if feature_names is not None:
@@ -288,4 +331,4 @@ def prepare_batches(
                 UserWarning,
                 stacklevel=3,
             )
-    return Batches(xr, xc, names, notes, frame_columns)
+    return Batches(xr, xc, names, notes, frame_columns, categories)

@@ -19,6 +19,7 @@ prediction are cheap), not only over the explained ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -41,7 +42,15 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _rule(tree, leaf: int, names: list[str]) -> str:  # type: ignore[no-untyped-def]
+def _condition(name: str, side: str, threshold: float, cats: list[Any] | None) -> str:
+    if cats is None:
+        return f"`{name}` {side} {_fmt(threshold)}"
+    # a split on category codes: the categories on this side of it
+    keep = [c for i, c in enumerate(cats) if (i <= threshold) == (side == "<=")]
+    return f"`{name}` = {keep[0]!r}" if len(keep) == 1 else f"`{name}` in {set(keep)!r}"
+
+
+def _rule(tree, leaf: int, names: list[str], categories: dict[int, list[Any]]) -> str:  # type: ignore[no-untyped-def]
     t = tree.tree_
     parent = {}
     for node in range(t.node_count):
@@ -52,7 +61,8 @@ def _rule(tree, leaf: int, names: list[str]) -> str:  # type: ignore[no-untyped-
     node = leaf
     while node in parent:
         p, side = parent[node]
-        parts.append(f"`{names[t.feature[p]]}` {side} {_fmt(float(t.threshold[p]))}")
+        j = int(t.feature[p])
+        parts.append(_condition(names[j], side, float(t.threshold[p]), categories.get(j)))
         node = p
     return " and ".join(reversed(parts)) or "all rows"
 
@@ -67,6 +77,7 @@ def name_groups(
     classes: np.ndarray | None = None,
     classes_reference: np.ndarray | None = None,
     classes_current: np.ndarray | None = None,
+    categories: dict[int, list[Any]] | None = None,
     random_state: int = 0,
 ) -> list[Group]:
     """One :class:`Group` per cluster ``0..k-1``.
@@ -81,6 +92,9 @@ def name_groups(
         All rows of the two batches, ``(n_reference, d)``, ``(n_current, d)``.
     classes, classes_reference, classes_current : numpy.ndarray, optional
         Predicted class of the explained rows and of all rows of each batch (classifiers).
+    categories : dict of int to list, optional
+        Columns of ``x`` holding category codes -> the categories: a rule on such a
+        column names the categories (```city` = 'nice'``), not a threshold on codes.
     """
     from sklearn.tree import DecisionTreeClassifier
 
@@ -127,7 +141,7 @@ def name_groups(
         hit = float((in_leaf & members).sum())
         out.append(
             Group(
-                "rows with " + _rule(tree, best, names),
+                "rows with " + _rule(tree, best, names, categories or {}),
                 "rule",
                 hit / members.sum(),
                 hit / in_leaf.sum(),

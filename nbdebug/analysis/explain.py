@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..core.state import RngState, preserved
+from .drift_data import model_frame
 from .explain_pipeline import plan_pipeline
 
 EXPLAINERS = ("auto", "tree", "linear", "deep", "gradient", "kernel", "permutation")
@@ -94,6 +95,7 @@ class ModelAdapter:
     torch_copy: Any = None  # torch: the module shap works on (a copy when possible)
     torch_dtype: Any = None
     torch_device: Any = None
+    categories: dict[str, list[Any]] | None = None  # string categories held as float codes
 
     def to_tensor(self, x: np.ndarray) -> Any:
         import torch
@@ -166,8 +168,14 @@ class _TabularOutput:
         return TabularOutput(module)
 
 
-def adapt_model(model: Any, n_features: int) -> ModelAdapter:
+def adapt_model(
+    model: Any, n_features: int, categories: dict[str, list[Any]] | None = None
+) -> ModelAdapter:
     """Wrap ``model`` (scikit-learn estimator, torch module or prediction function).
+
+    ``categories``: for an estimator fitted on a DataFrame, the columns whose float codes
+    stand for string categories (:class:`~nbdebug.analysis.drift_data.Batches`); the
+    model is called with the strings.
 
     Raises
     ------
@@ -240,16 +248,15 @@ def adapt_model(model: Any, n_features: int) -> ModelAdapter:
         fn = getattr(model, method)
 
         def predict_sklearn(x: np.ndarray) -> np.ndarray:
-            if columns is not None:
-                import pandas as pd
-
-                x = pd.DataFrame(x, columns=columns)  # type: ignore[assignment]
-            return _as_2d(fn(x), len(x), f"{type(model).__name__}.{method}")
+            frame = model_frame(x, columns, categories) if columns is not None else x
+            return _as_2d(fn(frame), len(x), f"{type(model).__name__}.{method}")
 
         classes = [
             c.item() if isinstance(c, np.generic) else c for c in getattr(model, "classes_", [])
         ]
-        return ModelAdapter("sklearn", model, predict_sklearn, method, classes or None)
+        return ModelAdapter(
+            "sklearn", model, predict_sklearn, method, classes or None, categories=categories
+        )
 
     if hasattr(model, "fit") and not callable(model):
         raise TypeError(
@@ -422,7 +429,7 @@ def _build_pipeline(
 ) -> tuple[_Built, ModelAdapter] | None:
     """The final estimator's exact explainer, mapped back to the input columns; None (and
     a note) when the pipeline cannot be explained that way."""
-    plan, why = plan_pipeline(adapter.model, d)
+    plan, why = plan_pipeline(adapter.model, d, adapter.categories)
     if plan is None:
         if why != "not a pipeline":
             notes.append(f"pipeline explained as a whole by KernelExplainer: {why}")
@@ -533,7 +540,7 @@ def _pick_output(
             return f"class {classes[j]!r}"
         return f"output {j}"
 
-    if output == "auto":
+    if output == "auto":  # more than two: resolved by explain_batches (moved_output)
         output = 1 if k == 2 else "predicted"
     if output == "predicted":
         if preds.shape[1] != k:
@@ -550,6 +557,36 @@ def _pick_output(
     raise ValueError(
         f"output must be 'auto', 'predicted' or an output index in [0, {k}); got {output!r}."
     )
+
+
+def moved_direction(reference_preds: np.ndarray, current_preds: np.ndarray) -> np.ndarray:
+    """The default output to explain when a model has more than two: the sign of each
+    output's mean change between the batches, float ``(k,)`` of -1, 0, +1.
+
+    The explained output is then ``sum_c sign_c * output_c``: the outputs that went up
+    minus those that went down. For a classifier's probabilities its mean shift is
+    ``sum_c |mean change of p_c|``, the probability mass that moved between classes, and
+    SHAP being linear in the output, each feature's SHAP value is the same signed sum of
+    its per-class values, so exposure says which features moved that mass. Why not each
+    row's predicted class: drift is about what changed, and the predicted class's SHAP
+    values mix outputs of different signs and slopes that change when predictions flip
+    (on wine with a logistic regression and two shifted features, their explanation drift
+    was found in 0 of 6 runs that way). Why not the one class that moved most: a feature
+    that moves probability between the two other classes is then invisible. The signs are
+    chosen from the data; the no-drift rate with this choice is measured in
+    ``benchmarks/bench_drift.py calibration`` (for a linear model it costs nothing: each
+    SHAP column stays an affine map of its input, so its KS p-value is the input's).
+
+    Parameters
+    ----------
+    reference_preds, current_preds : numpy.ndarray
+        The model's outputs ``(n_reference, k)`` and ``(n_current, k)`` on every row.
+    """
+    delta = current_preds.mean(axis=0) - reference_preds.mean(axis=0)
+    signs = np.sign(delta)
+    if not signs.any():  # nothing moved: the first output
+        signs[0] = 1.0
+    return signs
 
 
 def predict_batches(
@@ -573,6 +610,7 @@ def explain_batches(
     random_state: int = 0,
     progress: bool = True,
     adapter: ModelAdapter | None = None,
+    predictions: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> ShapValues:
     """SHAP values of both batches, for one output of ``model``.
 
@@ -587,11 +625,16 @@ def explain_batches(
         Reference rows (sampled with ``random_state``) that stand for "feature absent".
     output : "auto", "predicted" or int
         The model output explained when there are several: ``"auto"`` is class 1 for two
-        classes and each row's predicted class for more.
+        classes and, for more, the signed sum of the outputs by the sign of each one's
+        mean change between the batches (:func:`moved_direction`); ``"predicted"``: each
+        row's predicted class.
     progress : bool
         Show a ``tqdm`` bar (only when the stage takes longer than a second).
     adapter : ModelAdapter, optional
         ``adapt_model(model, d)`` when the caller already built it.
+    predictions : (numpy.ndarray, numpy.ndarray), optional
+        The model's outputs on every row of the two whole batches when ``reference`` and
+        ``current`` are subsamples of them: ``"auto"`` then picks the output from these.
 
     Returns
     -------
@@ -686,6 +729,22 @@ def explain_batches(
     if vr.shape[1] != d:
         raise RuntimeError(f"{built.name} returned {vr.shape[1]} columns for {d} features.")
     scale = _scale(kind, scale_adapter)
+    if output == "auto" and vr.ndim == 3 and vr.shape[2] > 2 and pr.shape[1] == vr.shape[2]:
+        full_r, full_c = predictions if predictions is not None else (pr, pc)
+        signs = moved_direction(full_r, full_c)
+        sr, sc = vr @ signs, vc @ signs
+        k = vr.shape[2]
+        names = [f"class {c!r}" for c in adapter.classes or []]
+        if len(names) != k:
+            names = [f"output {j}" for j in range(k)]
+        up = [names[j] for j in range(k) if signs[j] > 0]
+        down = [names[j] for j in range(k) if signs[j] < 0]
+        desc = (
+            f"the moved {adapter.output_name} mass: {' + '.join(up)}"
+            + (f" - ({' + '.join(down)})" if down else "")
+            + f", by the sign of each one's mean change ({scale})"
+        )
+        return ShapValues(sr, sc, built.name, desc, built.background, notes)
     sr, desc = _pick_output(vr, pr, output, adapter, scale)
     sc, _ = _pick_output(vc, pc, output, adapter, scale)
     return ShapValues(sr, sc, built.name, desc, built.background, notes)

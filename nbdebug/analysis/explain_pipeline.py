@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from .drift_data import model_frame
+
 _SENTINEL = "nbdbg{}x"
 
 
@@ -126,8 +128,21 @@ def input_map(est: Any, in_names: list[str]) -> tuple[list[int], list[str]] | No
     return None if matched is None else (matched, out_names)
 
 
-def plan_pipeline(model: Any, n_features: int) -> tuple[PipelinePlan | None, str]:
-    """A plan for a fitted ``Pipeline``, or ``(None, why not)``."""
+def takes_strings(model: Any) -> bool:
+    """Whether ``model`` is a ``Pipeline`` fitted on a DataFrame: its own steps (a
+    ``ColumnTransformer`` with a ``OneHotEncoder``) turn string columns into numbers, so
+    drift passes the strings through rather than refusing them."""
+    from sklearn.pipeline import Pipeline
+
+    return isinstance(model, Pipeline) and getattr(model, "feature_names_in_", None) is not None
+
+
+def plan_pipeline(
+    model: Any, n_features: int, categories: dict[str, list[Any]] | None = None
+) -> tuple[PipelinePlan | None, str]:
+    """A plan for a fitted ``Pipeline``, or ``(None, why not)``. ``categories``: columns
+    whose float codes stand for string categories
+    (:func:`~nbdebug.analysis.drift_data.model_frame`)."""
     from sklearn.pipeline import Pipeline
 
     if not isinstance(model, Pipeline) or len(model.steps) < 2:
@@ -143,11 +158,8 @@ def plan_pipeline(model: Any, n_features: int) -> tuple[PipelinePlan | None, str
         )
 
     def transform(x: np.ndarray) -> np.ndarray:
-        if names_in is not None:
-            import pandas as pd
-
-            x = pd.DataFrame(x, columns=names_in)  # type: ignore[assignment]
-        z = pre.transform(x)
+        frame = model_frame(x, names_in, categories) if names_in is not None else x
+        z = pre.transform(frame)
         if hasattr(z, "toarray"):
             z = z.toarray()
         return np.asarray(z, dtype=np.float64)
