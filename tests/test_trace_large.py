@@ -164,3 +164,28 @@ def test_keep_outside_modules_is_recorded_too() -> None:
     mods = {e.module for e in tr.events if e.phase == "forward"}
     assert mods == {"0", "0.0", "0.1", "2"}
     assert set(tr.kept) == {"2"}
+
+
+@pytest.mark.parametrize("bad", ["weight", "input"])
+def test_keep_is_honoured_on_the_nan_path(bad: str) -> None:
+    # a NaN weight sends the trace straight to the exact pass (no quick pass); a NaN in
+    # the batch is found by the quick pass first: both keep what keep= names
+    model, x = _mlp()
+    if bad == "weight":
+        with torch.no_grad():
+            model[1][0].weight[2, 3] = float("nan")
+    else:
+        x = x.clone()
+        x[4, 1] = float("nan")
+    before = fingerprint(model)
+    tr = nbdebug.trace(model, x, loss_fn=_mse, keep="0.0")
+    assert_unchanged(before, model)
+    assert tr.origin is not None
+    if bad == "weight":
+        assert (tr.origin.module, tr.origin.param) == ("1.0", "1.0.weight")
+    else:
+        assert (tr.origin.phase, tr.origin.samples) == ("input", [4])
+    assert set(tr.kept) == {"0.0"}
+    with torch.no_grad():
+        assert torch.allclose(tr.kept["0.0"], model[0][0](x), rtol=0, atol=0, equal_nan=True)
+    assert tr.kept_bytes == 5 * 8 * 4

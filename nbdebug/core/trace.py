@@ -129,9 +129,7 @@ def trace(
         vectors = rec.host_vectors()
         found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
-        return _with_kept(
-            _result(model, inputs, rec, events, origin, out, health, found), rec.kept
-        )
+        return _with_kept(_result(model, inputs, rec, events, origin, out, health, found), rec.kept)
 
 
 def _with_kept(tr: Trace, kept: dict[str, torch.Tensor]) -> Trace:
