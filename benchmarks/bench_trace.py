@@ -1,13 +1,16 @@
-"""nbdebug.trace() against a plain forward+backward, torch.autograd.detect_anomaly, naive
-per-module norm hooks and (GPT-2 models) Hugging Face's ``DebugUnderflowOverflow``.
+"""nbdebug.trace() against a plain forward+backward (a training step without the update:
+``zero_grad`` + ``loss.backward()``, as ``trace`` runs it), torch.autograd.detect_anomaly,
+naive per-module norm hooks, (GPT-2 models) Hugging Face's ``DebugUnderflowOverflow``, and
+the same step through ``torch.autograd.grad`` (no ``.grad`` written) for reference.
 
 Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
 5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
 modules), batch 2 x 64), the median time of each variant and the ratios to plain,
 measured side by side in one run (the variants are interleaved round by round so that
 machine noise hits them alike), with 1 torch thread (CPU time of this process) and 2
-(wall time). Then the NaN path (one NaN weight in the 124M model: quick pass, exact
-pass, origin and replay) against a plain step, and the peak memory of each variant
+(wall time). Then the NaN path (the 124M model with one NaN weight, and with one finite
+weight that overflows in the forward: quick pass, exact pass, origin and replay) against a
+plain step, and the peak memory of each variant
 (each in a fresh subprocess), and the 2,000-module check.
 
     python benchmarks/bench_trace.py [--rounds 3] [--models transformer,gpt2_124m]
@@ -87,22 +90,30 @@ def _hf_debug(model: nn.Module) -> list[tuple[dict, int]]:
 
 
 def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None]]:
+    """Each variant is one training-loop step without the update: ``zero_grad`` and
+    ``loss.backward()`` (what ``nbdebug.trace`` runs too, gradients accumulated into
+    ``.grad``); ``autograd_grad`` is the same step through ``torch.autograd.grad``, which
+    skips writing ``.grad`` (a reference: slightly cheaper than a training step)."""
     params = [p for p in model.parameters() if p.requires_grad]
 
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        _loss(model, x).backward()
+
     def plain() -> None:
-        torch.autograd.grad(_loss(model, x), params)
+        step()
 
     def traced() -> None:
         _trace(model, x)
 
     def anomaly() -> None:
         with torch.autograd.detect_anomaly(check_nan=True):
-            torch.autograd.grad(_loss(model, x), params)
+            step()
 
     def naive() -> None:
         handles = _naive_hooks(model)
         try:
-            torch.autograd.grad(_loss(model, x), params)
+            step()
         finally:
             for h in handles:
                 h.remove()
@@ -110,12 +121,21 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
     def hf() -> None:
         hooks = _hf_debug(model)
         try:
-            torch.autograd.grad(_loss(model, x), params)
+            step()
         finally:
             for d, k in hooks:
                 del d[k]
 
-    out = {"plain": plain, "trace": traced, "detect_anomaly": anomaly, "naive_hooks": naive}
+    def grad_only() -> None:
+        torch.autograd.grad(_loss(model, x), params)
+
+    out = {
+        "plain": plain,
+        "trace": traced,
+        "detect_anomaly": anomaly,
+        "naive_hooks": naive,
+        "autograd_grad": grad_only,
+    }
     if big:
         out["hf_debug"] = hf
     return out
