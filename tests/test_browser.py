@@ -61,6 +61,10 @@ from sklearn.model_selection import cross_val_predict
 from torch import nn
 
 import nbdebug
+from nbdebug.widgets.plot import get_backend
+
+# the default back end of JupyterLab and Notebook 7: plotly's FigureWidget
+assert get_backend() == "figurewidget", get_backend()
 
 
 class RowNorm(nn.Module):
@@ -140,6 +144,7 @@ class Panel:
     name: str
     code: str
     texts: tuple[str, ...]
+    plots: int = 0  # plots drawn on the panel (each with its data traces)
 
 
 PANELS = (
@@ -147,17 +152,20 @@ PANELS = (
         "step",
         'shown(nbdebug.debug(model, x, y, loss_fn), "Step", "step")',
         ("NaN produced in norm", "jump to origin", "next non-finite", "#2 forward"),
+        plots=2,
     ),
     Panel(
         "layers",
         'shown(nbdebug.debug(model, x, y, loss_fn), "Layers", "layers")',
         ("body.0.weight", "head.bias", "grad_norm", "ratio", "NaN"),
+        plots=1,
     ),
     Panel(
         "history",
         "shown(nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn), "
         '"History", "history")',
         ("failing step 11", "last steps", "grad_norm", "loss"),
+        plots=1,
     ),
     Panel(
         "checks",
@@ -170,6 +178,7 @@ PANELS = (
         'dbg.panel("Gradcheck").run_sweep()\n'
         'shown(dbg, "Gradcheck", "gradcheck")',
         ("check all modules", "with a wrong backward", "body.0", "head"),
+        plots=1,
     ),
     Panel(
         "labels",
@@ -177,6 +186,7 @@ PANELS = (
         '      pred_probs=probs[:120], journal=tempfile.mktemp(suffix=".jsonl")),\n'
         '      "Labels", "labels")',
         ("keep", "relabel", "exclude", "given"),
+        plots=1,
     ),
     Panel(
         "fixes",
@@ -190,11 +200,45 @@ PANELS = (
         "shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
         '      reference=tab_x[:60]), "Drift", "drift")',
         ("x0", "feature"),
+        plots=4,
     ),
 )
 
-#: The front ends: the page of a notebook file in each.
+#: A second, cheaper pass with the ``"output"`` back end (a plain plotly figure in an
+#: ``ipywidgets.Output``, the back end of Colab and of ``NBDEBUG_PLOT_BACKEND=output``): the
+#: panels with plots, in JupyterLab only.
+OUTPUT_PANELS = (
+    Panel(
+        "step-output",
+        'shown(nbdebug.debug(model, x, y, loss_fn, backend="output"), "Step", "step-output")',
+        ("NaN produced in norm", "jump to origin", "#0 input"),
+        plots=2,
+    ),
+    Panel(
+        "layers-output",
+        'shown(nbdebug.debug(model, x, y, loss_fn, backend="output"), "Layers", "layers-output")',
+        ("body.0.weight", "head.bias", "grad_norm", "ratio", "NaN"),
+        plots=1,
+    ),
+    Panel(
+        "history-output",
+        "shown(nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn, "
+        'backend="output"), "History", "history-output")',
+        ("failing step 11", "last steps", "grad_norm", "loss"),
+        plots=1,
+    ),
+    Panel(
+        "drift-output",
+        "shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
+        '      reference=tab_x[:60], backend="output"), "Drift", "drift-output")',
+        ("x0", "feature"),
+        plots=4,
+    ),
+)
+
+#: The front ends: the page of a notebook file in each, and the panels read there.
 FRONT_ENDS = {"lab": "lab/tree/{nb}", "notebook": "notebooks/{nb}"}
+FRONT_END_PANELS = {"lab": PANELS + OUTPUT_PANELS, "notebook": PANELS}
 
 
 def _free_port() -> int:
@@ -231,10 +275,10 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
-def _notebook(path: Path) -> None:
+def _notebook(path: Path, panels: tuple[Panel, ...]) -> None:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(SETUP)] + [
-        nbformat.v4.new_code_cell(p.code) for p in PANELS
+        nbformat.v4.new_code_cell(p.code) for p in panels
     ]
     nb.metadata["kernelspec"] = {
         "name": "python3",
@@ -249,7 +293,7 @@ def server(tmp_path_factory):
     """A Jupyter server with one notebook copy per front end; yields (base url, token)."""
     root = tmp_path_factory.mktemp("browser")
     for fe in FRONT_ENDS:
-        _notebook(root / f"panels-{fe}.ipynb")
+        _notebook(root / f"panels-{fe}.ipynb", FRONT_END_PANELS[fe])
     port, token = _free_port(), secrets.token_hex(16)
     # a private config: no news toast over the page, no update checks, every cell rendered
     settings = root / "settings" / "@jupyterlab"
@@ -266,10 +310,10 @@ def server(tmp_path_factory):
         JUPYTER_CONFIG_DIR=str(root / "cfg"),
         JUPYTER_RUNTIME_DIR=str(root / "rt"),
         JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
-        # the Output back end (plain plotly figures): FigureWidget plots stayed empty in this
-        # test on a loaded machine (see the report of issue 17); it works in every front end
-        NBDEBUG_PLOT_BACKEND=os.environ.get("NBDEBUG_BROWSER_BACKEND", "output"),
     )
+    # the kernels use the default back end ("auto": FigureWidget here); OUTPUT_PANELS ask
+    # for the other one themselves
+    env.pop("NBDEBUG_PLOT_BACKEND", None)
     # no websocket ping timeouts: on a loaded machine a late pong must not drop the kernel
     # connection (and the widget messages with it)
     (root / "cfg").mkdir()
@@ -325,8 +369,30 @@ MARKER_JS = """() => {
   return null;
 }"""
 
+# The plots of the tab shown in a panel, as drawn: a plot counts as drawn once plotly made its
+# SVG and drew at least one data trace (a FigureWidget fills in after the kernel's messages,
+# whenever the front end gets to them: under load that can take a while).
+PLOTS_JS = """(root) => {
+  const seen = (el) => el.checkVisibility ? el.checkVisibility() : el.offsetParent !== null;
+  const box = (el) => { const r = el.getBoundingClientRect();
+    return {left: r.left, right: r.right, top: r.top, bottom: r.bottom,
+            width: r.width, height: r.height}; };
+  const tab = [...root.querySelectorAll('.widget-tab-contents > *, .lm-TabPanel-stackedPanel > *')]
+    .find(seen) || root;
+  return [...tab.querySelectorAll('.js-plotly-plot')].filter(seen).map(p => {
+    const svg = p.querySelector('.main-svg');
+    const titles = [...p.querySelectorAll('.gtitle')].filter(t => t.textContent.trim())
+      .map(t => ({text: t.textContent, box: box(t)}));
+    const legends = [...p.querySelectorAll('.legend')].map(box);
+    return {plot: box(p), svg: svg ? box(svg) : null, titles, legends,
+            traces: (p.data || []).length,
+            drawn: p.querySelectorAll('.trace, .hm, .barlayer .point').length};
+  });
+}"""
+
 # Everything the assertions need about one panel, read from what is on screen.
-READ_PANEL_JS = """(root) => {
+READ_PANEL_JS = (
+    """(root) => {
   const seen = (el) => el.checkVisibility ? el.checkVisibility() : el.offsetParent !== null;
   const box = (el) => { const r = el.getBoundingClientRect();
     return {left: r.left, right: r.right, top: r.top, bottom: r.bottom,
@@ -335,16 +401,24 @@ READ_PANEL_JS = """(root) => {
     .find(seen) || root;
   const out = root.closest('.jp-OutputArea-output') || root.parentElement;
   const headers = [...tab.querySelectorAll('th')].filter(seen).map(th => th.innerText.trim());
-  const plots = [...tab.querySelectorAll('.js-plotly-plot')].filter(seen).map(p => {
-    const svg = p.querySelector('.main-svg');
-    const titles = [...p.querySelectorAll('.gtitle')].filter(t => t.textContent.trim())
-      .map(t => ({text: t.textContent, box: box(t)}));
-    const legends = [...p.querySelectorAll('.legend')].map(box);
-    return {plot: box(p), svg: svg ? box(svg) : null, titles, legends};
-  });
-  return {text: tab.innerText, header: root.innerText.slice(0, 600), headers, plots,
+  return {text: tab.innerText, header: root.innerText.slice(0, 600), headers,
+          plots: ("""
+    + PLOTS_JS
+    + """)(root),
           output: box(out), scrollWidth: out.scrollWidth, clientWidth: out.clientWidth};
 }"""
+)
+
+#: true once ``n`` plots of the panel are drawn, each sized to its place
+PLOTS_READY_JS = (
+    """([sel, n]) => { const r = document.querySelector(sel); if (!r) return false;
+  const plots = ("""
+    + PLOTS_JS
+    + """)(r);
+  const ok = (p) => p.svg && p.traces > 0 && p.drawn > 0
+    && Math.abs(p.svg.width - p.plot.width) <= 2;
+  return plots.length >= n && plots.every(ok); }"""
+)
 
 
 def _overlap(a: dict, b: dict) -> bool:
@@ -362,10 +436,14 @@ def _check_panel(panel: Panel, seen: dict) -> None:
         assert want in text or want in seen["header"], (panel.name, want, text[:1500])
     assert all(seen["headers"]), (panel.name, "blank table header", seen["headers"])
     out = seen["output"]
+    assert len(seen["plots"]) == panel.plots, (panel.name, "plots shown", seen["plots"])
     for plot in seen["plots"]:
         svg = plot["svg"]
         assert svg is not None and svg["width"] > 100, (panel.name, "plot not drawn", plot)
+        assert plot["traces"] > 0 and plot["drawn"] > 0, (panel.name, "plot has no data", plot)
         assert svg["right"] <= out["right"] + 1, (panel.name, "plot clipped", svg, out)
+        # sized to its place (plotly's anywidget draws 700 px wide unless fitted)
+        assert abs(svg["width"] - plot["plot"]["width"]) <= 2, (panel.name, "plot not fitted", plot)
         for title in plot["titles"]:
             for legend in plot["legends"]:
                 assert not _overlap(title["box"], legend), (
@@ -403,6 +481,41 @@ def _step_clicks(page) -> None:
     assert badge.inner_text() == status
 
 
+def _quietly(page, js: str, arg=None, timeout: float = 120_000) -> bool:
+    """Wait for ``js`` to hold; on a timeout return False and let the assertions that
+    follow say what is wrong."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(js, arg=arg, timeout=timeout)
+    except PlaywrightTimeout:
+        return False
+    return True
+
+
+def _shoot(page, root, path: Path) -> None:
+    """A screenshot of the whole panel: the viewport grows to hold it (the notebook
+    scrolls inside the page, so an element screenshot is cut at the viewport)."""
+    height = root.bounding_box()["height"]
+    size = page.viewport_size
+    if height + 320 > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": int(height) + 320})
+    root.evaluate("(el) => el.scrollIntoView({block: 'center'})")
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    root.screenshot(path=str(path))
+
+
+def _tab_switch(page) -> None:
+    """A tab drawn hidden is fitted when shown: the Step panel's debugger, Layers tab."""
+    root = ".panel-step"
+    page.locator(f"{root} .lm-TabBar-tab", has_text="Layers").first.click()
+    _quietly(page, PLOTS_READY_JS, arg=[root, 1])
+    plots = page.locator(root).first.evaluate(PLOTS_JS)
+    assert len(plots) == 1, plots
+    assert abs(plots[0]["svg"]["width"] - plots[0]["plot"]["width"]) <= 2, plots
+    page.locator(f"{root} .lm-TabBar-tab", has_text="Step").first.click()
+
+
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("front_end", list(FRONT_ENDS))
 def test_every_panel_reads_right(server, front_end):
@@ -412,10 +525,13 @@ def test_every_panel_reads_right(server, front_end):
 
     base, token = server
     url = f"{base}/{FRONT_ENDS[front_end].format(nb=f'panels-{front_end}.ipynb')}?token={token}"
+    panels = FRONT_END_PANELS[front_end]
     ARTIFACTS.mkdir(exist_ok=True)
+    console: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1200})
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text[:500]}"))
         page.set_default_timeout(60_000)
         try:
             page.goto(url)
@@ -432,29 +548,29 @@ def test_every_panel_reads_right(server, front_end):
                     "() => window.jupyterapp.commands.execute('application:toggle-left-area')"
                 )
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            # every cell ran (the plots of a FigureWidget fill in once the kernel is idle)
-            page.locator(f".panel-{PANELS[-1].name}").first.wait_for(
+            page.locator(f".panel-{panels[-1].name}").first.wait_for(
                 state="attached", timeout=300_000
             )
             page.wait_for_function(KERNEL_READY_JS, timeout=120_000)
-            for panel in PANELS:
-                root = page.locator(f".panel-{panel.name}").first
+            for panel in panels:
+                sel = f".panel-{panel.name}"
+                root = page.locator(sel).first
                 root.wait_for(state="attached", timeout=150_000)
                 root.scroll_into_view_if_needed()
-                page.wait_for_function(
-                    """(sel) => { const r = document.querySelector(sel);
-                       return [...r.querySelectorAll('.js-plotly-plot')]
-                         .filter(p => p.checkVisibility())
-                         .every(p => p.querySelector('.main-svg')); }""",
-                    arg=f".panel-{panel.name}",
-                )
+                # plotly draws a FigureWidget once the front end has loaded its module and
+                # the kernel's messages: wait for the drawing itself, not for a time
+                _quietly(page, PLOTS_READY_JS, arg=[sel, panel.plots])
                 if panel.name == "step":
                     _step_clicks(page)
-                time.sleep(0.7)  # let plotly finish its transitions before the picture
-                root.screenshot(path=str(ARTIFACTS / f"{front_end}-{panel.name}.png"))
+                _shoot(page, root, ARTIFACTS / f"{front_end}-{panel.name}.png")
                 _check_panel(panel, root.evaluate(READ_PANEL_JS))
+                if panel.name == "step":
+                    _tab_switch(page)
+            errors = [m for m in console if "anywidget" in m and "error" in m.lower()]
+            assert not errors, errors
         except Exception:
             page.screenshot(path=str(ARTIFACTS / f"{front_end}-failure.png"), full_page=True)
             raise
         finally:
+            (ARTIFACTS / f"{front_end}-console.log").write_text("\n".join(console))
             browser.close()

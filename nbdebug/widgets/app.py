@@ -27,6 +27,7 @@ from ..figures.palette import RED
 from .cursor import Cursor
 from .history import HistoryPanel
 from .layers import LayersPanel
+from .plot import fit_figures
 from .step import StepPanel
 from .style import STYLE
 from .tabs import TabContext, add_feature_tabs
@@ -191,6 +192,8 @@ class Debugger:
                 history, failing_step=failing_step, reason=reason, backend=backend
             )
         self.tabs = widgets.Tab()
+        # a FigureWidget drawn in a hidden tab has a default width until fitted when shown
+        self.tabs.observe(self._on_tab_shown, names="selected_index")
         self._build_panels()
         self.widget = widgets.VBox(
             [
@@ -233,6 +236,11 @@ class Debugger:
         if title not in titles:
             raise ValueError(f"no tab named {title!r}; the tabs are {titles}.")
         self.tabs.selected_index = titles.index(title)
+
+    def _on_tab_shown(self, change: Any) -> None:
+        index = change["new"]
+        if index is not None and 0 <= index < len(self.tabs.children):
+            fit_figures(self.tabs.children[index])
 
     def _layout_tabs(self) -> None:
         pairs: list[tuple[str, widgets.Widget]] = [
