@@ -51,6 +51,23 @@ def test_drift_tab_with_a_reference_batch() -> None:
     assert "Drift" in list(dbg.tabs.titles)
 
 
+def test_a_drift_alarm_is_not_shown_beside_a_green_healthy_badge() -> None:
+    """The trace has no NaN/Inf, the Drift tab raises its red DRIFT badge: the header reads
+    a grey "no NaN/Inf", not a green "healthy"; without an alarm it stays green."""
+    model, x, y, _ = _tabular()
+    shifted = nbdebug.debug(model, x[40:] + 1.5, y[40:], F.cross_entropy, reference=x[:40])
+    drift_panel = shifted.panel("Drift")
+    assert shifted.trace.healthy and drift_panel.report.alarm
+    assert "DRIFT" in drift_panel.summary.value
+    assert "nbdebug-badge-ok" not in shifted.header.value
+    assert "nbdebug-badge-plain" in shifted.header.value and "no NaN/Inf" in shifted.header.value
+    shifted.rerun()  # kept across re-runs
+    assert "nbdebug-badge-ok" not in shifted.header.value
+    same = nbdebug.debug(model, x[40:], y[40:], F.cross_entropy, reference=x[40:])
+    assert not same.panel("Drift").report.alarm  # the batch against itself
+    assert "nbdebug-badge-ok" in same.header.value and ">healthy<" in same.header.value
+
+
 def test_labels_tab_with_labels_and_probabilities(tmp_path) -> None:
     model, x, y, _ = _tabular()
     with torch.no_grad():

@@ -174,6 +174,7 @@ class Debugger:
         self._extra: list[tuple[str, widgets.Widget]] = []
         self._header_extra = ""
         self._warned = False
+        self._warned_by: dict[str, bool] = {}  # tab title -> it found something wrong
         self._panels: dict[str, Any] = {}
         self._callbacks: list[Callable[[Debugger], Any]] = []
         self.header = widgets.HTML()
@@ -220,7 +221,7 @@ class Debugger:
             error=self.error,
             snapshot=line,
             extra=self._header_extra,
-            warned=self._warned,
+            warned=self._warned or any(self._warned_by.values()),
         )
 
     def set_header_extra(self, html_text: str, *, warned: bool = False) -> None:
@@ -228,6 +229,13 @@ class Debugger:
         ``warned``: it reports errors or warnings (see :func:`header_html`)."""
         self._header_extra = html_text
         self._warned = warned
+        self._render_header()
+
+    def set_warned(self, source: str, warned: bool) -> None:
+        """Say whether the tab ``source`` (e.g. "Drift") found something wrong: while one
+        did, the header does not call the trace "healthy" in green (it reads "no NaN/Inf",
+        in grey) beside that tab's alarm."""
+        self._warned_by[source] = bool(warned)
         self._render_header()
 
     def select_tab(self, title: str) -> None:
