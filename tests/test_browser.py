@@ -197,8 +197,9 @@ PANELS = (
     ),
     Panel(
         "drift",
-        "shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
-        '      reference=tab_x[:60]), "Drift", "drift")',
+        "drift_dbg = nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
+        "                          reference=tab_x[:60])\n"
+        'shown(drift_dbg, "Drift", "drift")',
         ("x0", "feature"),
         plots=4,
     ),
@@ -229,8 +230,11 @@ OUTPUT_PANELS = (
     ),
     Panel(
         "drift-output",
-        "shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
-        '      reference=tab_x[:60], backend="output"), "Drift", "drift-output")',
+        # the same report (no second SHAP run) in a panel of its own
+        "from nbdebug.widgets.drift import DriftPanel\n"
+        'drift_out = DriftPanel(drift_dbg.panel("Drift").report, backend="output")\n'
+        'drift_out.widget.add_class("panel-drift-output")\n'
+        "drift_out",
         ("x0", "feature"),
         plots=4,
     ),
@@ -532,6 +536,8 @@ def test_every_panel_reads_right(server, front_end):
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1200})
         page.on("console", lambda m: console.append(f"{m.type}: {m.text[:500]}"))
+        # an unhandled rejection (e.g. anywidget giving up on a model) is a page error
+        page.on("pageerror", lambda e: console.append(f"pageerror: {str(e)[:500]}"))
         page.set_default_timeout(60_000)
         try:
             page.goto(url)
@@ -566,10 +572,12 @@ def test_every_panel_reads_right(server, front_end):
                 _check_panel(panel, root.evaluate(READ_PANEL_JS))
                 if panel.name == "step":
                     _tab_switch(page)
-            errors = [m for m in console if "anywidget" in m and "error" in m.lower()]
+            errors = [m for m in console if m.startswith("pageerror") or "[anywidget]" in m]
             assert not errors, errors
         except Exception:
             page.screenshot(path=str(ARTIFACTS / f"{front_end}-failure.png"), full_page=True)
+            # stop this front end's kernel: a run left going would slow the next front end
+            page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
             raise
         finally:
             (ARTIFACTS / f"{front_end}-console.log").write_text("\n".join(console))
