@@ -559,6 +559,7 @@ def _show_tab(page, sel: str, tab: str) -> None:
 def test_every_panel_reads_right(server, front_end):
     chromium = shutil.which("chromium")
     assert chromium, "chromium is not installed: run `make browser-deps` (apt-get install chromium)"
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     base, token = server
@@ -592,6 +593,8 @@ def test_every_panel_reads_right(server, front_end):
                 state="attached", timeout=300_000
             )
             page.wait_for_function(KERNEL_READY_JS, timeout=120_000)
+            # every panel is read and photographed; the failures are reported together
+            failures: list[str] = []
             for panel in panels:
                 sel = f".panel-{panel.cell}"
                 root = page.locator(sel).first
@@ -602,12 +605,19 @@ def test_every_panel_reads_right(server, front_end):
                 # plotly draws a FigureWidget once the front end has loaded its module and
                 # the kernel's messages: wait for the drawing itself, not for a time
                 _quietly(page, PLOTS_READY_JS, arg=[sel, panel.plots])
-                if panel.name == "step":
-                    _step_clicks(page)
-                _shoot(page, root, ARTIFACTS / f"{front_end}-{panel.name}.png")
-                _check_panel(panel, root.evaluate(READ_PANEL_JS))
+                try:
+                    if panel.name == "step":
+                        _step_clicks(page)
+                except (AssertionError, PlaywrightTimeout) as e:
+                    failures.append(f"step clicks: {e}"[:3000])
+                finally:
+                    _shoot(page, root, ARTIFACTS / f"{front_end}-{panel.name}.png")
+                try:
+                    _check_panel(panel, root.evaluate(READ_PANEL_JS))
+                except AssertionError as e:
+                    failures.append(f"{panel.name}: {e}"[:3000])
             errors = [m for m in console if m.startswith("pageerror") or "[anywidget]" in m]
-            assert not errors, errors
+            assert not failures and not errors, (failures, errors)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / f"{front_end}-failure.png"), full_page=True)
             # stop this front end's kernel: a run left going would slow the next front end
