@@ -196,18 +196,54 @@ PANELS = (
         "step",
         "model",
         None,
-        ("NaN produced in norm", "jump to origin", "next non-finite", "#2 forward"),
+        (
+            "NaN produced in norm (forward, Tensor.div",
+            "2 errors",
+            "jump to origin",
+            "next non-finite",
+            "#2 forward",
+            "non-finite rows: 3",
+        ),
         plots=2,
     ),
     Panel(
         "layers",
         "model",
         "Layers",
-        ("body.0.weight", "head.bias", "grad_norm", "ratio", "NaN"),
+        (
+            "below 1e-05 the gradient vanishes, above 100 it explodes",
+            "body.0.weight",
+            "head.bias",
+            "grad_norm",
+            "ratio",
+            "NaN",
+        ),
         plots=1,
     ),
-    Panel("checks", "model", "Checks", ("error", "advice")),
-    Panel("fixes", "model", "Fixes", ("epsilon", "norm", "drop_rows")),
+    Panel(
+        "checks",
+        "model",
+        "Checks",
+        (
+            "Health checks",
+            "2 errors",
+            "division_by_zero · norm (RowNorm)",
+            "nonfinite_gradient",
+            "click a finding for its evidence and advice",
+        ),
+    ),
+    Panel(
+        "fixes",
+        "model",
+        "Fixes",
+        (
+            "Cause:",
+            "an epsilon in the denominator of the division in norm (RowNorm)",
+            "makes the step finite end to end",
+            "drop batch row 3",
+            "drop_rows",
+        ),
+    ),
     Panel(
         "gradcheck",
         "model",
@@ -519,7 +555,7 @@ def _step_clicks(page) -> None:
     assert badge.inner_text() == status
 
 
-def _quietly(page, js: str, arg=None, timeout: float = 120_000) -> bool:
+def _quietly(page, js: str, arg=None, timeout: float = 60_000) -> bool:
     """Wait for ``js`` to hold; on a timeout return False and let the assertions that
     follow say what is wrong."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
