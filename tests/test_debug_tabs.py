@@ -136,3 +136,19 @@ def test_the_debugger_and_its_buttons_leave_the_model_as_it_was() -> None:
     dbg.rerun_button.click()
     dbg.panel("Gradcheck").run_sweep()
     assert_unchanged(before, model)
+
+
+def test_the_gradcheck_plot_is_hidden_while_it_has_nothing_to_draw() -> None:
+    """No result, or every module passing, leaves no large empty box under the table; a
+    result with a pair shows its heatmaps."""
+    model, x, y, _ = _tabular()
+    dbg = nbdebug.debug(model, x, y, F.cross_entropy)
+    panel = dbg.panel("Gradcheck")
+    assert panel.plot_box.layout.display == "none"
+    panel.run_sweep()
+    assert panel.pair is None and panel.plot_box.layout.display == "none"
+    t = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    result = nbdebug.gradcheck(lambda t: (t * t).sum(), t)
+    panel.show_result(result)
+    assert panel.pair is not None and len(panel.view.figure.data) > 0
+    assert panel.plot_box.layout.display != "none"
