@@ -597,7 +597,7 @@ def _show_tab(page, sel: str, tab: str) -> None:
     )
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("front_end", list(FRONT_ENDS))
 def test_every_panel_reads_right(server, front_end):
     chromium = shutil.which("chromium")

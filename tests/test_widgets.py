@@ -514,3 +514,28 @@ def test_showing_a_tab_fits_its_figures(batch):
     assert layers == [{"autosize": False}, {"autosize": True}] and norms == []
     assert fit_figures(dbg.tabs.children[0]) == 2  # the norm plot and the histogram
     assert fit_figures(ipw.VBox([ipw.HTML("no figure")])) == 0
+
+
+def test_confident_joint_counts_are_white_on_dark_cells():
+    """A count written in the default dark text on the darkest red cell cannot be read."""
+    import numpy as np
+
+    from nbdebug.figures.labels import confident_joint_figure
+    from nbdebug.figures.palette import DARK_TEXT
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat([0, 1, 2], 40)
+    probs = np.full((120, 3), 0.05)
+    probs[np.arange(120), labels] = 0.9
+    flip = rng.choice(120, 30, replace=False)
+    probs[flip] = np.roll(probs[flip], 1, axis=1)
+    fig = confident_joint_figure(nbdebug.find_label_issues(labels, pred_probs=probs))
+    heat = fig.data[0]
+    counts = next(t for t in fig.data if t.name == "counts")
+    off = np.array(heat.z, dtype=float)
+    colors = np.array(counts.textfont.color).reshape(off.shape)
+    darkest = np.unravel_index(np.nanargmax(off), off.shape)
+    lightest = np.unravel_index(np.nanargmin(off), off.shape)
+    assert np.nanmax(off) > np.nanmin(off)
+    assert colors[darkest] == "white" and colors[lightest] == DARK_TEXT
+    assert all(colors[i, i] == DARK_TEXT for i in range(3))  # the grey diagonal
