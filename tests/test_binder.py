@@ -166,3 +166,40 @@ def test_readme_binder_link_opens_an_existing_notebook_in_jupyterlab():
         rel = target[len("lab/tree/") :]
         assert (ROOT / rel).is_file(), f"{link} opens {rel}, which does not exist"
     assert any(link.endswith("urlpath=lab/tree/notebooks/01_quickstart.ipynb") for link in links)
+
+
+def test_the_pins_are_the_versions_the_tests_run_with():
+    """binder/requirements.txt says its pins are the versions the test suite runs with:
+    every pinned distribution is installed here at that version (torch's +cpu label aside,
+    which only says which wheel index it comes from)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    _, _, reqs = read_requirements(REQUIREMENTS)
+    for r in reqs:
+        pins = [s.version for s in r.specifier if s.operator in ("==", "===")]
+        if not pins:
+            continue
+        try:
+            installed = Version(version(r.name))
+        except PackageNotFoundError:
+            pytest.fail(f"binder pins {r.name}=={pins[0]}, which is not installed here")
+        assert installed.public == Version(pins[0]).public, (
+            f"binder pins {r.name}=={pins[0]} but the tests run with {installed}: "
+            f"update binder/requirements.txt"
+        )
+
+
+def test_the_badge_owner_is_an_account_or_the_explained_placeholder():
+    """The account is not recorded in this repository: the link holds either a GitHub
+    account name or the placeholder OWNER, and then the README says how to fill it in."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for link in binder_links():
+        owner = urlparse(link).path.split("/")[3]
+        if owner == "OWNER":
+            assert "replace `OWNER`" in readme and "<account>" in readme, (
+                "the Binder link holds the placeholder OWNER: say in the README how to replace it"
+            )
+        else:
+            assert re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,37}[A-Za-z0-9])?", owner), (
+                f"{link}: {owner!r} is not a GitHub account name"
+            )

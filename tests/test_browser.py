@@ -3,17 +3,22 @@
 One Jupyter server (``jupyter lab``, which also serves Notebook 7's ``/notebooks`` pages)
 starts on a free localhost port in a temporary directory; Playwright drives Debian's
 ``chromium`` (no browser download). Each front end opens its own copy of one notebook: a set-up
-cell, then one cell per panel of :data:`PANELS` that opens a debugger on that panel's tab.
-For every panel the test asserts
+cell, then the :data:`CELLS`, each opening a debugger; the :data:`PANELS` are its tabs, shown
+by clicking them as a user does. The panels are drawn with the default back end, plotly's
+``FigureWidget``; in JupyterLab a second, cheaper pass (:data:`OUTPUT_PANELS`) reads the
+panels with plots drawn by the ``"output"`` back end. For every panel the test asserts
 
 * the visible text: each expected string is shown, and no table header (``th``) is blank;
-* no plot is clipped: each visible plot's drawing fits within its cell output;
+* every plot is drawn with its data, fills its place (a ``FigureWidget`` drawn hidden or
+  before it was attached is 700 px wide until fitted) and is not clipped by its cell output;
 * no title overlaps a legend (bounding boxes of plotly's ``.gtitle`` and ``.legend``);
+* no page error (anywidget gives up on a model whose module took over 2 s to load, and
+  then drops that figure's updates);
 
-and saves ``test-artifacts/<front end>-<panel>.png``. On the Step panel it also clicks
-"jump to origin" and "next" and follows the detail pane and the norm plot's marker.
-Adding a panel is one :class:`Panel` entry. Chromium missing is a failure, not a skip
-(``make browser-deps`` installs it).
+and saves ``test-artifacts/<front end>-<panel>.png`` of the whole panel. On the Step panel it
+also clicks "jump to origin" and "next" and follows the detail pane and the norm plot's
+marker. Adding a panel is one :class:`Panel` entry (and a :class:`Cell` for a new debugger).
+Chromium missing is a failure, not a skip (``make browser-deps`` installs it).
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ from sklearn.model_selection import cross_val_predict
 from torch import nn
 
 import nbdebug
+from nbdebug.widgets.plot import get_backend
+
+# the default back end of JupyterLab and Notebook 7: plotly's FigureWidget
+assert get_backend() == "figurewidget", get_backend()
 
 
 class RowNorm(nn.Module):
@@ -132,69 +141,185 @@ def shown(dbg, tab, name):
 
 
 @dataclass(frozen=True)
-class Panel:
-    """One panel to render and read: ``code`` is a cell whose last value is a debugger
-    (``shown(dbg, tab, name)`` selects the tab and marks the widget); ``texts`` must be
-    visible in it."""
+class Cell:
+    """A notebook cell whose last value is a debugger (or a panel) marked ``panel-<name>``
+    (``shown(dbg, tab, name)`` selects the tab and marks the widget)."""
 
     name: str
     code: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel to read: tab ``tab`` of the debugger of cell ``cell`` (clicked in the
+    front end, as a user does, unless ``tab`` is None: the cell shows it); ``texts`` must
+    be visible in it and ``plots`` plots drawn (each with its data)."""
+
+    name: str
+    cell: str
+    tab: str | None
     texts: tuple[str, ...]
+    plots: int = 0
 
 
-PANELS = (
-    Panel(
-        "step",
-        'shown(nbdebug.debug(model, x, y, loss_fn), "Step", "step")',
-        ("NaN produced in norm", "jump to origin", "next non-finite", "#2 forward"),
-    ),
-    Panel(
-        "layers",
-        'shown(nbdebug.debug(model, x, y, loss_fn), "Layers", "layers")',
-        ("body.0.weight", "head.bias", "grad_norm", "ratio", "NaN"),
-    ),
-    Panel(
-        "history",
-        "shown(nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn), "
-        '"History", "history")',
-        ("failing step 11", "last steps", "grad_norm", "loss"),
-    ),
-    Panel(
-        "checks",
-        'shown(nbdebug.debug(model, x, y, loss_fn), "Checks", "checks")',
-        ("error", "advice"),
-    ),
-    Panel(
-        "gradcheck",
+CELLS = (
+    # one debugger of the model and batch for the five tabs that need nothing else: one
+    # debugger's figures at a time, as a user opens it
+    Cell(
+        "model",
         "dbg = nbdebug.debug(model, x, y, loss_fn)\n"
         'dbg.panel("Gradcheck").run_sweep()\n'
-        'shown(dbg, "Gradcheck", "gradcheck")',
-        ("check all modules", "with a wrong backward", "body.0", "head"),
+        'dbg.panel("Fixes").run()\n'
+        'shown(dbg, "Step", "model")',
     ),
-    Panel(
+    Cell(
+        "snapshot",
+        "shown(nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn), "
+        '"History", "snapshot")',
+    ),
+    Cell(
         "labels",
         "shown(nbdebug.debug(tab_model, tab_x, tab_y, F.cross_entropy, labels=labels[:120],\n"
         '      pred_probs=probs[:120], journal=tempfile.mktemp(suffix=".jsonl")),\n'
         '      "Labels", "labels")',
-        ("keep", "relabel", "exclude", "given"),
     ),
-    Panel(
-        "fixes",
-        "dbg = nbdebug.debug(model, x, y, loss_fn)\n"
-        'dbg.panel("Fixes").run()\n'
-        'shown(dbg, "Fixes", "fixes")',
-        ("epsilon", "norm", "drop_rows"),
-    ),
-    Panel(
+    Cell(
         "drift",
-        "shown(nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
-        '      reference=tab_x[:60]), "Drift", "drift")',
-        ("x0", "feature"),
+        "drift_dbg = nbdebug.debug(tab_model, tab_x[60:] + 1.5, tab_y[60:], F.cross_entropy,\n"
+        "                          reference=tab_x[:60])\n"
+        'shown(drift_dbg, "Drift", "drift")',
     ),
 )
 
-#: The front ends: the page of a notebook file in each.
+PANELS = (
+    Panel(
+        "step",
+        "model",
+        None,
+        (
+            "NaN produced in norm (forward, Tensor.div",
+            "2 errors",
+            "jump to origin",
+            "next non-finite",
+            "#2 forward",
+            "non-finite rows: 3",
+        ),
+        plots=2,
+    ),
+    Panel(
+        "layers",
+        "model",
+        "Layers",
+        (
+            "below 1e-05 the gradient vanishes, above 100 it explodes",
+            "body.0.weight",
+            "head.bias",
+            "grad_norm",
+            "ratio",
+            "NaN",
+        ),
+        plots=1,
+    ),
+    Panel(
+        "checks",
+        "model",
+        "Checks",
+        (
+            "Health checks",
+            "2 errors",
+            "division_by_zero · norm (RowNorm)",
+            "nonfinite_gradient",
+            "click a finding for its evidence and advice",
+        ),
+    ),
+    Panel(
+        "fixes",
+        "model",
+        "Fixes",
+        (
+            "Cause:",
+            "an epsilon in the denominator of the division in norm (RowNorm)",
+            "makes the step finite end to end",
+            "drop batch row 3",
+            "drop_rows",
+        ),
+    ),
+    Panel(
+        "gradcheck",
+        "model",
+        "Gradcheck",
+        (
+            "check all modules",
+            "6 modules: 0 with a wrong backward, 0 skipped",
+            "checks the model as it is now",
+            "no module with a wrong backward",
+            "body.0",
+            "head",
+        ),
+        plots=0,  # every module passes: no heatmap, and no empty box in its place
+    ),
+    Panel(
+        "history",
+        "snapshot",
+        None,
+        ("failing step 11", "last steps", "grad_norm", "loss"),
+        plots=1,
+    ),
+    Panel("labels", "labels", None, ("keep", "relabel", "exclude", "given"), plots=1),
+    Panel("drift", "drift", None, ("x0", "feature"), plots=4),
+)
+
+#: A second, cheaper pass with the ``"output"`` back end (a plain plotly figure in an
+#: ``ipywidgets.Output``, the back end of Colab and of ``NBDEBUG_PLOT_BACKEND=output``): the
+#: panels with plots, in JupyterLab only.
+OUTPUT_CELLS = (
+    Cell(
+        "model-output",
+        'shown(nbdebug.debug(model, x, y, loss_fn, backend="output"), "Step", "model-output")',
+    ),
+    Cell(
+        "snapshot-output",
+        "shown(nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn, "
+        'backend="output"), "History", "snapshot-output")',
+    ),
+    Cell(
+        "drift-output",
+        # the same report (no second SHAP run) in a panel of its own
+        "from nbdebug.widgets.drift import DriftPanel\n"
+        'drift_out = DriftPanel(drift_dbg.panel("Drift").report, backend="output")\n'
+        'drift_out.widget.add_class("panel-drift-output")\n'
+        "drift_out",
+    ),
+)
+OUTPUT_PANELS = (
+    Panel(
+        "step-output",
+        "model-output",
+        None,
+        ("NaN produced in norm", "jump to origin", "#0 input"),
+        plots=2,
+    ),
+    Panel(
+        "layers-output",
+        "model-output",
+        "Layers",
+        ("body.0.weight", "head.bias", "grad_norm", "ratio", "NaN"),
+        plots=1,
+    ),
+    Panel(
+        "history-output",
+        "snapshot-output",
+        None,
+        ("failing step 11", "last steps", "grad_norm", "loss"),
+        plots=1,
+    ),
+    Panel("drift-output", "drift-output", None, ("x0", "feature"), plots=4),
+)
+
+#: The front ends: the page of a notebook file in each, and the cells and panels there.
 FRONT_ENDS = {"lab": "lab/tree/{nb}", "notebook": "notebooks/{nb}"}
+FRONT_END_CELLS = {"lab": CELLS + OUTPUT_CELLS, "notebook": CELLS}
+FRONT_END_PANELS = {"lab": PANELS + OUTPUT_PANELS, "notebook": PANELS}
 
 
 def _free_port() -> int:
@@ -231,10 +356,10 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
-def _notebook(path: Path) -> None:
+def _notebook(path: Path, cells: tuple[Cell, ...]) -> None:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(SETUP)] + [
-        nbformat.v4.new_code_cell(p.code) for p in PANELS
+        nbformat.v4.new_code_cell(c.code) for c in cells
     ]
     nb.metadata["kernelspec"] = {
         "name": "python3",
@@ -249,7 +374,7 @@ def server(tmp_path_factory):
     """A Jupyter server with one notebook copy per front end; yields (base url, token)."""
     root = tmp_path_factory.mktemp("browser")
     for fe in FRONT_ENDS:
-        _notebook(root / f"panels-{fe}.ipynb")
+        _notebook(root / f"panels-{fe}.ipynb", FRONT_END_CELLS[fe])
     port, token = _free_port(), secrets.token_hex(16)
     # a private config: no news toast over the page, no update checks, every cell rendered
     settings = root / "settings" / "@jupyterlab"
@@ -266,10 +391,10 @@ def server(tmp_path_factory):
         JUPYTER_CONFIG_DIR=str(root / "cfg"),
         JUPYTER_RUNTIME_DIR=str(root / "rt"),
         JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
-        # the Output back end (plain plotly figures): FigureWidget plots stayed empty in this
-        # test on a loaded machine (see the report of issue 17); it works in every front end
-        NBDEBUG_PLOT_BACKEND=os.environ.get("NBDEBUG_BROWSER_BACKEND", "output"),
     )
+    # the kernels use the default back end ("auto": FigureWidget here); OUTPUT_PANELS ask
+    # for the other one themselves
+    env.pop("NBDEBUG_PLOT_BACKEND", None)
     # no websocket ping timeouts: on a loaded machine a late pong must not drop the kernel
     # connection (and the widget messages with it)
     (root / "cfg").mkdir()
@@ -317,7 +442,7 @@ KERNEL_READY_JS = """() => {
 }"""
 
 MARKER_JS = """() => {
-  for (const g of document.querySelectorAll('.panel-step .js-plotly-plot')) {
+  for (const g of document.querySelectorAll('.panel-model .js-plotly-plot')) {
     const d = g.data || [];
     const t = d[d.length - 1];
     if (t && t.name === 'current event') return [Array.from(t.x || []), Array.from(t.y || [])];
@@ -325,8 +450,30 @@ MARKER_JS = """() => {
   return null;
 }"""
 
+# The plots of the tab shown in a panel, as drawn: a plot counts as drawn once plotly made its
+# SVG and drew at least one data trace (a FigureWidget fills in after the kernel's messages,
+# whenever the front end gets to them: under load that can take a while).
+PLOTS_JS = """(root) => {
+  const seen = (el) => el.checkVisibility ? el.checkVisibility() : el.offsetParent !== null;
+  const box = (el) => { const r = el.getBoundingClientRect();
+    return {left: r.left, right: r.right, top: r.top, bottom: r.bottom,
+            width: r.width, height: r.height}; };
+  const tab = [...root.querySelectorAll('.widget-tab-contents > *, .lm-TabPanel-stackedPanel > *')]
+    .find(seen) || root;
+  return [...tab.querySelectorAll('.js-plotly-plot')].filter(seen).map(p => {
+    const svg = p.querySelector('.main-svg');
+    const titles = [...p.querySelectorAll('.gtitle')].filter(t => t.textContent.trim())
+      .map(t => ({text: t.textContent, box: box(t)}));
+    const legends = [...p.querySelectorAll('.legend')].map(box);
+    return {plot: box(p), svg: svg ? box(svg) : null, titles, legends,
+            traces: (p.data || []).length,
+            drawn: p.querySelectorAll('.trace, .hm, .barlayer .point').length};
+  });
+}"""
+
 # Everything the assertions need about one panel, read from what is on screen.
-READ_PANEL_JS = """(root) => {
+READ_PANEL_JS = (
+    """(root) => {
   const seen = (el) => el.checkVisibility ? el.checkVisibility() : el.offsetParent !== null;
   const box = (el) => { const r = el.getBoundingClientRect();
     return {left: r.left, right: r.right, top: r.top, bottom: r.bottom,
@@ -335,16 +482,24 @@ READ_PANEL_JS = """(root) => {
     .find(seen) || root;
   const out = root.closest('.jp-OutputArea-output') || root.parentElement;
   const headers = [...tab.querySelectorAll('th')].filter(seen).map(th => th.innerText.trim());
-  const plots = [...tab.querySelectorAll('.js-plotly-plot')].filter(seen).map(p => {
-    const svg = p.querySelector('.main-svg');
-    const titles = [...p.querySelectorAll('.gtitle')].filter(t => t.textContent.trim())
-      .map(t => ({text: t.textContent, box: box(t)}));
-    const legends = [...p.querySelectorAll('.legend')].map(box);
-    return {plot: box(p), svg: svg ? box(svg) : null, titles, legends};
-  });
-  return {text: tab.innerText, header: root.innerText.slice(0, 600), headers, plots,
+  return {text: tab.innerText, header: root.innerText.slice(0, 600), headers,
+          plots: ("""
+    + PLOTS_JS
+    + """)(root),
           output: box(out), scrollWidth: out.scrollWidth, clientWidth: out.clientWidth};
 }"""
+)
+
+#: true once ``n`` plots of the panel are drawn, each sized to its place
+PLOTS_READY_JS = (
+    """([sel, n]) => { const r = document.querySelector(sel); if (!r) return false;
+  const plots = ("""
+    + PLOTS_JS
+    + """)(r);
+  const ok = (p) => p.svg && p.traces > 0 && p.drawn > 0
+    && Math.abs(p.svg.width - p.plot.width) <= 2;
+  return plots.length >= n && plots.every(ok); }"""
+)
 
 
 def _overlap(a: dict, b: dict) -> bool:
@@ -362,10 +517,14 @@ def _check_panel(panel: Panel, seen: dict) -> None:
         assert want in text or want in seen["header"], (panel.name, want, text[:1500])
     assert all(seen["headers"]), (panel.name, "blank table header", seen["headers"])
     out = seen["output"]
+    assert len(seen["plots"]) == panel.plots, (panel.name, "plots shown", seen["plots"])
     for plot in seen["plots"]:
         svg = plot["svg"]
         assert svg is not None and svg["width"] > 100, (panel.name, "plot not drawn", plot)
+        assert plot["traces"] > 0 and plot["drawn"] > 0, (panel.name, "plot has no data", plot)
         assert svg["right"] <= out["right"] + 1, (panel.name, "plot clipped", svg, out)
+        # sized to its place (plotly's anywidget draws 700 px wide unless fitted)
+        assert abs(svg["width"] - plot["plot"]["width"]) <= 2, (panel.name, "plot not fitted", plot)
         for title in plot["titles"]:
             for legend in plot["legends"]:
                 assert not _overlap(title["box"], legend), (
@@ -378,7 +537,7 @@ def _check_panel(panel: Panel, seen: dict) -> None:
 
 def _step_clicks(page) -> None:
     """Jump to origin, then next: the detail pane and the norm plot's marker follow."""
-    root = ".panel-step"
+    root = ".panel-model"
     page.wait_for_function(f"() => ({MARKER_JS})() !== null", timeout=60_000)
     badge = page.locator(f"{root} .nbdebug-badge").first
     status = badge.inner_text()
@@ -403,19 +562,60 @@ def _step_clicks(page) -> None:
     assert badge.inner_text() == status
 
 
-@pytest.mark.timeout(480)
+def _quietly(page, js: str, arg=None, timeout: float = 60_000) -> bool:
+    """Wait for ``js`` to hold; on a timeout return False and let the assertions that
+    follow say what is wrong."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(js, arg=arg, timeout=timeout)
+    except PlaywrightTimeout:
+        return False
+    return True
+
+
+def _shoot(page, root, path: Path) -> None:
+    """A screenshot of the whole panel: the viewport grows to hold it (the notebook
+    scrolls inside the page, so an element screenshot is cut at the viewport)."""
+    height = root.bounding_box()["height"]
+    size = page.viewport_size
+    if height + 320 > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": int(height) + 320})
+    root.evaluate("(el) => el.scrollIntoView({block: 'center'})")
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    root.screenshot(path=str(path))
+
+
+def _show_tab(page, sel: str, tab: str) -> None:
+    """Click the tab titled ``tab`` of the debugger ``sel``, as a user does."""
+    title = re.compile(rf"^\s*{re.escape(tab)}\s*$")
+    page.locator(f"{sel} .lm-TabBar-tab").filter(has_text=title).first.click()
+    page.wait_for_function(
+        """([sel, tab]) => [...document.querySelectorAll(sel + ' .lm-TabBar-tab')]
+             .some(t => t.innerText.trim() === tab && t.classList.contains('lm-mod-current'))""",
+        arg=[sel, tab],
+    )
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("front_end", list(FRONT_ENDS))
 def test_every_panel_reads_right(server, front_end):
     chromium = shutil.which("chromium")
     assert chromium, "chromium is not installed: run `make browser-deps` (apt-get install chromium)"
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     base, token = server
     url = f"{base}/{FRONT_ENDS[front_end].format(nb=f'panels-{front_end}.ipynb')}?token={token}"
+    panels = FRONT_END_PANELS[front_end]
     ARTIFACTS.mkdir(exist_ok=True)
+    console: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1200})
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text[:500]}"))
+        # an unhandled rejection (e.g. anywidget giving up on a model) is a page error
+        page.on("pageerror", lambda e: console.append(f"pageerror: {str(e)[:500]}"))
         page.set_default_timeout(60_000)
         try:
             page.goto(url)
@@ -432,29 +632,40 @@ def test_every_panel_reads_right(server, front_end):
                     "() => window.jupyterapp.commands.execute('application:toggle-left-area')"
                 )
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            # every cell ran (the plots of a FigureWidget fill in once the kernel is idle)
-            page.locator(f".panel-{PANELS[-1].name}").first.wait_for(
+            page.locator(f".panel-{panels[-1].cell}").first.wait_for(
                 state="attached", timeout=300_000
             )
             page.wait_for_function(KERNEL_READY_JS, timeout=120_000)
-            for panel in PANELS:
-                root = page.locator(f".panel-{panel.name}").first
+            # every panel is read and photographed; the failures are reported together
+            failures: list[str] = []
+            for panel in panels:
+                sel = f".panel-{panel.cell}"
+                root = page.locator(sel).first
                 root.wait_for(state="attached", timeout=150_000)
                 root.scroll_into_view_if_needed()
-                page.wait_for_function(
-                    """(sel) => { const r = document.querySelector(sel);
-                       return [...r.querySelectorAll('.js-plotly-plot')]
-                         .filter(p => p.checkVisibility())
-                         .every(p => p.querySelector('.main-svg')); }""",
-                    arg=f".panel-{panel.name}",
-                )
-                if panel.name == "step":
-                    _step_clicks(page)
-                time.sleep(0.7)  # let plotly finish its transitions before the picture
-                root.screenshot(path=str(ARTIFACTS / f"{front_end}-{panel.name}.png"))
-                _check_panel(panel, root.evaluate(READ_PANEL_JS))
+                if panel.tab is not None:
+                    _show_tab(page, sel, panel.tab)  # drawn hidden: fitted once shown
+                # plotly draws a FigureWidget once the front end has loaded its module and
+                # the kernel's messages: wait for the drawing itself, not for a time
+                _quietly(page, PLOTS_READY_JS, arg=[sel, panel.plots])
+                try:
+                    if panel.name == "step":
+                        _step_clicks(page)
+                except (AssertionError, PlaywrightTimeout) as e:
+                    failures.append(f"step clicks: {e}"[:3000])
+                finally:
+                    _shoot(page, root, ARTIFACTS / f"{front_end}-{panel.name}.png")
+                try:
+                    _check_panel(panel, root.evaluate(READ_PANEL_JS))
+                except AssertionError as e:
+                    failures.append(f"{panel.name}: {e}"[:3000])
+            errors = [m for m in console if m.startswith("pageerror") or "[anywidget]" in m]
+            assert not failures and not errors, (failures, errors)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / f"{front_end}-failure.png"), full_page=True)
+            # stop this front end's kernel: a run left going would slow the next front end
+            page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
             raise
         finally:
+            (ARTIFACTS / f"{front_end}-console.log").write_text("\n".join(console))
             browser.close()

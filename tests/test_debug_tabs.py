@@ -51,6 +51,23 @@ def test_drift_tab_with_a_reference_batch() -> None:
     assert "Drift" in list(dbg.tabs.titles)
 
 
+def test_a_drift_alarm_is_not_shown_beside_a_green_healthy_badge() -> None:
+    """The trace has no NaN/Inf, the Drift tab raises its red DRIFT badge: the header reads
+    a grey "no NaN/Inf", not a green "healthy"; without an alarm it stays green."""
+    model, x, y, _ = _tabular()
+    shifted = nbdebug.debug(model, x[40:] + 1.5, y[40:], F.cross_entropy, reference=x[:40])
+    drift_panel = shifted.panel("Drift")
+    assert shifted.trace.healthy and drift_panel.report.alarm
+    assert "DRIFT" in drift_panel.summary.value
+    assert "nbdebug-badge-ok" not in shifted.header.value
+    assert "nbdebug-badge-plain" in shifted.header.value and "no NaN/Inf" in shifted.header.value
+    shifted.rerun()  # kept across re-runs
+    assert "nbdebug-badge-ok" not in shifted.header.value
+    same = nbdebug.debug(model, x[40:], y[40:], F.cross_entropy, reference=x[40:])
+    assert not same.panel("Drift").report.alarm  # the batch against itself
+    assert "nbdebug-badge-ok" in same.header.value and ">healthy<" in same.header.value
+
+
 def test_labels_tab_with_labels_and_probabilities(tmp_path) -> None:
     model, x, y, _ = _tabular()
     with torch.no_grad():
@@ -119,3 +136,19 @@ def test_the_debugger_and_its_buttons_leave_the_model_as_it_was() -> None:
     dbg.rerun_button.click()
     dbg.panel("Gradcheck").run_sweep()
     assert_unchanged(before, model)
+
+
+def test_the_gradcheck_plot_is_hidden_while_it_has_nothing_to_draw() -> None:
+    """No result, or every module passing, leaves no large empty box under the table; a
+    result with a pair shows its heatmaps."""
+    model, x, y, _ = _tabular()
+    dbg = nbdebug.debug(model, x, y, F.cross_entropy)
+    panel = dbg.panel("Gradcheck")
+    assert panel.plot_box.layout.display == "none"
+    panel.run_sweep()
+    assert panel.pair is None and panel.plot_box.layout.display == "none"
+    t = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    result = nbdebug.gradcheck(lambda t: (t * t).sum(), t)
+    panel.show_result(result)
+    assert panel.pair is not None and len(panel.view.figure.data) > 0
+    assert panel.plot_box.layout.display != "none"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import ipywidgets as ipw
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,10 +15,11 @@ from torch import nn
 
 import nbdebug
 from nbdebug.figures.histogram import histogram_figure
-from nbdebug.figures.layers import EXPLODING, VANISHING, ratio_figure
+from nbdebug.figures.layers import BAND_LABEL, EXPLODING, VANISHING, ratio_figure
 from nbdebug.figures.norms import CURRENT_TRACE, NONFINITE_TRACE, norm_figure, norm_points
 from nbdebug.widgets.app import Debugger, debug
 from nbdebug.widgets.cursor import Cursor
+from nbdebug.widgets.plot import DrawnFigureWidget, PlotView, fit_figures
 
 
 class LogNet(nn.Module):
@@ -228,6 +230,22 @@ def test_histogram_and_ratio_figures(bad_dbg):
     assert bands[0][1] == VANISHING and bands[1][0] == EXPLODING
 
 
+def test_band_labels_sit_beside_their_bands_where_no_bar_reaches(bad_dbg):
+    """A full-height bar (a NaN gradient) covers the plot area's top: the labels are in
+    the right margin, each at its band's height (log10 coordinates on a log axis)."""
+    f = ratio_figure(bad_dbg.trace)
+    assert max(f.data[0].y) == 10 ** f.layout.yaxis.range[1]  # a full-height bar
+    labels = [a for a in f.layout.annotations if a.name == BAND_LABEL]
+    assert [a.text.split("<br>")[0] for a in labels] == ["vanishing", "exploding"]
+    for a in labels:
+        assert a.xref == "paper" and a.x >= 1 and a.xanchor == "left"
+        assert f.layout.margin.r >= 80  # room for the label
+    (vlo, vhi), (elo, ehi) = sorted((s.y0, s.y1) for s in f.layout.shapes)
+    vanishing, exploding = labels
+    assert math.log10(vlo) < vanishing.y < math.log10(vhi)
+    assert math.log10(elo) < exploding.y < math.log10(ehi)
+
+
 def test_layers_tab_sorts_the_parameter_table(bad_dbg):
     lay = bad_dbg.layers
     assert bad_dbg.tabs.children[1] is lay.widget
@@ -423,3 +441,101 @@ def test_an_empty_trace_still_opens():
         b.click()
     assert dbg.cursor.index is None and dbg.step.events.options == ()
     assert "error: ValueError" in dbg.header.value and "no parameters" in dbg.layers.table.value
+
+
+def _opened_states(monkeypatch) -> list[dict]:
+    """The state each widget's comm opens with, from now on."""
+    import comm
+
+    states: list[dict] = []
+    create = comm.create_comm
+
+    def recording(**kwargs):
+        states.append(kwargs["data"]["state"])
+        return create(**kwargs)
+
+    monkeypatch.setattr(comm, "create_comm", recording)
+    return states
+
+
+def test_a_figure_widget_opens_with_its_data(monkeypatch):
+    """plotly's FigureWidget sends its traces after the comm opened (a view drawn before
+    that message stays empty); the PlotView's figure opens with them."""
+    import plotly.graph_objects as go
+
+    states = _opened_states(monkeypatch)
+    fig = go.Figure(go.Scatter(y=[1, 3, 2], name="a"), layout={"title": {"text": "t"}})
+    go.FigureWidget(fig)
+    view = PlotView(fig, backend="figurewidget")
+    assert isinstance(view.figure, DrawnFigureWidget) and view.figure.comm is not None
+    plain, drawn = states
+    assert plain["_widget_data"] == []  # plotly's own: the cause (plotly.py 6, 7)
+    assert [t["name"] for t in drawn["_widget_data"]] == ["a"]
+    assert drawn["_widget_layout"]["title"]["text"] == "t"
+    view.figure.data[0].y = [4, 5, 6]  # still a live widget
+    assert list(view.figure.data[0].y) == [4, 5, 6]
+
+
+def _relayouts(figure) -> list[dict]:
+    sent: list[dict] = []
+    figure.observe(
+        lambda c: sent.append(c["new"]["relayout_data"]) if c["new"] else None,
+        names="_py2js_relayout",
+    )
+    return sent
+
+
+def test_a_figure_widget_is_fitted_to_its_place_once_drawn():
+    """plotly's anywidget draws at 700 px unless autosize is switched on while the element is
+    in the page: the first layout report of a view (it drew) switches it off and on."""
+    import plotly.graph_objects as go
+
+    view = PlotView(go.Figure(go.Bar(y=[1, 2])), backend="figurewidget")
+    sent = _relayouts(view.figure)
+    drawn = {"layout_delta": {"width": 700, "height": 360}, "layout_edit_id": 0}
+    view.figure._js2py_layoutDelta = drawn  # what the front end sends once it drew
+    assert sent == [{"autosize": False}, {"autosize": True}]
+    view.figure._js2py_layoutDelta = None
+    view.figure._js2py_layoutDelta = dict(drawn, layout_edit_id=2)  # later reports: no more
+    assert len(sent) == 2
+    assert view.figure.layout.autosize is True
+    out = PlotView(go.Figure(go.Bar(y=[1, 2])), backend="output")
+    out.fit()  # the output back end follows its container by itself: nothing to do
+    assert isinstance(out.widget, ipw.Output)
+
+
+def test_showing_a_tab_fits_its_figures(batch):
+    """A figure drawn in a hidden tab keeps plotly's default width: selecting the tab (a
+    click in the front end, or select_tab) fits the figures of that tab, and only those."""
+    x, y = batch
+    dbg = debug(LogNet(), x, y, F.cross_entropy, backend="figurewidget")
+    layers, norms = _relayouts(dbg.layers.plot.figure), _relayouts(dbg.step.norms.figure)
+    dbg.select_tab("Layers")
+    assert layers == [{"autosize": False}, {"autosize": True}] and norms == []
+    assert fit_figures(dbg.tabs.children[0]) == 2  # the norm plot and the histogram
+    assert fit_figures(ipw.VBox([ipw.HTML("no figure")])) == 0
+
+
+def test_confident_joint_counts_are_white_on_dark_cells():
+    """A count written in the default dark text on the darkest red cell cannot be read."""
+    import numpy as np
+
+    from nbdebug.figures.labels import confident_joint_figure
+    from nbdebug.figures.palette import DARK_TEXT
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat([0, 1, 2], 40)
+    probs = np.full((120, 3), 0.05)
+    probs[np.arange(120), labels] = 0.9
+    flip = rng.choice(120, 30, replace=False)
+    probs[flip] = np.roll(probs[flip], 1, axis=1)
+    fig = confident_joint_figure(nbdebug.find_label_issues(labels, pred_probs=probs))
+    heat = fig.data[0]
+    counts = next(t for t in fig.data if t.name == "counts")
+    off = np.array(heat.z, dtype=float)
+    colors = np.array(counts.textfont.color).reshape(off.shape)
+    darkest = np.unravel_index(np.nanargmax(off), off.shape)
+    lightest = np.unravel_index(np.nanargmin(off), off.shape)
+    assert np.nanmax(off) > np.nanmin(off)
+    assert colors[darkest] == "white" and colors[lightest] == DARK_TEXT
+    assert all(colors[i, i] == DARK_TEXT for i in range(3))  # the grey diagonal

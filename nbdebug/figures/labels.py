@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ..analysis.labels import LabelNoise
-from .palette import LIGHT_GREY
+from .palette import DARK_TEXT, LIGHT_GREY
 
 
 def _noise(issues: Any) -> LabelNoise:
@@ -34,6 +34,17 @@ def class_labels(n_classes: int, class_names: Sequence[Any] | None = None) -> li
             f"class_names must name all {n_classes} classes; got {len(class_names)} names."
         )
     return [f"{i}: {n}" for i, n in enumerate(class_names)]
+
+
+def _count_color(off: np.ndarray, i: int, j: int) -> str:
+    """The colour of the count written on cell (i, j): white where the "Reds" scale of the
+    off-diagonal cells is dark (the upper half of its range), else the default dark text."""
+    v = off[i, j]
+    finite = off[np.isfinite(off)]
+    if not np.isfinite(v) or finite.size == 0 or finite.max() == finite.min():
+        return DARK_TEXT
+    share = (v - finite.min()) / (finite.max() - finite.min())
+    return "white" if share > 0.5 else DARK_TEXT
 
 
 def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = None) -> go.Figure:
@@ -107,7 +118,11 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
             y=[i for i in range(k) for j in range(k)],
             mode="text",
             text=[str(int(cj[i, j])) if cj[i, j] else "" for i in range(k) for j in range(k)],
-            textfont={"size": 10 if k <= 12 else 7},
+            # white on the dark half of the red scale, so no count sits unread on its cell
+            textfont={
+                "size": 10 if k <= 12 else 7,
+                "color": [_count_color(off, i, j) for i in range(k) for j in range(k)],
+            },
             hoverinfo="skip",
             showlegend=False,
             name="counts",

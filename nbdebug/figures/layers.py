@@ -13,6 +13,9 @@ from ..analysis.checks_grad import ratio_verdict
 from ..core.result import Trace
 from .palette import BLUE, GREY, PURPLE, RED
 
+#: the ``name`` of the band labels' annotations (in the right margin, beside their bands)
+BAND_LABEL = "band label"
+
 # grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
 # explodes. One judgement (analysis's ratio_verdict) for the plot and the health checks.
 
@@ -32,7 +35,8 @@ def ratio_figure(trace: Trace) -> go.Figure:
     -------
     plotly.graph_objects.Figure
         One bar trace named ``"grad/weight"``; the bands below ``VANISHING`` and above
-        ``EXPLODING`` are shaded.
+        ``EXPLODING`` are shaded and labelled in the right margin (annotations named
+        :data:`BAND_LABEL`), where no bar can cover the label.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"ratio_figure expects an nbdebug Trace; got {type(trace).__qualname__}.")
@@ -74,28 +78,32 @@ def ratio_figure(trace: Trace) -> go.Figure:
     )
     llo, lhi = math.log10(lo), math.log10(hi)
     bands = (
-        (lo, VANISHING, PURPLE, f"vanishing (< {VANISHING:g})", VANISHING, "top"),
-        (EXPLODING, hi, RED, f"exploding (> {EXPLODING:g})", EXPLODING, "bottom"),
+        (lo, VANISHING, PURPLE, f"vanishing<br>< {VANISHING:g}"),
+        (EXPLODING, hi, RED, f"exploding<br>> {EXPLODING:g}"),
     )
-    for y0, y1, color, label, edge, anchor in bands:
+    for y0, y1, color, label in bands:
         fig.add_hrect(y0=y0, y1=y1, fillcolor=color, opacity=0.12, line_width=0)
+        # the label sits in the right margin, beside its band, where no bar can cover it;
         # annotations on a log axis take log10 coordinates (shapes take data values)
         fig.add_annotation(
-            x=0,
+            x=1,
             xref="paper",
             xanchor="left",
-            y=math.log10(edge),
-            yanchor=anchor,
+            xshift=6,
+            y=(math.log10(y0) + math.log10(y1)) / 2,
+            yanchor="middle",
+            align="left",
             text=label,
             showarrow=False,
-            font={"color": color},
+            font={"color": color, "size": 11},
+            name=BAND_LABEL,
         )
     fig.update_layout(
         title={"text": "Gradient / weight norm per parameter", "x": 0.01},
         yaxis={"type": "log", "title": "grad norm / weight norm", "range": [llo, lhi]},
         xaxis={"tickangle": -45},
         height=380,
-        margin={"l": 60, "r": 20, "t": 40, "b": 110},
+        margin={"l": 60, "r": 90, "t": 40, "b": 110},
         template="plotly_white",
         showlegend=False,
     )

@@ -28,3 +28,5 @@ BAD = RED
 WARN = ORANGE
 INFO = BLUE
 SEVERITY_COLORS = {"error": RED, "warning": ORANGE, "info": BLUE}
+#: text on light cells (plotly's default text colour); white goes on dark ones
+DARK_TEXT = "#2a3f5f"

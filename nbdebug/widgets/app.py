@@ -27,6 +27,7 @@ from ..figures.palette import RED
 from .cursor import Cursor
 from .history import HistoryPanel
 from .layers import LayersPanel
+from .plot import fit_figures
 from .step import StepPanel
 from .style import STYLE
 from .tabs import TabContext, add_feature_tabs
@@ -173,6 +174,7 @@ class Debugger:
         self._extra: list[tuple[str, widgets.Widget]] = []
         self._header_extra = ""
         self._warned = False
+        self._warned_by: dict[str, bool] = {}  # tab title -> it found something wrong
         self._panels: dict[str, Any] = {}
         self._callbacks: list[Callable[[Debugger], Any]] = []
         self.header = widgets.HTML()
@@ -191,6 +193,8 @@ class Debugger:
                 history, failing_step=failing_step, reason=reason, backend=backend
             )
         self.tabs = widgets.Tab()
+        # a FigureWidget drawn in a hidden tab has a default width until fitted when shown
+        self.tabs.observe(self._on_tab_shown, names="selected_index")
         self._build_panels()
         self.widget = widgets.VBox(
             [
@@ -217,7 +221,7 @@ class Debugger:
             error=self.error,
             snapshot=line,
             extra=self._header_extra,
-            warned=self._warned,
+            warned=self._warned or any(self._warned_by.values()),
         )
 
     def set_header_extra(self, html_text: str, *, warned: bool = False) -> None:
@@ -227,12 +231,24 @@ class Debugger:
         self._warned = warned
         self._render_header()
 
+    def set_warned(self, source: str, warned: bool) -> None:
+        """Say whether the tab ``source`` (e.g. "Drift") found something wrong: while one
+        did, the header does not call the trace "healthy" in green (it reads "no NaN/Inf",
+        in grey) beside that tab's alarm."""
+        self._warned_by[source] = bool(warned)
+        self._render_header()
+
     def select_tab(self, title: str) -> None:
         """Bring the tab named ``title`` to the front."""
         titles = list(self.tabs.titles)
         if title not in titles:
             raise ValueError(f"no tab named {title!r}; the tabs are {titles}.")
         self.tabs.selected_index = titles.index(title)
+
+    def _on_tab_shown(self, change: Any) -> None:
+        index = change["new"]
+        if index is not None and 0 <= index < len(self.tabs.children):
+            fit_figures(self.tabs.children[index])
 
     def _layout_tabs(self) -> None:
         pairs: list[tuple[str, widgets.Widget]] = [

@@ -135,6 +135,8 @@ def build_tab(dbg: Any, ctx: TabContext) -> None:
 
     report = drift(ctx.model, ctx.reference, as_table(ctx.inputs))
     dbg.add_tab("Drift", DriftPanel(report, backend=ctx.backend))
+    # a red DRIFT badge in the tab: the header's badge is then not a green "healthy"
+    dbg.set_warned("Drift", report.alarm)
 
 
 FEATURE_TAB = FeatureTab(

@@ -91,6 +91,8 @@ class GradcheckPanel:
         self.verdict = widgets.HTML()
         self.verdict.add_class("nbdebug-gc-verdict")
         self.view = PlotView(gradcheck_figure(None), backend=backend)
+        # hidden while there is nothing to draw (see _show_figure)
+        self.plot_box = widgets.VBox([self.view.widget], layout=widgets.Layout(display="none"))
         self.sweep_button = widgets.Button(
             description="check all modules",
             icon="play",
@@ -137,7 +139,7 @@ class GradcheckPanel:
                 self.title,
                 self.pair_select,
                 self.verdict,
-                self.view.widget,
+                self.plot_box,
             ]
         )
         if result is not None:
@@ -205,6 +207,15 @@ class GradcheckPanel:
         self.verdict.value = lines[0] + (f"<ul>{''.join(lines[1:])}</ul>" if len(lines) > 1 else "")
 
     def _show_figure(self, fig: Any) -> None:
+        # nothing to draw (no result, or no pair with a heatmap): no large empty box
+        empty = len(fig.data) == 0
+        shown_before = self.plot_box.layout.display != "none"
+        self.plot_box.layout.display = "none" if empty else None
+        self._update_figure(fig)
+        if not empty and not shown_before:
+            self.view.fit()  # drawn while hidden: sized to its place now
+
+    def _update_figure(self, fig: Any) -> None:
         current = self.view.figure
         same = len(current.data) == len(fig.data) and all(
             a.type == b.type and a.name == b.name for a, b in zip(current.data, fig.data)

@@ -6,6 +6,19 @@
   on update. ``FigureWidget`` is known to fail in Google Colab and in some VS Code set-ups
   (plotly.py#5027, colabtools#5889); this back end works wherever ipywidgets works.
 
+plotly's ``FigureWidget`` sets its data after ipywidgets opened its comm, so the figure
+reaches the front end as a second message; a view drawn before that message is handled
+stays empty (plotly's view does not redraw on it), and anywidget drops a model's messages
+when its module (plotly's 5 MB bundle, loaded once per figure) is not ready within 2 s,
+as on a loaded machine with many figures at once. :class:`DrawnFigureWidget` opens the
+comm once the figure is set, so the data travels in the model's first state.
+
+plotly's anywidget draws a ``FigureWidget`` once, at the width its element has then, or
+700 px when the element is not yet attached or sits in a hidden tab, and never follows its
+container afterwards (plotly.py#5208). So a ``PlotView`` re-fits its figure to the
+container when the front end first reports the drawing, and :func:`fit_figures` does the
+same for every figure under a widget (the debugger calls it when a tab is shown).
+
 ``"auto"`` (the default) picks ``"output"`` in Colab and ``"figurewidget"`` elsewhere. Set
 it with :func:`set_backend` or the ``NBDEBUG_PLOT_BACKEND`` environment variable.
 
@@ -50,6 +63,24 @@ def get_backend() -> str:
     return name
 
 
+class DrawnFigureWidget(go.FigureWidget):
+    """A ``FigureWidget`` whose comm opens with the figure's data and layout in its first
+    state (see the module docstring); otherwise plotly's ``FigureWidget``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._hold_open = True  # ipywidgets opens the comm at the end of Widget.__init__
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self._hold_open = False
+        self.open()
+
+    def open(self) -> None:
+        """Open the comm, with the whole state (not before the figure is set)."""
+        if not getattr(self, "_hold_open", False):
+            super().open()
+
+
 class PlotView:
     """A figure shown in a widget; see the module docstring."""
 
@@ -60,12 +91,27 @@ class PlotView:
         self.widget: widgets.Widget
         self.figure: Any
         if self.backend == "figurewidget":
-            self.figure = go.FigureWidget(fig)
+            self.figure = DrawnFigureWidget(fig)
             self.widget = self.figure
+            # the front end sends the drawn layout back once a view has drawn it: then the
+            # element is in the page, and a re-fit sizes the drawing to it
+            self.figure.observe(self._on_drawn, names="_js2py_layoutDelta")
         else:
             self.figure = go.Figure(fig)
             self.widget = widgets.Output()
             self._render()
+
+    def _on_drawn(self, change: Any) -> None:
+        if not change["new"]:
+            return
+        self.figure.unobserve(self._on_drawn, names="_js2py_layoutDelta")
+        self.fit()
+
+    def fit(self) -> None:
+        """Size the drawing to its container as it is now (``FigureWidget`` only; the
+        ``"output"`` back end follows its container by itself)."""
+        if self.backend == "figurewidget":
+            fit_figure(self.figure)
 
     def _render(self) -> None:
         out = self.widget
@@ -94,9 +140,36 @@ class PlotView:
                 self.figure.data = ()
                 self.figure.add_traces(list(fig.data))
                 self.figure.layout = fig.layout
+            self.fit()
         else:
             self.figure = go.Figure(fig)
             self._render()
 
     def __repr__(self) -> str:
         return f"PlotView(backend={self.backend!r}, traces={len(self.figure.data)})"
+
+
+def fit_figure(figure: go.FigureWidget) -> None:
+    """Have the front end size ``figure``'s drawing to its container now.
+
+    Two layout messages, autosize off then on: plotly.js recomputes the width from the
+    element only when autosize is switched on (setting it to its current value sends
+    nothing). A drawing in a hidden element keeps its size until it is shown and fitted.
+    """
+    figure.layout.autosize = False
+    figure.layout.autosize = True
+
+
+def fit_figures(root: widgets.Widget) -> int:
+    """Fit every ``FigureWidget`` under ``root`` (through ``children``) to its container;
+    returns how many. Call it when ``root`` is shown (e.g. its tab is selected)."""
+    n = 0
+    stack: list[Any] = [root]
+    while stack:
+        w = stack.pop()
+        if isinstance(w, go.FigureWidget):
+            fit_figure(w)
+            n += 1
+        else:
+            stack.extend(getattr(w, "children", ()))
+    return n
