@@ -4,9 +4,10 @@ One Jupyter server (``jupyter lab``, which also serves Notebook 7's ``/notebooks
 starts on a free localhost port in a temporary directory; Playwright drives Debian's
 ``chromium`` (no browser download). Each front end opens its own copy of one notebook: a set-up
 cell, then the :data:`CELLS`, each opening a debugger; the :data:`PANELS` are its tabs, shown
-by clicking them as a user does. The panels are drawn with the default back end, plotly's
-``FigureWidget``; in JupyterLab a second, cheaper pass (:data:`OUTPUT_PANELS`) reads the
-panels with plots drawn by the ``"output"`` back end. For every panel the test asserts
+by clicking them as a user does. The panels are drawn with the default back end
+(``"output"``: plain plotly figures in an ``ipywidgets.Output``);
+``NBDEBUG_BROWSER_BACKEND=figurewidget`` reruns the test with plotly's ``FigureWidget``
+(:data:`BACKEND`). For every panel the test asserts
 
 * the visible text: each expected string is shown, and no table header (``th``) is blank;
 * every plot is drawn with its data, fills its place (a ``FigureWidget`` drawn hidden or
@@ -55,6 +56,7 @@ CHROMIUM_ARGS = [
 ]
 
 SETUP = """%load_ext nbdebug
+import os
 import tempfile
 
 import numpy as np
@@ -68,8 +70,8 @@ from torch import nn
 import nbdebug
 from nbdebug.widgets.plot import get_backend
 
-# the default back end of JupyterLab and Notebook 7: plotly's FigureWidget
-assert get_backend() == "figurewidget", get_backend()
+# the back end this run reads (the default, "output", unless the test asked otherwise)
+assert get_backend() == os.environ.get("NBDEBUG_PLOT_BACKEND", "output"), get_backend()
 
 
 class RowNorm(nn.Module):
@@ -269,57 +271,23 @@ PANELS = (
     Panel("drift", "drift", None, ("x0", "feature"), plots=4),
 )
 
-#: A second, cheaper pass with the ``"output"`` back end (a plain plotly figure in an
-#: ``ipywidgets.Output``, the back end of Colab and of ``NBDEBUG_PLOT_BACKEND=output``): the
-#: panels with plots, in JupyterLab only.
-OUTPUT_CELLS = (
-    Cell(
-        "model-output",
-        'shown(nbdebug.debug(model, x, y, loss_fn, backend="output"), "Step", "model-output")',
-    ),
-    Cell(
-        "snapshot-output",
-        "shown(nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn, "
-        'backend="output"), "History", "snapshot-output")',
-    ),
-    Cell(
-        "drift-output",
-        # the same report (no second SHAP run) in a panel of its own
-        "from nbdebug.widgets.drift import DriftPanel\n"
-        'drift_out = DriftPanel(drift_dbg.panel("Drift").report, backend="output")\n'
-        'drift_out.widget.add_class("panel-drift-output")\n'
-        "drift_out",
-    ),
-)
-OUTPUT_PANELS = (
-    Panel(
-        "step-output",
-        "model-output",
-        None,
-        ("NaN produced in norm", "jump to origin", "#0 input"),
-        plots=2,
-    ),
-    Panel(
-        "layers-output",
-        "model-output",
-        "Layers",
-        ("body.0.weight", "head.bias", "grad_norm", "ratio", "NaN"),
-        plots=1,
-    ),
-    Panel(
-        "history-output",
-        "snapshot-output",
-        None,
-        ("failing step 11", "last steps", "grad_norm", "loss"),
-        plots=1,
-    ),
-    Panel("drift-output", "drift-output", None, ("x0", "feature"), plots=4),
-)
-
 #: The front ends: the page of a notebook file in each, and the cells and panels there.
 FRONT_ENDS = {"lab": "lab/tree/{nb}", "notebook": "notebooks/{nb}"}
-FRONT_END_CELLS = {"lab": CELLS + OUTPUT_CELLS, "notebook": CELLS}
-FRONT_END_PANELS = {"lab": PANELS + OUTPUT_PANELS, "notebook": PANELS}
+FRONT_END_CELLS = {"lab": CELLS, "notebook": CELLS}
+FRONT_END_PANELS = {"lab": PANELS, "notebook": PANELS}
+
+#: Page errors of the front end's own shell, not of any widget (Notebook 7 raises these
+#: while it starts with the test's private settings directory): not failures.
+FRONT_END_NOISE = (
+    "Cannot read properties of undefined (reading 'schema')",
+    "Command 'filebrowser:open-path' not registered.",
+)
+
+#: The back end the kernels draw with: the default, ``"output"``, unless
+#: ``NBDEBUG_BROWSER_BACKEND=figurewidget`` asks for plotly's ``FigureWidget`` (not the
+#: default: anywidget drops figures whose 5 MB module takes over 2 s to load, and a
+#: debugger loads 4 to 9 at once; see :mod:`nbdebug.widgets.plot`).
+BACKEND = os.environ.get("NBDEBUG_BROWSER_BACKEND", "output")
 
 
 def _free_port() -> int:
@@ -392,9 +360,10 @@ def server(tmp_path_factory):
         JUPYTER_RUNTIME_DIR=str(root / "rt"),
         JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
     )
-    # the kernels use the default back end ("auto": FigureWidget here); OUTPUT_PANELS ask
-    # for the other one themselves
+    # the kernels draw with BACKEND: the default one, unless this run asked for another
     env.pop("NBDEBUG_PLOT_BACKEND", None)
+    if BACKEND != "output":
+        env["NBDEBUG_PLOT_BACKEND"] = BACKEND
     # no websocket ping timeouts: on a loaded machine a late pong must not drop the kernel
     # connection (and the widget messages with it)
     (root / "cfg").mkdir()
@@ -467,7 +436,11 @@ PLOTS_JS = """(root) => {
     const legends = [...p.querySelectorAll('.legend')].map(box);
     return {plot: box(p), svg: svg ? box(svg) : null, titles, legends,
             traces: (p.data || []).length,
-            drawn: p.querySelectorAll('.trace, .hm, .barlayer .point').length};
+            // a figure that sets its own width (the square confusion heatmap) keeps it
+            fixed: !!(p.layout && p.layout.width),
+            // SVG traces, heatmap images, bars, or the WebGL canvas of a Scattergl trace
+            drawn: p.querySelectorAll(
+              '.trace, .hm, .heatmaplayer image, .barlayer .point, canvas.gl-canvas').length};
   });
 }"""
 
@@ -497,7 +470,7 @@ PLOTS_READY_JS = (
     + PLOTS_JS
     + """)(r);
   const ok = (p) => p.svg && p.traces > 0 && p.drawn > 0
-    && Math.abs(p.svg.width - p.plot.width) <= 2;
+    && (p.fixed || Math.abs(p.svg.width - p.plot.width) <= 2);
   return plots.length >= n && plots.every(ok); }"""
 )
 
@@ -523,8 +496,10 @@ def _check_panel(panel: Panel, seen: dict) -> None:
         assert svg is not None and svg["width"] > 100, (panel.name, "plot not drawn", plot)
         assert plot["traces"] > 0 and plot["drawn"] > 0, (panel.name, "plot has no data", plot)
         assert svg["right"] <= out["right"] + 1, (panel.name, "plot clipped", svg, out)
-        # sized to its place (plotly's anywidget draws 700 px wide unless fitted)
-        assert abs(svg["width"] - plot["plot"]["width"]) <= 2, (panel.name, "plot not fitted", plot)
+        # sized to its place (plotly's anywidget draws 700 px wide unless fitted), unless the
+        # figure sets its own width
+        fitted = plot["fixed"] or abs(svg["width"] - plot["plot"]["width"]) <= 2
+        assert fitted, (panel.name, "plot not fitted", plot)
         for title in plot["titles"]:
             for legend in plot["legends"]:
                 assert not _overlap(title["box"], legend), (
@@ -659,7 +634,12 @@ def test_every_panel_reads_right(server, front_end):
                     _check_panel(panel, root.evaluate(READ_PANEL_JS))
                 except AssertionError as e:
                     failures.append(f"{panel.name}: {e}"[:3000])
-            errors = [m for m in console if m.startswith("pageerror") or "[anywidget]" in m]
+            errors = [
+                m
+                for m in console
+                if (m.startswith("pageerror") or "[anywidget]" in m)
+                and not any(known in m for known in FRONT_END_NOISE)
+            ]
             assert not failures and not errors, (failures, errors)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / f"{front_end}-failure.png"), full_page=True)
