@@ -4,10 +4,10 @@ One Jupyter server (``jupyter lab``, which also serves Notebook 7's ``/notebooks
 starts on a free localhost port in a temporary directory; Playwright drives Debian's
 ``chromium`` (no browser download). Each front end opens its own copy of one notebook: a set-up
 cell, then the :data:`CELLS`, each opening a debugger; the :data:`PANELS` are its tabs, shown
-by clicking them as a user does. The panels are drawn with the default back end
-(``"output"``: plain plotly figures in an ``ipywidgets.Output``);
-``NBDEBUG_BROWSER_BACKEND=figurewidget`` reruns the test with plotly's ``FigureWidget``
-(:data:`BACKEND`). For every panel the test asserts
+by clicking them as a user does. The panels are drawn with the ``"output"`` back end (plain
+plotly figures in an ``ipywidgets.Output``); ``NBDEBUG_BROWSER_BACKEND=figurewidget`` reruns
+the test with plotly's ``FigureWidget``, the default outside Colab (:data:`BACKEND`). For
+every panel the test asserts
 
 * the visible text: each expected string is shown, and no table header (``th``) is blank;
 * every plot is drawn with its data, fills its place (a ``FigureWidget`` drawn hidden or
@@ -70,7 +70,7 @@ from torch import nn
 import nbdebug
 from nbdebug.widgets.plot import get_backend
 
-# the back end this run reads (the default, "output", unless the test asked otherwise)
+# the back end this run reads (the test's kernels get NBDEBUG_PLOT_BACKEND)
 assert get_backend() == os.environ.get("NBDEBUG_PLOT_BACKEND", "output"), get_backend()
 
 
@@ -283,9 +283,9 @@ FRONT_END_NOISE = (
     "Command 'filebrowser:open-path' not registered.",
 )
 
-#: The back end the kernels draw with: the default, ``"output"``, unless
-#: ``NBDEBUG_BROWSER_BACKEND=figurewidget`` asks for plotly's ``FigureWidget`` (not the
-#: default: anywidget drops figures whose 5 MB module takes over 2 s to load, and a
+#: The back end the kernels draw with: ``"output"``, unless
+#: ``NBDEBUG_BROWSER_BACKEND=figurewidget`` asks for plotly's ``FigureWidget`` (red on a
+#: 2-core machine: anywidget drops figures whose 5 MB module takes over 2 s to load, and a
 #: debugger loads 4 to 9 at once; see :mod:`nbdebug.widgets.plot`).
 BACKEND = os.environ.get("NBDEBUG_BROWSER_BACKEND", "output")
 
@@ -360,10 +360,8 @@ def server(tmp_path_factory):
         JUPYTER_RUNTIME_DIR=str(root / "rt"),
         JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
     )
-    # the kernels draw with BACKEND: the default one, unless this run asked for another
-    env.pop("NBDEBUG_PLOT_BACKEND", None)
-    if BACKEND != "output":
-        env["NBDEBUG_PLOT_BACKEND"] = BACKEND
+    # the kernels draw with BACKEND
+    env["NBDEBUG_PLOT_BACKEND"] = BACKEND
     # no websocket ping timeouts: on a loaded machine a late pong must not drop the kernel
     # connection (and the widget messages with it)
     (root / "cfg").mkdir()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,10 +45,17 @@ def shell():
         sh.user_ns.pop(k, None)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def one_error_line(capsys) -> str:
     out = capsys.readouterr()
+    # a terminal shell has no widget front end: a panel's repr ("VBox(...)") and the
+    # clear-line codes of its plots' Output widgets reach stdout; they are not messages
     lines = [
-        line for line in (out.err + out.out).splitlines() if line.strip() and "VBox(" not in line
+        line
+        for line in (out.err + out.out).splitlines()
+        if _ANSI.sub("", line).strip() and "VBox(" not in line
     ]
     assert len(lines) == 1, lines
     assert "Traceback" not in out.err + out.out

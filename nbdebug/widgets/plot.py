@@ -19,12 +19,8 @@ container afterwards (plotly.py#5208). So a ``PlotView`` re-fits its figure to t
 container when the front end first reports the drawing, and :func:`fit_figures` does the
 same for every figure under a widget (the debugger calls it when a tab is shown).
 
-``"auto"`` (the default) picks ``"output"``: in Colab, where ``FigureWidget`` fails, and
-elsewhere too, because a debugger shows 4 to 9 figures at once and anywidget's 2 s limit
-drops some of them in JupyterLab and Notebook 7 (measured in headless Chromium on a 2-core
-machine: 1 or 2 figures load, 4 at once lose 2, and each ships the 5 MB bundle). Choose
-``"figurewidget"`` (diff updates, nothing redrawn) with :func:`set_backend` or the
-``NBDEBUG_PLOT_BACKEND`` environment variable where the front end loads it reliably.
+``"auto"`` (the default) picks ``"output"`` in Colab and ``"figurewidget"`` elsewhere. Set
+it with :func:`set_backend` or the ``NBDEBUG_PLOT_BACKEND`` environment variable.
 
 Usage in a panel::
 
@@ -37,6 +33,7 @@ Usage in a panel::
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -62,7 +59,7 @@ def get_backend() -> str:
     if name not in BACKENDS:
         name = "auto"
     if name == "auto":
-        return "output"  # why not FigureWidget by default: see the module docstring
+        return "output" if "google.colab" in sys.modules else "figurewidget"
     return name
 
 
