@@ -697,13 +697,7 @@ def _resolve(
                 )
             snap = load_snapshot(snap.path, model, trust_recipe=snap.trust_recipe)
         m = snap.reset_model()
-        if loss_fn is None:
-            loss_fn = snap.loss_fn()
-        if loss_fn is None and snap.target is not None:
-            raise SnapshotError(
-                "this snapshot recorded no loss function but has a target: pass "
-                "diagnose(snapshot, loss_fn=...)."
-            )
+        loss_fn = snap.replay_loss_fn(loss_fn, "diagnose(snapshot, loss_fn=...)")
         if optimizer is not None:
             raise TypeError(
                 "diagnose(snapshot, optimizer=...): a snapshot replays its own optimizer state; "

@@ -558,6 +558,17 @@ class Snapshot:
         """The recorded loss function, rebuilt (``None`` when none was recorded)."""
         return build_loss(self.loss_fn_spec, trust=self.trust_recipe)
 
+    def replay_loss_fn(self, loss_fn: Any, call: str) -> Any:
+        """``loss_fn`` when given, else the recorded one; a :class:`SnapshotError` naming
+        ``call`` (how to pass one) when there is neither but the snapshot has a target."""
+        if loss_fn is None:
+            loss_fn = self.loss_fn()
+        if loss_fn is None and self.target is not None:
+            raise SnapshotError(
+                f"this snapshot recorded no loss function but has a target: pass {call}."
+            )
+        return loss_fn
+
     def restore_rng(self) -> None:
         """Set the global torch / CUDA / numpy / Python RNGs to the stored states."""
         if self.rng is None:
@@ -629,13 +640,7 @@ class Snapshot:
         from .trace import trace as _trace
 
         model = self.reset_model()
-        if loss_fn is None:
-            loss_fn = self.loss_fn()
-        if loss_fn is None and self.target is not None:
-            raise SnapshotError(
-                "this snapshot recorded no loss function but has a target: pass "
-                "snap.trace(loss_fn=...)."
-            )
+        loss_fn = self.replay_loss_fn(loss_fn, "snap.trace(loss_fn=...)")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         inputs = to_device(self.inputs, device)
         target = to_device(self.target, device)
