@@ -258,6 +258,29 @@ def test_a_factory_of_another_architecture_is_one_clear_error(tmp_path: Path) ->
         nbdebug.diagnose(nbdebug.load_snapshot(path), progress=False)
 
 
+def test_a_snapshot_with_a_target_but_no_loss_function_asks_for_one(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    x, y = constant_row()
+    none = nbdebug.save_snapshot(tmp_path / "none.nbsnap", NormNet(), x, y)
+    # a lambda cannot be stored: the snapshot names it but cannot rebuild it
+    anon = nbdebug.save_snapshot(
+        tmp_path / "anon.nbsnap", NormNet(), x, y, loss_fn=lambda o, t: F.cross_entropy(o, t)
+    )
+    expected = {
+        none: r"recorded no loss function but has a target: pass diagnose\(snapshot, loss_fn=",
+        anon: r"has no import path .*pass it again: diagnose\(snapshot, loss_fn=",
+    }
+    for path, message in expected.items():
+        snap = nbdebug.load_snapshot(path, NormNet)
+        assert snap.target is not None
+        with pytest.raises(nbdebug.SnapshotError, match=message):
+            nbdebug.diagnose(snap, progress=False)
+        with pytest.raises(nbdebug.SnapshotError, match=r"pass (it again: )?snap\.trace\("):
+            snap.trace()
+        d = nbdebug.diagnose(snap, loss_fn=F.cross_entropy, progress=False)
+        assert d.cause.kind == "epsilon"
+
+
 def test_budget_zero_replays_only_the_plain_step() -> None:
     model, x, y, opt = _live_norm()
     d = nbdebug.diagnose(model, x, y, F.cross_entropy, optimizer=opt, budget_s=0, progress=False)

@@ -562,7 +562,7 @@ class Snapshot:
         """``loss_fn`` when given, else the recorded one; a :class:`SnapshotError` naming
         ``call`` (how to pass one) when there is neither but the snapshot has a target."""
         if loss_fn is None:
-            loss_fn = self.loss_fn()
+            loss_fn = build_loss(self.loss_fn_spec, trust=self.trust_recipe, call=call)
         if loss_fn is None and self.target is not None:
             raise SnapshotError(
                 f"this snapshot recorded no loss function but has a target: pass {call}."
@@ -713,7 +713,9 @@ __all__ = [
     "FORMAT_VERSION",
     "Snapshot",
     "SnapshotError",
+    "autocast_state",
     "list_snapshots",
     "load_snapshot",
+    "replay_autocast",
     "save_snapshot",
 ]

@@ -232,8 +232,11 @@ def loss_spec(loss_fn: Any) -> dict[str, Any] | None:
     return {"name": object_name(loss_fn), "module": False, "repr": repr(loss_fn)[:200]}
 
 
-def build_loss(spec: Mapping[str, Any] | None, *, trust: bool = False) -> Any:
-    """The loss function recorded by :func:`loss_spec` (``None`` when none was recorded).
+def build_loss(
+    spec: Mapping[str, Any] | None, *, trust: bool = False, call: str = "snap.trace(loss_fn=...)"
+) -> Any:
+    """The loss function recorded by :func:`loss_spec` (``None`` when none was recorded);
+    ``call`` is how the user passes one instead (named in the errors).
 
     Raises
     ------
@@ -247,12 +250,12 @@ def build_loss(spec: Mapping[str, Any] | None, *, trust: bool = False) -> Any:
     if not isinstance(name, str):
         raise SnapshotError(
             f"the snapshot's loss function {spec.get('repr', '?')} has no import path (a lambda, "
-            "closure or partial); pass it again: snap.trace(loss_fn=...)."
+            f"closure or partial); pass it again: {call}."
         )
     if not is_trusted(name) and not trust:
         raise SnapshotError(
             f"the snapshot's loss function is {name!r}, outside torch: load the snapshot with "
-            "trust_recipe=True to import it, or pass snap.trace(loss_fn=...)."
+            f"trust_recipe=True to import it, or pass {call}."
         )
     try:
         obj = import_object(name)
@@ -271,5 +274,5 @@ def build_loss(spec: Mapping[str, Any] | None, *, trust: bool = False) -> Any:
     except Exception as e:
         raise SnapshotError(
             f"cannot rebuild the snapshot's loss function {name!r} ({type(e).__name__}: {e}); "
-            "pass it again: snap.trace(loss_fn=...)."
+            f"pass it again: {call}."
         ) from e

@@ -261,8 +261,8 @@ def quick_parts(t: torch.Tensor) -> QuickParts:
 
 def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     """Statistics vectors (rows) of many tensors from their :func:`quick_parts`, all on
-    one device, with one transfer to the host. NaN/Inf counts are left at -1 (not
-    counted): a finite sum, min and max mean there are none (see
+    one device, with one transfer to the host per dtype among them. NaN/Inf counts are
+    left at -1 (not counted): a finite sum, min and max mean there are none (see
     :func:`vector_is_finite`)."""
     n = len(parts)
     out = np.zeros((n, VECTOR_LEN))
@@ -273,8 +273,19 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     if dead:
         out[dead, IDX_MIN] = out[dead, IDX_MAX] = np.nan
         out[dead, IDX_NNAN] = out[dead, IDX_NINF] = 0.0
-    if not live:
-        return out
+    # one group per dtype: stacking tensors of mixed dtypes takes torch's slow path (about
+    # 10x per tensor; an integer batch measured in float64 among float32 activations), and
+    # float64 samples make :func:`sample_hist` bin all of its samples in float64
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i in live:
+        groups.setdefault((parts[i][0].dtype, parts[i][2].dtype), []).append(i)
+    for idx in groups.values():
+        _assemble_group(parts, idx, out)
+    return out
+
+
+def _assemble_group(parts: list[QuickParts], live: list[int], out: np.ndarray) -> None:
+    """Fill the rows ``live`` of ``out`` from their parts (all of one dtype)."""
     # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
     scal = torch.stack(
         [torch.stack([parts[i][k] for i in live]).to(torch.float64) for k in range(4)], 1
@@ -294,7 +305,6 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     # zeros: scaled up from the sample
     zero_share = hs[:, HIST_BINS] / np.maximum(hs[:, HIST_BINS + 2], 1)
     out[rows, IDX_NNZ] = out[rows, IDX_NUMEL] * (1.0 - zero_share)
-    return out
 
 
 #: samples binned per kernel call in :func:`sample_hist` (bounds its temporaries to a few
@@ -318,25 +328,33 @@ def sample_hist(samples: list[torch.Tensor]) -> torch.Tensor:
         while stop < len(samples) and (stop == start or size + samples[stop].numel() <= HIST_CHUNK):
             size += samples[stop].numel()
             stop += 1
-        chunk = samples[start:stop]
-        lengths = torch.tensor([c.numel() for c in chunk], device=dev)
-        cat = torch.cat([c.reshape(-1).to(dtype) for c in chunk])
-        seg = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)
-        out[start:stop] = _segment_hist(cat, seg, len(chunk))
+        chunk = [
+            c if c.dim() == 1 and c.dtype == dtype else c.reshape(-1).to(dtype)
+            for c in samples[start:stop]
+        ]
+        # each element's row offset in the flat counts, built on the host (exact in
+        # float32: at most HIST_CHUNK rows of HIST_BINS + 3 columns)
+        offsets = np.repeat(
+            np.arange(len(chunk), dtype=np.float32) * (HIST_BINS + 3), [c.numel() for c in chunk]
+        )
+        seg = torch.from_numpy(offsets).to(device=dev, dtype=dtype)
+        out[start:stop] = _segment_hist(torch.cat(chunk), seg, len(chunk))
         start = stop
     return out
 
 
-def _segment_hist(values: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-segment [counts..., n_zero, n_nonfinite, total] of log10|values|."""
+def _segment_hist(values: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-segment [counts..., n_zero, n_nonfinite, total] of log10|values|; ``offsets``
+    holds each element's segment times ``HIST_BINS + 3`` (in ``values``' dtype)."""
     width = HIST_BINS + 3
     mag = values.abs()
-    fin = torch.isfinite(mag)
-    nz = fin & (mag > 0)
-    # zeros (log -inf) and NaN/Inf get their own columns below: no need to mask them here
-    b = ((torch.log10(mag) - HIST_LO) * (HIST_BINS / (HIST_HI - HIST_LO))).floor_()
-    b = torch.where(nz, b.clamp_(0, HIST_BINS - 1), torch.where(fin, HIST_BINS, HIST_BINS + 1))
-    flat_idx = seg * width + b.to(torch.int64)
+    # in place on one temporary: log10 -> bin -> clamp (zeros' -inf and Inf clamp, NaN
+    # stays), then zeros and NaN/Inf get their own columns
+    b = torch.log10(mag).sub_(HIST_LO).mul_(HIST_BINS / (HIST_HI - HIST_LO))
+    b = b.floor_().clamp_(0, HIST_BINS - 1)
+    b = torch.where(mag > 0, b, HIST_BINS)
+    b = torch.where(torch.isfinite(mag), b, HIST_BINS + 1)
+    flat_idx = b.add_(offsets).to(torch.int32)
     counts = torch.bincount(flat_idx, minlength=n * width).to(torch.float64)
     counts = counts.reshape(n, width)
     counts[:, HIST_BINS + 2] = counts[:, : HIST_BINS + 2].sum(1)
