@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -149,14 +150,22 @@ def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
         for f in vs.values():  # warm-up
             f()
         times: dict[str, list[float]] = {k: [] for k in vs}
+        faults: dict[str, list[int]] = {k: [] for k in vs}
         for _ in range(rounds if big else 3 * rounds):
             for k, f in vs.items():
+                n = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t = clock()
                 f()
                 times[k].append(clock() - t)
+                faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - n)
         med = {k: statistics.median(v) for k, v in times.items()}
         ratios = "  ".join(f"{k} {med[k] / med['plain']:.2f}x" for k in vs if k != "plain")
         print(f"{name:12s} plain {med['plain'] * 1e3:7.0f} ms  |  {ratios}")
+        # page faults: memory the allocator handed back to the system and took again;
+        # they cost system time that the ratios include (glibc's trimming depends on the
+        # order of allocations, so they vary from run to run)
+        pf = "  ".join(f"{k} {statistics.median(faults[k]):.0f}" for k in ("plain", "trace"))
+        print(f"{'':12s} minor page faults per call: {pf}")
         del model, x, vs
 
 
