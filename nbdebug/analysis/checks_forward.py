@@ -319,44 +319,28 @@ def forward_findings(
                         ),
                         inp.stats.absmax,
                     )
-        if e.dtype == "float16" and s.absmax > FP16_RISK_FRACTION * FP16_MAX:
-            keep(
-                Finding(
-                    "fp16_overflow_risk",
-                    "warning",
-                    where,
-                    {
-                        "absmax": s.absmax,
-                        "threshold": FP16_RISK_FRACTION * FP16_MAX,
-                        "limit": FP16_MAX,
-                    },
-                    f"float16 activations reach {fmt_num(s.absmax)}, within a factor 2 "
-                    f"of the largest float16 "
-                    "(65504): run this module in float32 or bfloat16, or rescale its inputs.",
-                    event=e.index,
-                    module=e.module,
-                ),
-                s.absmax,
-            )
-        elif (
-            mixed_precision
-            and is_floating(e.dtype)
-            and e.dtype != "float16"
-            and s.absmax > FP16_RISK_FRACTION * FP16_MAX
-        ):
-            keep(
-                Finding(
-                    "fp16_overflow_risk",
-                    "warning",
-                    where,
-                    {
-                        "absmax": s.absmax,
-                        "threshold": FP16_RISK_FRACTION * FP16_MAX,
-                        "limit": FP16_MAX,
-                    },
+        fp16_risk = s.absmax > FP16_RISK_FRACTION * FP16_MAX
+        if fp16_risk and (e.dtype == "float16" or (mixed_precision and is_floating(e.dtype))):
+            if e.dtype == "float16":
+                text = (
+                    f"float16 activations reach {fmt_num(s.absmax)}, within a factor 2 of the "
+                    "largest float16 (65504): run this module in float32 or bfloat16, or "
+                    "rescale its inputs."
+                )
+            else:
+                text = (
                     f"activations reach {fmt_num(s.absmax)}: under float16 autocast (a "
-                    f"GradScaler is in use) "
-                    "this module's output would overflow 65504; use bfloat16 autocast or rescale.",
+                    "GradScaler is in use) this module's output would overflow 65504; use "
+                    "bfloat16 autocast or rescale."
+                )
+            limits = {"threshold": FP16_RISK_FRACTION * FP16_MAX, "limit": FP16_MAX}
+            keep(
+                Finding(
+                    "fp16_overflow_risk",
+                    "warning",
+                    where,
+                    {"absmax": s.absmax, **limits},
+                    text,
                     event=e.index,
                     module=e.module,
                 ),

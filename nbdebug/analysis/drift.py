@@ -49,7 +49,7 @@ from .drift_data import prepare_batches
 from .drift_exposure import EXPOSURE_MIN, exposure_table, quadrant
 from .drift_groups import groups_frame, name_groups
 from .drift_sample import DEFAULT_SAMPLING_ERROR, dkw_error, rows_for_error, stratified_rows
-from .explain import EXPLAINERS, adapt_model, explain_batches, predict_batches
+from .explain import adapt_model, check_explainer, explain_batches, predict_batches
 from .explain_pipeline import takes_strings
 
 __all__ = ["ClassifierTest", "ClusterTest", "DriftReport", "drift", "drift_from_shap"]
@@ -805,16 +805,7 @@ def drift(
         rows), a model without ``predict_proba``/``predict``, or bad options, each in one
         sentence. Fewer than 20 rows in a batch only warns.
     """
-    if explainer not in EXPLAINERS:
-        raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
-    if (
-        isinstance(background, bool)
-        or not isinstance(background, (int, np.integer))
-        or background < 1
-    ):
-        raise ValueError(
-            f"background must be a positive number of reference rows; got {background!r}."
-        )
+    check_explainer(explainer, background)
     if (
         isinstance(sampling_error, bool)
         or not isinstance(sampling_error, (int, float))

@@ -599,6 +599,21 @@ def predict_batches(
         return adapter.predict(reference), adapter.predict(current)
 
 
+def check_explainer(explainer: Any, background: Any) -> None:
+    """One ValueError sentence for an unknown ``explainer`` or a ``background`` that is not
+    a positive number of rows (shared by :func:`explain_batches` and ``drift``)."""
+    if explainer not in EXPLAINERS:
+        raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
+    if (
+        isinstance(background, bool)
+        or not isinstance(background, (int, np.integer))
+        or background < 1
+    ):
+        raise ValueError(
+            f"background must be a positive number of reference rows; got {background!r}."
+        )
+
+
 def explain_batches(
     model: Any,
     reference: np.ndarray,
@@ -642,16 +657,7 @@ def explain_batches(
     """
     from tqdm.auto import tqdm
 
-    if explainer not in EXPLAINERS:
-        raise ValueError(f"explainer must be one of {EXPLAINERS}; got {explainer!r}.")
-    if (
-        isinstance(background, bool)
-        or not isinstance(background, (int, np.integer))
-        or background < 1
-    ):
-        raise ValueError(
-            f"background must be a positive number of reference rows; got {background!r}."
-        )
+    check_explainer(explainer, background)
     d = reference.shape[1]
     if adapter is None:
         adapter = adapt_model(model, d)
