@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -70,6 +72,28 @@ def test_first_nonfinite_is_the_first_event_holding_nan() -> None:
     assert first is not None and first.module == "child"
     assert all(e.finite for e in tr.events[: first.index])
     assert tr.origin is not None and tr.origin.module == ""
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_target_is_the_origin_not_the_loss(bad: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    y[4, 0] = bad
+    tr = nbdebug.trace(model, x, target=y, loss_fn=F.mse_loss)
+    o = tr.origin
+    assert o is not None
+    assert (o.phase, o.kind, o.name, o.samples) == ("input", "target", "target", [4])
+    assert not math.isfinite(tr.loss)
+    # the batch's own tensors come first, and a finite target is recorded as well
+    assert [(e.kind, e.name) for e in tr.events[:2]] == [("input", "x"), ("target", "target")]
+    assert "the target (input), row 4" in repr(tr)
+    assert tr.masks == []  # an Inf in the target reaches only the loss: never a mask
+    [f] = [f for f in nbdebug.check(tr) if f.code == "nonfinite_input"]
+    assert f.where == "row 4 of input target" and f.rows == [4]
+    pairs = nbdebug.trace(model, x, target=(y, y.clone()), loss_fn=lambda o, t: F.mse_loss(o, t[1]))
+    assert [e.name for e in pairs.events if e.kind == "target"] == ["target[0]", "target[1]"]
+    assert pairs.origin is not None and pairs.origin.name == "target[0]"
 
 
 def test_events_cover_every_module_phase_and_parameter() -> None:

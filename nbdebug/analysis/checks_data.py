@@ -61,7 +61,8 @@ def trace_input_findings(view: TraceView) -> list[Finding]:
                     rows=list(e.samples),
                 )
             )
-        if is_floating(e.dtype) or e.dtype.startswith("complex"):
+        if e.kind == "input" and (is_floating(e.dtype) or e.dtype.startswith("complex")):
+            # (a target's scale is the loss's business: regression targets in their units)
             spread = s.max - s.min
             if spread == spread and spread > UNSCALED_RANGE:  # NaN-safe
                 out.append(

@@ -1221,7 +1221,8 @@ def _origin_text(tr: Trace | None, plain: StepOutcome) -> str:
         return "forward, loss and backward are finite"
     what = "NaN" if o.stats.n_nan else "Inf"
     if o.phase == "input":
-        where = "the batch itself holds " + what
+        held = "the target" if o.kind == "target" else "the batch itself"
+        where = f"{held} holds {what} (`{o.name}`)"
     elif o.phase == "loss":
         where = f"the loss turns finite outputs into {what}"
     else:

@@ -73,13 +73,14 @@ class Event:
     index : int
         Position in ``Trace.events``.
     phase : str
-        ``"input"`` (the batch), ``"forward"`` (a module's output), ``"loss"`` or
-        ``"backward"`` (a gradient).
+        ``"input"`` (the batch and the target), ``"forward"`` (a module's output),
+        ``"loss"`` or ``"backward"`` (a gradient).
     module : str
         Qualified name as in ``model.named_modules()``; ``""`` is the model itself (and
         the batch and the loss).
     kind : str
-        ``"input"``, ``"output"``, ``"loss"``, ``"grad_output"`` (gradient arriving at a
+        ``"input"`` (a batch tensor), ``"target"`` (a tensor of ``target``, the second
+        argument of the loss), ``"output"``, ``"loss"``, ``"grad_output"`` (gradient arriving at a
         module's output), ``"grad_input"`` (gradient leaving a module through an input
         that no other module produced) or ``"param_grad"``.
     name : str

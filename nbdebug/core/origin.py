@@ -84,8 +84,8 @@ def batch_masks(rec: Recorder) -> MaskInfo:
             bad_rows.update(r.samples if not vector_is_finite(r.vector) else ())
         all_finite = all_finite and vector_is_finite(r.vector)
     for i, r in enumerate(rec.raw):
-        if r.phase != "input" or vector_is_finite(r.vector) or nan_count(r.vector) > 0:
-            continue
+        if r.kind != "input" or vector_is_finite(r.vector) or nan_count(r.vector) > 0:
+            continue  # (a target reaches only the loss: its Inf is never a mask)
         if all_finite:
             used = True
         elif rows_known and rec.batch_size:

@@ -226,10 +226,14 @@ class Recorder:
         return len(self.slots) - 1
 
     # ------------------------------------------------------------------ inputs
-    def record_batch(self, inputs: Any) -> None:
+    def record_batch(self, inputs: Any, target: Any = None) -> None:
+        """The batch's tensors (kind ``"input"``), then the target's (kind ``"target"``:
+        a NaN label is a bad batch too, not something the loss produced)."""
         prefix = "x" if isinstance(inputs, torch.Tensor) else "inputs"
-        for name, t in named_tensors(inputs, prefix):
-            i = self._record("input", "input", "", name, t, -1, 0)
+        tensors = [("input", name, t) for name, t in named_tensors(inputs, prefix)]
+        tensors += [("target", name, t) for name, t in named_tensors(target, "target")]
+        for kind, name, t in tensors:
+            i = self._record("input", kind, "", name, t, -1, 0)
             if self.exact:
                 fin = vector_is_finite(self.raw[i].vector)
                 self.raw[i].slot = self.new_slot(t, -1, fin, bool(self.raw[i].vector[IDX_NNAN] > 0))

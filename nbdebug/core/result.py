@@ -202,9 +202,12 @@ class Trace:
                 )
             return "healthy"
         kind = "NaN" if o.stats.n_nan else "Inf"
-        where = o.module or (
-            "the batch" if o.phase == "input" else "the loss" if o.phase == "loss" else "<model>"
-        )
+        if o.module:
+            where = o.module
+        elif o.phase == "input":
+            where = "the target" if o.kind == "target" else "the batch"
+        else:
+            where = "the loss" if o.phase == "loss" else "<model>"
         bits = [o.phase]
         made = o.chain.describe() if len(o.chain) > 1 else ""
         if o.op and not made:

@@ -65,7 +65,8 @@ def trace(
         ``model(x)``, ``model(*inputs)`` or ``model(**inputs)``. Rows along the first
         dimension of the first tensor are the batch rows reported in ``Event.samples``.
     target : optional
-        Passed to ``loss_fn(output, target)``.
+        Passed to ``loss_fn(output, target)``; its tensors are recorded after the batch's
+        (``phase="input"``, ``kind="target"``), so a NaN label is found as a bad batch.
     loss_fn : callable, optional
         ``loss_fn(output, target)`` or ``loss_fn(output)``. Without it the loss is
         ``output["loss"]``, ``output.loss`` or the output itself when it is a scalar.
@@ -191,7 +192,7 @@ def _run(
     with HookSet() as hooks:
         rec.install(hooks, st.params)
         try:
-            rec.record_batch(inputs)
+            rec.record_batch(inputs, target)
             with torch.enable_grad():
                 output = call_model(model, _fresh(inputs))
                 stage = "loss"
