@@ -127,8 +127,9 @@ def test_a_pattern_matching_nothing_is_one_clear_sentence(option: str) -> None:
     assert msg.startswith(f"{option}='encoder.*' matches no module of Sequential")
     assert "'0.0'" in msg and msg.count(". ") == 0
     assert_unchanged(before, model)
-    with pytest.raises(ValueError, match="expects module name patterns"):
-        nbdebug.trace(model, x, loss_fn=_mse, **{option: [3]})
+    for bad in ([3], 3, b"0"):
+        with pytest.raises(ValueError, match=rf"{option}= expects module name patterns .*got"):
+            nbdebug.trace(model, x, loss_fn=_mse, **{option: bad})
 
 
 def test_keep_keeps_exactly_the_named_activations_with_their_memory() -> None:

@@ -458,7 +458,12 @@ def select_modules(
     ``option`` when a pattern matches nothing."""
     if patterns is None:
         return None
-    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    if isinstance(patterns, str):
+        pats = [patterns]
+    elif isinstance(patterns, (list, tuple, set, frozenset)):
+        pats = list(patterns)
+    else:
+        pats = []
     if not pats or not all(isinstance(p, str) for p in pats):
         raise ValueError(
             f"{option}= expects module name patterns (a str or a list of str), got {patterns!r}"
