@@ -96,6 +96,27 @@ def test_a_nonfinite_target_is_the_origin_not_the_loss(bad: float) -> None:
     assert pairs.origin is not None and pairs.origin.name == "target[0]"
 
 
+def test_an_inf_the_forward_absorbs_but_the_backward_multiplies_is_bad_data() -> None:
+    class GRUNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(8, 16, batch_first=True)
+            self.fc = nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.gru(x)[0]).mean((1, 2))
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8)
+    x[1, 2, 0] = float("inf")  # the gates saturate: every output stays finite
+    tr = nbdebug.trace(GRUNet(), x, target=torch.zeros(3), loss_fn=F.mse_loss)
+    assert tr.loss is not None and math.isfinite(tr.loss)
+    o = tr.origin
+    assert o is not None and (o.phase, o.name, o.samples) == ("input", "x", [1])
+    assert tr.masks == []
+    assert "backward of gru turns it into NaN: bad data, not a mask" in o.note
+
+
 def test_events_cover_every_module_phase_and_parameter() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 2)))
     x, y = torch.randn(5, 4), torch.randn(5, 2)

@@ -57,6 +57,22 @@ class MaskInfo:
             return True
         return self.lenient and not slot.has_nan and not slot.from_output
 
+    def fed_to_backward(self, rec: Recorder, loc: Located) -> list[int]:
+        """The batch "masks" that the module of a backward origin consumed itself: an Inf
+        that the forward absorbed (a GRU's gates saturate) but that the backward
+        multiplies by a zero gradient is bad data, not a mask."""
+        if loc.event is None or loc.call < 0 or rec.raw[loc.event].phase != "backward":
+            return []
+        consumed = set(rec.calls[loc.call].input_slots)
+        return [i for i in self.batch if rec.raw[i].slot in consumed]
+
+    def unmask(self, rec: Recorder, events: list[int]) -> None:
+        """No longer take these batch events for masks."""
+        for i in events:
+            self.batch.remove(i)
+            self.slots.discard(rec.raw[i].slot)
+        self.lenient = bool(self.batch)
+
     def mask_inputs(self, rec: Recorder, call: int) -> tuple[int, ...]:
         """Positions of a call's inputs that are masks (non-finite but clean)."""
         return tuple(

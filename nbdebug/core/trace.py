@@ -350,12 +350,26 @@ def _find_origin(
     module whose non-finite output the replay shows to be an intended mask is set aside
     and the rules are applied again."""
     masks = batch_masks(rec)
-    texts = [_batch_mask_text(rec.raw[i], t) for i, t in _mask_tensors(rec, masks, inputs)]
+    batch_texts = {i: _batch_mask_text(rec.raw[i], t) for i, t in _mask_tensors(rec, masks, inputs)}
+    texts = list(batch_texts.values())
+    unmasked = ""
     modules = dict(model.named_modules())
     for round_ in range(_MAX_MASK_ROUNDS):
         loc = locate(rec, bad_params, masks)
         if loc.event is None:
             break
+        fed = masks.fed_to_backward(rec, loc)
+        if fed:
+            masks.unmask(rec, fed)
+            texts = [batch_texts[i] for i in masks.batch if i in batch_texts]
+            module = rec.calls[loc.call].module or "<model>"
+            names = ", ".join(f"`{rec.raw[i].name}`" for i in fed)
+            made = "NaN" if loc.kind == "nan" else "Inf"
+            unmasked = (
+                f"the Inf in {names} did not reach the model's output, but the backward of "
+                f"{module} turns it into {made}: bad data, not a mask"
+            )
+            continue
         event_index = loc.event
         try:
             finding, event_index, loc = _replay(
@@ -369,7 +383,9 @@ def _find_origin(
             masks.slots.add(rec.raw[event_index].slot)
             texts.append(f"{call.module or '<model>'} outputs -inf values used as a mask")
             continue
-        return _found(rec, loc, event_index, finding, texts)
+        found = _found(rec, loc, event_index, finding, texts)
+        found.note = "; ".join(x for x in (unmasked, found.note) if x)
+        return found
     return _Found(event=-1, masks=texts) if texts else None
 
 
