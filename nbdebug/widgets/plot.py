@@ -2,9 +2,14 @@
 
 * ``"figurewidget"``: plotly's ``FigureWidget`` (an anywidget since plotly 6): updates
   are sent as trace/layout diffs, nothing is redrawn.
-* ``"output"``: a plain ``go.Figure`` rendered into an ``ipywidgets.Output`` and replaced
-  on update. ``FigureWidget`` is known to fail in Google Colab and in some VS Code set-ups
-  (plotly.py#5027, colabtools#5889); this back end works wherever ipywidgets works.
+* ``"output"``: a plain ``go.Figure`` whose mime bundle (:func:`figure_output`: plotly's
+  JSON mime type, or in Colab a small HTML page that loads plotly.js from its CDN; never
+  plotly.js itself) is set as the ``outputs`` of an ``ipywidgets.Output`` and replaced on
+  update; a figure that did not change sends nothing. It works wherever ipywidgets works.
+  The figure is not captured with ``with out: display(fig)``: under nbclient (nbconvert,
+  papermill, the lesson tests) every captured message made the client write the widget's
+  outputs back to the kernel, which stalled the cell for the client's whole timeout
+  (:mod:`nbdebug.widgets.output` says how).
 
 plotly's ``FigureWidget`` sets its data after ipywidgets opened its comm, so the figure
 reaches the front end as a second message; a view drawn before that message is handled
@@ -19,8 +24,13 @@ container afterwards (plotly.py#5208). So a ``PlotView`` re-fits its figure to t
 container when the front end first reports the drawing, and :func:`fit_figures` does the
 same for every figure under a widget (the debugger calls it when a tab is shown).
 
-``"auto"`` (the default) picks ``"output"`` in Colab and ``"figurewidget"`` elsewhere. Set
-it with :func:`set_backend` or the ``NBDEBUG_PLOT_BACKEND`` environment variable.
+``"auto"`` (the default) picks ``"output"`` everywhere: ``FigureWidget`` is known to fail in
+Google Colab and in some VS Code set-ups (plotly.py#5027, colabtools#5889), and a debugger
+shows 4 to 9 figures at once, which anywidget's 2 s limit freezes in JupyterLab and Notebook
+7 (measured in headless Chromium on a 2-core machine: 1 or 2 figures load, 4 at once lose 2,
+and each ships the 5 MB bundle). Choose ``"figurewidget"`` (diff updates, nothing redrawn)
+with :func:`set_backend` or ``NBDEBUG_PLOT_BACKEND=figurewidget`` where the front end loads
+it reliably.
 
 Usage in a panel::
 
@@ -33,13 +43,14 @@ Usage in a panel::
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
+
+from .output import display_output, show_outputs
 
 BACKENDS = ("auto", "figurewidget", "output")
 _backend: str | None = None
@@ -59,7 +70,7 @@ def get_backend() -> str:
     if name not in BACKENDS:
         name = "auto"
     if name == "auto":
-        return "output" if "google.colab" in sys.modules else "figurewidget"
+        return "output"  # why not FigureWidget by default: see the module docstring
     return name
 
 
@@ -116,12 +127,7 @@ class PlotView:
     def _render(self) -> None:
         out = self.widget
         assert isinstance(out, widgets.Output)
-        out.clear_output(wait=True)
-        with out:
-            # plotly's mimebundle renders in JupyterLab, Notebook 7, VS Code and Colab.
-            from IPython.display import display
-
-            display(self.figure)
+        show_outputs(out, figure_output(self.figure))
 
     @contextmanager
     def batch_update(self) -> Iterator[Any]:
@@ -147,6 +153,23 @@ class PlotView:
 
     def __repr__(self) -> str:
         return f"PlotView(backend={self.backend!r}, traces={len(self.figure.data)})"
+
+
+def figure_output(fig: go.Figure) -> dict[str, Any]:
+    """``fig`` as one ``display_data`` output (nbformat's dict, JSON-ready).
+
+    The mime bundle of plotly's default renderers (``plotly.io.renderers.default``, chosen by
+    plotly for the front end: its JSON mime type in JupyterLab, Notebook 7 and VS Code, a
+    small HTML page in Colab), the types ``display(fig)`` would send; plotly's JSON mime type
+    where the default renders no mime type (a terminal shell's ``"browser"``: no browser is
+    opened for a panel).
+    """
+    import plotly.io as pio
+
+    bundle = fig._repr_mimebundle_()
+    if not bundle:
+        bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
+    return display_output(bundle)
 
 
 def fit_figure(figure: go.FigureWidget) -> None:
