@@ -30,12 +30,9 @@ def object_output(obj: Any) -> dict[str, Any]:
     from IPython.core.formatters import DisplayFormatter
     from IPython.core.interactiveshell import InteractiveShell
 
-    formatter = (
-        InteractiveShell.instance().display_formatter
-        if InteractiveShell.initialized()
-        else DisplayFormatter()
-    )
-    data, metadata = formatter.format(obj)
+    shell = InteractiveShell.instance() if InteractiveShell.initialized() else None
+    formatter = shell.display_formatter if shell is not None else None
+    data, metadata = (formatter or DisplayFormatter()).format(obj)
     return display_output(data, metadata)
 
 

@@ -158,15 +158,27 @@ class PlotView:
 def figure_output(fig: go.Figure) -> dict[str, Any]:
     """``fig`` as one ``display_data`` output (nbformat's dict, JSON-ready).
 
-    The mime bundle of plotly's default renderers (``plotly.io.renderers.default``, chosen by
-    plotly for the front end: its JSON mime type in JupyterLab, Notebook 7 and VS Code, a
-    small HTML page in Colab), the types ``display(fig)`` would send; plotly's JSON mime type
-    where the default renders no mime type (a terminal shell's ``"browser"``: no browser is
-    opened for a panel).
+    The mime types of plotly's default renderers (``plotly.io.renderers.default``, which
+    plotly picks for the front end: its JSON mime type in JupyterLab, Notebook 7 and VS Code,
+    an HTML page that loads plotly.js from its CDN in Colab), as ``display(fig)`` would send
+    them, less the classic notebook's ``"notebook"`` HTML (it draws only after plotly.js,
+    5 MB, was embedded into the page once); plotly's JSON mime type where no renderer is left
+    (a terminal shell's ``"browser"``: no browser tab opens for a panel). Nothing is activated
+    or published: the output is data for :func:`nbdebug.widgets.output.show_outputs`.
     """
     import plotly.io as pio
+    from plotly.io.base_renderers import MimetypeRenderer, NotebookRenderer
 
-    bundle = fig._repr_mimebundle_()
+    bundle: dict[str, Any] = {}
+    for name in (pio.renderers.default or "").split("+"):
+        if name not in pio.renderers:  # "" (no default)
+            continue
+        renderer = pio.renderers[name]
+        if not isinstance(renderer, MimetypeRenderer):
+            continue
+        if isinstance(renderer, NotebookRenderer) and not renderer.connected:
+            continue
+        bundle.update(renderer.to_mimebundle(fig.to_dict()))
     if not bundle:
         bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
     return display_output(bundle)
