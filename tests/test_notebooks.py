@@ -91,4 +91,5 @@ def test_output_plots_write_nothing_back_under_nbclient(monkeypatch, tmp_path):
         if model["model_name"] == "OutputModel"
         for out in model["state"].get("outputs", [])
     ]
-    assert len(plots) >= 2 and all(p["data"] for p in plots)
+    # the norm plot and the histogram at least (the Gradcheck tab's has nothing to draw)
+    assert sum(bool(p["data"]) for p in plots) >= 2
