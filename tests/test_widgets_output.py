@@ -137,3 +137,21 @@ def test_a_custom_sample_view_is_set_not_captured(no_capture, tmp_path):
         journal=tmp_path / "c.jsonl",
     )
     assert _plotted(fig.sample_out)["data"][0]["y"] == [fig.current]
+
+
+def test_figure_output_is_what_plotly_sends(monkeypatch):
+    """The JSON mime type is built in fewer passes than plotly's renderer: the same data."""
+    import datetime
+
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")
+    fig = go.Figure(
+        [
+            go.Scatter(x=np.arange(4), y=np.array([1.0, np.nan, np.inf, -2.5]), name="</script>"),
+            go.Bar(x=[datetime.date(2026, 1, d) for d in (1, 2)], y=(float("nan"), np.float32(3))),
+        ],
+        layout={"title": {"text": "<b>t</b>"}},
+    )
+    ours = figure_output(fig)["data"][PLOTLY_JSON]
+    assert ours == pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())[PLOTLY_JSON]
+    assert ours["data"][1]["y"][0] is None  # NaN as null, as plotly writes it
+    json.dumps(ours, allow_nan=False)
