@@ -4,9 +4,10 @@ One Jupyter server (``jupyter lab``, which also serves Notebook 7's ``/notebooks
 starts on a free localhost port in a temporary directory; Playwright drives Debian's
 ``chromium`` (no browser download). Each front end opens its own copy of one notebook: a set-up
 cell, then the :data:`CELLS`, each opening a debugger; the :data:`PANELS` are its tabs, shown
-by clicking them as a user does. The panels are drawn with the ``"output"`` back end (plain
-plotly figures in an ``ipywidgets.Output``); ``NBDEBUG_BROWSER_BACKEND=figurewidget`` reruns
-the test with plotly's ``FigureWidget``, the default outside Colab (:data:`BACKEND`). For
+by clicking them as a user does. The panels are drawn with the default ``"output"`` back end
+(plain plotly figures set as the outputs of an ``ipywidgets.Output``);
+``NBDEBUG_BROWSER_BACKEND=figurewidget`` reruns the test with plotly's ``FigureWidget``
+(:data:`BACKEND`). For
 every panel the test asserts
 
 * the visible text: each expected string is shown, and no table header (``th``) is blank;

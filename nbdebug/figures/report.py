@@ -185,6 +185,14 @@ table.fixes tr.finite td.finite {{ color: {OK}; font-weight: 600; }}
 """
 
 
+def cost_text(cost: float | None) -> str:
+    """A fix's cost (its replay's seconds over the plain replay's) to 2-3 significant
+    digits: ``"173x"``, ``"1.4x"``, ``"0.95x"``; ``"-"`` when unknown."""
+    if cost is None or cost != cost:
+        return "-"
+    return f"{cost:.0f}x" if abs(cost) >= 100 else f"{float(f'{cost:.2g}'):g}x"
+
+
 def diagnosis_table(d: Diagnosis) -> str:
     """The ranked rows of a :class:`~nbdebug.analysis.diagnose.Diagnosis` as an HTML table
     (rank, kind, module, rows, finite, loss, gradient norm, cost, the change, the snippet
@@ -206,7 +214,7 @@ def diagnosis_table(d: Diagnosis) -> str:
     ]
     body = []
     for _, r in d.to_frame().iterrows():
-        cost = "-" if r["cost"] is None or r["cost"] != r["cost"] else f"{r['cost']:.2f}x"
+        cost = cost_text(r["cost"])
         cells = [
             html.escape(str(r["rank"])),
             html.escape(str(r["kind"])),

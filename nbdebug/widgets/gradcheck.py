@@ -115,6 +115,8 @@ class GradcheckPanel:
         self.table.add_class("nbdebug-gc-table")
 
         self.pair_select.observe(self._on_pair, names="value")
+        self.pair_select.observe(self._on_pairs, names="options")
+        self._on_pairs()
         self.table.observe(self._on_row, names="value")
         self.sweep_button.on_click(lambda _: self.run_sweep())
 
@@ -188,6 +190,16 @@ class GradcheckPanel:
 
     def _on_pair(self, change: dict[str, Any]) -> None:
         self._draw()
+
+    def _on_pairs(self, change: Any = None) -> None:
+        # no pair to pick: no empty selector; one: shown (it names the pair), not a choice
+        n = len(self.pair_select.options)
+        with self.pair_select.hold_sync():
+            self.pair_select.layout.display = "none" if n == 0 else None
+            self.pair_select.disabled = n == 1
+            self.pair_select.tooltip = (
+                "the only (output, input) pair of this check" if n == 1 else None
+            )
 
     def _draw(self) -> None:
         pair = self.pair

@@ -17,12 +17,14 @@ from typing import Any
 import ipywidgets as widgets
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
 
 from ..analysis.review import LabelReview
 from ..core.text import fmt_num
 from ..figures import labels as figs
 from ..figures.palette import BLUE, GREEN, MUTED_TEXT, RED
-from .plot import PlotView
+from .output import object_output, show_outputs
+from .plot import PlotView, figure_output
 from .tabs import FeatureTab, TabContext, as_table
 
 KEYS = {"k": "keep", "r": "relabel", "x": "exclude", "s": "skip", "u": "undo"}
@@ -394,7 +396,7 @@ class LabelCleaner:
     def _draw_sample(self, item: int | None) -> None:
         if item is None:
             if self.kind == "custom":
-                self.sample_out.clear_output()
+                show_outputs(self.sample_out)
             elif self.image is None:
                 self.sample_html.value = "<i>done</i>"
             return
@@ -406,11 +408,12 @@ class LabelCleaner:
         elif self.kind == "custom":
             assert self.render is not None
             out = self.render(s, item)
-            self.sample_out.clear_output(wait=True)
-            with self.sample_out:
-                from IPython.display import HTML, display
+            if isinstance(out, str):
+                from IPython.display import HTML
 
-                display(HTML(out) if isinstance(out, str) else out)
+                out = HTML(out)
+            shown = figure_output(out) if isinstance(out, go.Figure) else object_output(out)
+            show_outputs(self.sample_out, shown)
         elif self.kind == "table":
             self.sample_html.value = _table_html(s)
         elif self.kind == "text":

@@ -2,9 +2,14 @@
 
 * ``"figurewidget"``: plotly's ``FigureWidget`` (an anywidget since plotly 6): updates
   are sent as trace/layout diffs, nothing is redrawn.
-* ``"output"``: a plain ``go.Figure`` rendered into an ``ipywidgets.Output`` and replaced
-  on update. ``FigureWidget`` is known to fail in Google Colab and in some VS Code set-ups
-  (plotly.py#5027, colabtools#5889); this back end works wherever ipywidgets works.
+* ``"output"``: a plain ``go.Figure`` whose mime bundle (:func:`figure_output`: plotly's
+  JSON mime type, or in Colab a small HTML page that loads plotly.js from its CDN; never
+  plotly.js itself) is set as the ``outputs`` of an ``ipywidgets.Output`` and replaced on
+  update; a figure that did not change sends nothing. It works wherever ipywidgets works.
+  The figure is not captured with ``with out: display(fig)``: under nbclient (nbconvert,
+  papermill, the lesson tests) every captured message made the client write the widget's
+  outputs back to the kernel, which stalled the cell for the client's whole timeout
+  (:mod:`nbdebug.widgets.output` says how).
 
 plotly's ``FigureWidget`` sets its data after ipywidgets opened its comm, so the figure
 reaches the front end as a second message; a view drawn before that message is handled
@@ -19,8 +24,13 @@ container afterwards (plotly.py#5208). So a ``PlotView`` re-fits its figure to t
 container when the front end first reports the drawing, and :func:`fit_figures` does the
 same for every figure under a widget (the debugger calls it when a tab is shown).
 
-``"auto"`` (the default) picks ``"output"`` in Colab and ``"figurewidget"`` elsewhere. Set
-it with :func:`set_backend` or the ``NBDEBUG_PLOT_BACKEND`` environment variable.
+``"auto"`` (the default) picks ``"output"`` everywhere: ``FigureWidget`` is known to fail in
+Google Colab and in some VS Code set-ups (plotly.py#5027, colabtools#5889), and a debugger
+shows 4 to 9 figures at once, which anywidget's 2 s limit freezes in JupyterLab and Notebook
+7 (measured in headless Chromium on a 2-core machine: 1 or 2 figures load, 4 at once lose 2,
+and each ships the 5 MB bundle). Choose ``"figurewidget"`` (diff updates, nothing redrawn)
+with :func:`set_backend` or ``NBDEBUG_PLOT_BACKEND=figurewidget`` where the front end loads
+it reliably.
 
 Usage in a panel::
 
@@ -32,8 +42,8 @@ Usage in a panel::
 
 from __future__ import annotations
 
+import json
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,7 +51,10 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
+from .output import display_output, show_outputs
+
 BACKENDS = ("auto", "figurewidget", "output")
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
 _backend: str | None = None
 
 
@@ -59,7 +72,7 @@ def get_backend() -> str:
     if name not in BACKENDS:
         name = "auto"
     if name == "auto":
-        return "output" if "google.colab" in sys.modules else "figurewidget"
+        return "output"  # why not FigureWidget by default: see the module docstring
     return name
 
 
@@ -116,12 +129,7 @@ class PlotView:
     def _render(self) -> None:
         out = self.widget
         assert isinstance(out, widgets.Output)
-        out.clear_output(wait=True)
-        with out:
-            # plotly's mimebundle renders in JupyterLab, Notebook 7, VS Code and Colab.
-            from IPython.display import display
-
-            display(self.figure)
+        show_outputs(out, figure_output(self.figure))
 
     @contextmanager
     def batch_update(self) -> Iterator[Any]:
@@ -147,6 +155,49 @@ class PlotView:
 
     def __repr__(self) -> str:
         return f"PlotView(backend={self.backend!r}, traces={len(self.figure.data)})"
+
+
+def figure_output(fig: go.Figure) -> dict[str, Any]:
+    """``fig`` as one ``display_data`` output (nbformat's dict, JSON-ready).
+
+    The mime types of plotly's default renderers (``plotly.io.renderers.default``, which
+    plotly picks for the front end: its JSON mime type in JupyterLab, Notebook 7 and VS Code,
+    an HTML page that loads plotly.js from its CDN in Colab), as ``display(fig)`` would send
+    them, less the classic notebook's ``"notebook"`` HTML (it draws only after plotly.js,
+    5 MB, was embedded into the page once); plotly's JSON mime type where no renderer is left
+    (a terminal shell's ``"browser"``: no browser tab opens for a panel). Nothing is activated
+    or published: the output is data for :func:`nbdebug.widgets.output.show_outputs`.
+    """
+    import plotly.io as pio
+    from plotly.io.base_renderers import MimetypeRenderer, NotebookRenderer, PlotlyRenderer
+
+    def bundle_of(renderer: MimetypeRenderer) -> dict[str, Any]:
+        if type(renderer) is PlotlyRenderer and not renderer.config:
+            # what its to_mimebundle returns, in 2 JSON passes instead of 4 (a step of a
+            # 2,000-event debugger redraws a 450 kB norm plot)
+            return {PLOTLY_JSON: json_ready(fig.to_dict())}
+        return dict(renderer.to_mimebundle(fig.to_dict()))
+
+    bundle: dict[str, Any] = {}
+    for name in (pio.renderers.default or "").split("+"):
+        if name not in pio.renderers:  # "" (no default)
+            continue
+        renderer = pio.renderers[name]
+        if not isinstance(renderer, MimetypeRenderer):
+            continue
+        if isinstance(renderer, NotebookRenderer) and not renderer.connected:
+            continue
+        bundle.update(bundle_of(renderer))
+    return display_output(bundle or bundle_of(pio.renderers["plotly_mimetype"]))
+
+
+def json_ready(obj: Any) -> Any:
+    """``obj`` as plotly writes it to JSON (its encoder for numpy, pandas and dates; NaN and
+    infinities as ``null``), read back into Python lists and dicts."""
+    from plotly.utils import PlotlyJSONEncoder
+
+    text = json.dumps(obj, default=PlotlyJSONEncoder().default)
+    return json.loads(text, parse_constant=lambda _: None)
 
 
 def fit_figure(figure: go.FigureWidget) -> None:
