@@ -1,10 +1,12 @@
 """Per-step cost of the always-on NaNGuard: guarded / unguarded training step.
 
-Two models, the DESIGN.md target being <= 1.03x per step:
+Three models, the DESIGN.md target being <= 1.03x per step:
 
 * an MLP (784-1024-1024-10, batch 256, Adam),
 * the DESIGN.md transformer: ``nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4,
-  batch_first=True), 4)``, sequence 64, batch 16, Adam.
+  batch_first=True), 4)``, sequence 64, batch 16, Adam,
+* a ResNet-18-shaped CNN (``benchmarks/models.py``; 20 BatchNorm layers, whose running
+  statistics the guard copies at every step), batch 16x3x64x64, Adam.
 
 A step is forward + backward + ``guard.check`` + ``optimizer.step`` + ``zero_grad``. The
 guarded and unguarded variants run interleaved (ABAB...) on the same model and data so
@@ -51,6 +53,15 @@ class Encoder(nn.Module):
 
 def transformer_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return Encoder(), torch.randn(16, 64, 128), torch.randint(0, 10, (16,))
+
+
+def resnet_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """models.resnet18 (BatchNorm everywhere: the guard copies its running statistics at
+    each step, to put them back when it skips one), with 10 classes."""
+    from models import resnet18
+
+    model, x = resnet18()
+    return model, x, torch.randint(0, 10, (x.shape[0],))
 
 
 def measure(name: str, case, steps: int, warmup: int) -> float:
@@ -134,6 +145,7 @@ def main() -> None:
     tr_steps = args.steps or (4 if args.quick else 60)
     measure("MLP 784-1024-1024-10, batch 256", mlp_case, mlp_steps, warmup=5)
     measure("TransformerEncoder d=128 x4, seq 64, batch 16", transformer_case, tr_steps, warmup=3)
+    measure("ResNet-18 shape, batch 16x3x64x64 (BatchNorm)", resnet_case, tr_steps, warmup=3)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,48 @@ def _bad_step(model: nn.Module, guard: NaNGuard, step: int, *, bad: bool = True)
     return guard.check(loss, inputs=x, target=torch.zeros(4, 1), step=step)
 
 
+def _bn_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("action", ["skip", "continue"])
+def test_a_skipped_step_puts_back_the_batchnorm_statistics_its_forward_wrote(tmp_path, action):
+    """A NaN batch writes NaN into BatchNorm's running statistics during the forward, before
+    the guard sees the loss: a skipped step puts them back, and the snapshot holds them as
+    they were at the start of the step (so the replay does not blame earlier weights)."""
+    model = _bn_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = NaNGuard(
+        model, opt, directory=tmp_path, on_nonfinite=action, loss_fn=nn.functional.cross_entropy
+    )
+    torch.manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        if step == 3:
+            x[4, 1] = float("nan")
+            before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("1.")}
+        with guard.step(x, y) as s:
+            s.loss = nn.functional.cross_entropy(model(x), y)
+            s.loss.backward()
+        assert s.ok == (step != 3)
+        if step == 3:
+            after = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("1.")}
+    bn = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    if action == "skip":
+        assert all(torch.equal(before[k], after[k]) for k in bn)  # as if the batch never came
+    else:  # the step was not skipped: what it wrote stays
+        assert torch.isnan(after["1.running_mean"]).all() and after["1.num_batches_tracked"] == 4
+    [path] = guard.writer.paths
+    snap = load_snapshot(path, _bn_net)
+    assert snap.reason["buffers_written"] == bn
+    assert snap.reason["buffers_restored"] == (action == "skip")
+    saved = snap.model.state_dict()
+    assert all(torch.equal(saved[k], before[k]) for k in bn)
+    d = nbdebug.diagnose(snap, progress=False)
+    assert d.cause.kind == "drop_rows" and d.cause.rows == [4] and d.cause.finite
+
+
 def test_skip_clears_grads_so_even_an_unconditional_step_keeps_weights(tmp_path):
     model = _mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

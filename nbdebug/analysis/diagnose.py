@@ -49,7 +49,7 @@ from ..core.snapshot import (
 )
 from ..core.snapshot_data import to_device
 from ..core.state import PreservedState, RngState, unique_parameters
-from ..core.text import first_line, fmt_num, rows_text
+from ..core.text import cost_text, first_line, fmt_num, rows_text
 from ..core.trace import trace as run_trace
 from .fixes import (
     KINDS,
@@ -262,7 +262,7 @@ class Diagnosis:
                 "rows": lambda v: ",".join(map(str, v)) if v else "-",
                 "loss": fmt_num,
                 "grad_norm": fmt_num,
-                "cost": lambda v: "-" if v is None or v != v else f"{v:.2f}x",
+                "cost": cost_text,
             },
         )
 

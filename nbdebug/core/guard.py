@@ -60,7 +60,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ from .guard_step import (
 from .norms import fused_norms, total_norm
 from .snapshot import autocast_state
 from .snapshot_format import parse_recipe
-from .state import RngState, unique_parameters
+from .state import BufferCopies, RngState, unique_parameters
 from .text import fmt_num
 
 _last: NonFiniteError | None = None
@@ -369,8 +369,8 @@ class NaNGuard:
         self._device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
         if autocast is not None:
             self.writer.fields["autocast"] = _autocast_option(autocast, self._device.type)
-        self._rng_torch = torch.get_rng_state()  # state at the start of the coming step
-        self._rng_cuda = self._cuda_rng()
+        self._buffers: BufferCopies | None = None
+        self.mark_step_start()
         self.agreement = RankAgreement.create(
             wrapper,
             list(self.model.named_parameters()),
@@ -751,8 +751,7 @@ class NaNGuard:
     def _passed(self) -> None:
         self.bad_streak = 0
         self._streak_first = None
-        self._rng_torch = torch.get_rng_state()
-        self._rng_cuda = self._cuda_rng()
+        self.mark_step_start()
         self.ok = True
 
     def _fail(
@@ -789,17 +788,31 @@ class NaNGuard:
         rng = RngState.capture()
         rng.torch_cpu = self._rng_torch  # the state at the start of the failing step
         rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
-        path = self.writer.write(
-            self, step, reason, inputs, target, rng=rng, distributed=distributed
-        )
+        buffers = self._buffers
+        assert buffers is not None
+        written = buffers.written(self.model)
+        as_at_start: Any = nullcontext()
+        if written:
+            # the forward of the bad batch wrote them (BatchNorm running statistics): the
+            # snapshot holds them as they were at the start of the step, and a skipped
+            # step leaves the model as if the batch never came
+            reason["buffers_written"] = written
+            reason["buffers_restored"] = action != "continue"
+            if action == "continue":
+                as_at_start = buffers.swapped_in()
+            else:
+                buffers.restore()
+        with as_at_start:
+            path = self.writer.write(
+                self, step, reason, inputs, target, rng=rng, distributed=distributed
+            )
         self.bad_streak += 1
         if self._streak_first is None:
             self._streak_first = (path, step, reason)
         if action != "continue":
             self.clear_grads()
         self.ok = False
-        self._rng_torch = torch.get_rng_state()
-        self._rng_cuda = self._cuda_rng()
+        self.mark_step_start()
         too_many = self.patience is not None and self.bad_streak > self.patience
         if action == "raise" or too_many:
             first_path, first_step, first_reason = self._streak_first
@@ -823,12 +836,14 @@ class NaNGuard:
         self.writer.close()
 
     def mark_step_start(self) -> None:
-        """Record the RNG states now as the start of the coming step (what a replay of its
-        snapshot restores). :meth:`check` records them after each step by itself; call this
-        when the loop draws random numbers between steps (data loading, a trainer
+        """Record the RNG states and the buffers now as the start of the coming step (what
+        a replay of its snapshot restores, and what a skipped step puts back in the
+        buffers). :meth:`check` records them after each step by itself; call this when the
+        loop draws random numbers or writes buffers between steps (data loading, a trainer
         callback's ``on_train_batch_start``)."""
         self._rng_torch = torch.get_rng_state()
         self._rng_cuda = self._cuda_rng()
+        self._buffers = BufferCopies.capture(self.model, self._buffers)
 
     def clear_grads(self) -> None:
         """Set every gradient of the model (and optimizer) to ``None``: an optimizer step

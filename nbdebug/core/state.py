@@ -11,12 +11,15 @@ counters to prove it.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from .text import qualified_name
 
 
 @dataclass
@@ -87,12 +90,7 @@ class PreservedState:
         """Put buffers and RNG back as captured (between two replays of the same step)."""
         with torch.no_grad():
             for owner, key, buf, saved in self.buffers:
-                if owner._buffers.get(key) is not buf:  # the forward re-assigned it
-                    owner._buffers[key] = buf
-                if buf.shape != saved.shape:
-                    buf.set_(saved.clone())  # type: ignore[call-overload]
-                else:
-                    buf.copy_(saved)
+                put_back(owner, key, buf, saved)
         if self.rng is not None:
             self.rng.restore()
 
@@ -118,6 +116,114 @@ class PreservedState:
         return [
             ids[id(p)] for p in self.params if p._version != self.versions[id(p)] and id(p) in ids
         ]
+
+
+def put_back(owner: torch.nn.Module, key: str, buf: torch.Tensor, saved: torch.Tensor) -> None:
+    """Make ``owner``'s buffer ``key`` the tensor ``buf`` again, holding ``saved``'s values
+    (the forward may have re-assigned it or resized it). Call under ``torch.no_grad()``."""
+    if owner._buffers.get(key) is not buf:
+        owner._buffers[key] = buf
+    if buf.shape != saved.shape:
+        buf.set_(saved.clone())  # type: ignore[call-overload]
+    else:
+        buf.copy_(saved)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: always "written"
+        return -1
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+    return bool(torch.equal(a, b))
+
+
+#: buffers of more elements than this (registered masks, rotary caches: constants) are
+#: copied again only when their version counter moved; smaller ones at every capture
+LARGE_BUFFER = 1 << 20
+
+
+@dataclass
+class BufferCopies:
+    """A model's buffers as they were at one point (the start of a training step), for a
+    guard that skips a step: the forward of a bad batch has already written BatchNorm's
+    running statistics (NaN from a NaN batch) by the time the step is checked.
+
+    BatchNorm's kernel writes its running statistics without moving the tensors' version
+    counters, so every buffer of up to ``LARGE_BUFFER`` elements is copied at each
+    capture (into the previous capture's copies: one ``torch._foreach_copy_``); larger
+    ones only when their version moved or they were re-assigned.
+    """
+
+    # (owner module, key, the buffer object, a copy of its values, its version then)
+    entries: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor, int]] = field(
+        default_factory=list
+    )
+
+    @classmethod
+    def capture(cls, model: torch.nn.Module, previous: BufferCopies | None = None) -> BufferCopies:
+        old = {id(e[2]): e for e in previous.entries} if previous is not None else {}
+        out = cls()
+        seen: set[int] = set()
+        refresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for m in model.modules():
+            for key, b in m._buffers.items():
+                if b is None or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                v = _version(b)
+                hit = old.get(id(b))
+                reuse = hit is not None and hit[2] is b and hit[3].shape == b.shape
+                if reuse and hit is not None and b.numel() <= LARGE_BUFFER:
+                    refresh[0].append(hit[3])
+                    refresh[1].append(b.detach())
+                    out.entries.append((m, key, b, hit[3], v))
+                elif reuse and hit is not None and hit[4] == v >= 0:
+                    out.entries.append((m, key, b, hit[3], v))
+                else:
+                    out.entries.append((m, key, b, b.detach().clone(), v))
+        if refresh[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(refresh[0], refresh[1])
+        return out
+
+    def _written(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor, int]]:
+        return [
+            e
+            for e in self.entries
+            if e[0]._buffers.get(e[1]) is not e[2] or e[4] < 0 or not _same(e[2], e[3])
+        ]
+
+    def written(self, model: torch.nn.Module) -> list[str]:
+        """Qualified names of the buffers whose values changed, or that were re-assigned,
+        since the capture."""
+        names = {id(m): n for n, m in model.named_modules()}
+        return [qualified_name(names.get(id(e[0]), ""), e[1]) for e in self._written()]
+
+    def restore(self) -> None:
+        """Put the written buffers back as captured."""
+        with torch.no_grad():
+            for owner, key, buf, saved, _ in self._written():
+                put_back(owner, key, buf, saved)
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The captured values in the model for the block, the current ones back after."""
+        now = [(o, k, o._buffers.get(k)) for o, k, *_ in self._written()]
+        current = [(o, k, b, b.detach().clone()) for o, k, b in now if b is not None]
+        self.restore()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for owner, key, buf, saved in current:
+                    put_back(owner, key, buf, saved)
 
 
 def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

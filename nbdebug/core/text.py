@@ -82,3 +82,11 @@ def shorten(text: str, width: int = 120) -> str:
     """``text`` on one line, cut at a word boundary to at most ``width`` characters
     (``" ..."`` marks the cut); never cut mid-word."""
     return textwrap.shorten(str(text), width, placeholder=" ...")
+
+
+def cost_text(cost: float | None) -> str:
+    """A fix's cost (its replay's seconds over the plain replay's) to 2-3 significant
+    digits: ``"173x"``, ``"1.4x"``, ``"0.95x"``; ``"-"`` when unknown."""
+    if cost is None or cost != cost:
+        return "-"
+    return f"{cost:.0f}x" if abs(cost) >= 100 else f"{float(f'{cost:.2g}'):g}x"

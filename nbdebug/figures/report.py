@@ -16,7 +16,7 @@ from ..analysis.diagnose import Diagnosis
 from ..core.batch import describe
 from ..core.result import Trace
 from ..core.snapshot import Snapshot
-from ..core.text import fmt_num, row_numbers
+from ..core.text import cost_text, fmt_num, row_numbers
 from .palette import MUTED_TEXT, OK, RED, RULE, TEXT
 
 
@@ -183,14 +183,6 @@ table.facts th {{ color: {MUTED_TEXT}; white-space: nowrap; }}
 table.fixes pre {{ margin: 0; font-size: .85em; white-space: pre-wrap; }}
 table.fixes tr.finite td.finite {{ color: {OK}; font-weight: 600; }}
 """
-
-
-def cost_text(cost: float | None) -> str:
-    """A fix's cost (its replay's seconds over the plain replay's) to 2-3 significant
-    digits: ``"173x"``, ``"1.4x"``, ``"0.95x"``; ``"-"`` when unknown."""
-    if cost is None or cost != cost:
-        return "-"
-    return f"{cost:.0f}x" if abs(cost) >= 100 else f"{float(f'{cost:.2g}'):g}x"
 
 
 def diagnosis_table(d: Diagnosis) -> str:
