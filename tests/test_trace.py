@@ -268,6 +268,27 @@ def test_ratio_matches_norms() -> None:
     )
 
 
+def test_each_parameter_gradient_is_measured_and_dropped_as_the_backward_goes() -> None:
+    """The trace keeps the user's ``.grad`` aside; the pass's own gradients are measured once
+    accumulated and dropped, so no second full set of gradients is held (while the
+    gradient reaches the first layer, the last layer's new gradient is already gone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    F.mse_loss(model(x), y).backward()  # the user's gradients, from an earlier step
+    theirs = {n: p.grad for n, p in model.named_parameters()}
+    ref = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
+    seen: list[object] = []
+    model[1].register_full_backward_hook(lambda m, gi, go: seen.append(model[2].weight.grad))
+    tr = nbdebug.trace(model, x, y, F.mse_loss)
+    assert seen == [None]  # 2.weight's new gradient was measured and dropped already
+    assert all(p.grad is theirs[n] for n, p in model.named_parameters())
+    got = {e.param: e.stats for e in tr.events if e.kind == "param_grad"}
+    for (n, _), g in zip(model.named_parameters(), ref):
+        assert got[n].norm == pytest.approx(float(g.norm()), rel=1e-5)
+        assert got[n].mean == pytest.approx(float(g.mean()), rel=1e-4, abs=1e-7)
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_inputs_raise_one_clear_sentence() -> None:
     model = nn.Linear(3, 2)
