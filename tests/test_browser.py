@@ -204,7 +204,7 @@ PANELS = (
             "2 errors",
             "jump to origin",
             "next non-finite",
-            "#2 forward",
+            "#3 forward",  # the event after the origin (#0 the batch, #1 the target)
             "non-finite rows: 3",
         ),
         plots=2,
@@ -525,11 +525,12 @@ def _step_clicks(page) -> None:
         f"() => document.querySelector('{root} .nbdebug-detail').innerText.includes('Tensor.div')"
     )
     at_origin = detail.inner_text()
-    assert "#1 forward" in at_origin and "origin" in at_origin and "non-finite rows: 3" in at_origin
+    # (#0 the batch, #1 the target)
+    assert "#2 forward" in at_origin and "origin" in at_origin and "non-finite rows: 3" in at_origin
     page.wait_for_function(f"() => ({MARKER_JS})()[0][0] === 'norm'")
     page.locator(f"{root} button").filter(has_text=re.compile(r"^\s*next\s*$")).click()
     page.wait_for_function(
-        f"() => document.querySelector('{root} .nbdebug-detail').innerText.includes('#2 forward')"
+        f"() => document.querySelector('{root} .nbdebug-detail').innerText.includes('#3 forward')"
     )
     page.wait_for_function(f"() => ({MARKER_JS})()[0][0] === 'body.0'")
     assert detail.inner_text() != at_origin != before
