@@ -26,6 +26,8 @@ from sklearn.preprocessing import StandardScaler
 
 from nbdebug.analysis.drift import drift
 from nbdebug.analysis.drift_exposure import EXPOSURE_MIN
+from nbdebug.figures.drift import exposure_bars
+from nbdebug.figures.palette import LIGHT_GREY
 
 MOVES, STILL = 0.10, 0.02
 
@@ -204,3 +206,20 @@ def test_threshold_is_stated_and_headline_says_what_moved():
     rep = _run(lr, x[a], cur, feature_names=names)
     assert f"the model acts on `{names[j]}`" in rep.headline
     assert "of the prediction shift" in rep.headline and rep.headline.count(".") <= 2
+
+
+def test_the_share_bars_say_when_no_feature_moves_predictions():
+    x, y, names = cancer()
+    lr = LogisticRegression(max_iter=5000).fit(x, y)
+    a, b = _split(len(x), 1)
+    quiet = _run(lr, x[a], x[b], feature_names=names)
+    fig = exposure_bars(quiet)
+    assert "no feature moves predictions materially" in fig.layout.title.text
+    assert set(fig.data[0].marker.color) == {LIGHT_GREY}  # noise is not coloured as a cause
+    j = int(np.argmax(np.abs(lr.coef_[0])))
+    cur = x[b].copy()
+    cur[:, j] += 1.0
+    moved = exposure_bars(_run(lr, x[a], cur, feature_names=names))
+    assert moved.layout.title.text == "Share of the prediction shift, by feature"
+    assert moved.data[0].y[-1] == names[j]  # the largest share, at the top
+    assert moved.data[0].marker.color[-1] != LIGHT_GREY

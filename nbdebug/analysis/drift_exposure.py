@@ -40,6 +40,8 @@ import pandas as pd
 EXPOSURE_MIN = 0.05
 NOISE_SPLITS = 10
 QUADRANTS = ("input+explanation", "input only", "explanation only", "none")
+#: the quadrants of the features whose drift the model acts on
+EXPOSED_QUADRANTS = (QUADRANTS[0], QUADRANTS[2])
 
 
 def quadrant(drifted_input: bool, exposed: bool) -> str:

@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from ..analysis.drift_exposure import EXPOSED_QUADRANTS, EXPOSURE_MIN
 from ..core.text import fmt_num
 from .palette import BLUE, LIGHT_GREY, MUTED_TEXT, ORANGE
 
@@ -126,16 +127,26 @@ def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> s
 
 def exposure_bars(report: DriftReport, *, top: int = 12) -> go.Figure:
     """Each feature's share of the prediction shift (its exposure above noise), largest
-    first, coloured by quadrant; hover gives the exposure and its noise in output units."""
+    first, coloured by quadrant; hover gives the exposure and its noise in output units.
+    When no feature's exposure is material (see :mod:`nbdebug.analysis.drift_exposure`),
+    the shares only divide up noise: the bars are grey and the title says so."""
     f = report.features.sort_values("exposure_share", ascending=False, kind="stable").head(top)
     f = f.iloc[::-1]  # largest at the top of a horizontal bar chart
+    material = bool(report.features["quadrant"].isin(EXPOSED_QUADRANTS).any())
+    title = "Share of the prediction shift, by feature"
+    if not material:
+        title += (
+            f"<br><sup>no feature moves predictions materially (each within noise or under "
+            f"{EXPOSURE_MIN:.0%} of the output's spread): the shares divide up noise</sup>"
+        )
     fig = go.Figure(
         go.Bar(
             x=f["exposure_share"].to_numpy(),
             y=[str(i) for i in f.index],
             orientation="h",
             marker_color=[
-                quadrant_color(q, 0.8) if q != "none" else LIGHT_GREY for q in f["quadrant"]
+                quadrant_color(q, 0.8) if q != "none" and material else LIGHT_GREY
+                for q in f["quadrant"]
             ],
             marker_line=dict(color=MUTED_TEXT, width=0.5),
             text=[f"{v:.0%}" for v in f["exposure_share"]],
@@ -147,13 +158,13 @@ def exposure_bars(report: DriftReport, *, top: int = 12) -> go.Figure:
         )
     )
     fig.update_layout(
-        title=dict(text="Share of the prediction shift, by feature", x=0, xanchor="left"),
+        title=dict(text=title, x=0, xanchor="left"),
         xaxis=dict(
             tickformat=".0%", range=[0, min(1.0, float(f["exposure_share"].max()) * 1.25 + 0.05)]
         ),
         yaxis=dict(automargin=True),
-        height=max(220, 60 + 24 * len(f)),
-        margin=dict(l=10, r=30, t=40, b=30),
+        height=max(220, 60 + 24 * len(f) + (0 if material else 20)),
+        margin=dict(l=10, r=30, t=40 if material else 60, b=30),
         showlegend=False,
     )
     return fig
