@@ -336,3 +336,22 @@ def bn_dropout_model() -> nn.Module:
     model[0].weight.requires_grad_(False)  # and a frozen weight
     model(torch.randn(4, 3, 6, 6)).sum().backward()  # pre-existing .grad
     return model
+
+
+def tiny_gpt2() -> Any:
+    """A 1-layer GPT-2 from its config (16 wide, vocabulary 32, dropout off), random init,
+    seeded: the model of the Hugging Face trainer tests."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=32,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)

@@ -18,6 +18,7 @@ import distributed_helpers as h
 import pytest
 import torch
 import torch.nn.functional as F
+from models import tiny_gpt2
 from torch import nn
 
 import nbdebug
@@ -76,10 +77,8 @@ def rank_data(rank: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=False)
 
 
-def fit_ddp(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """One rank of the run: the environment a launcher sets, then ``Trainer.fit``."""
-    from nbdebug.integrations.lightning import NaNGuardCallback
-
+def env(rank: int, world: int) -> None:
+    """The environment a launcher sets for one rank (the process group already exists)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="0",  # unused: the process group is already initialised
@@ -88,6 +87,13 @@ def fit_ddp(rank: int, world: int, directory: str) -> dict[str, Any]:
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
     )
+
+
+def fit_ddp(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """One rank of the run: the environment a launcher sets, then ``Trainer.fit``."""
+    from nbdebug.integrations.lightning import NaNGuardCallback
+
+    env(rank, world)
     cb = NaNGuardCallback(directory=directory, loss_fn=F.mse_loss, timeout=30)
     module = DDPModule()
     changed: list[bool] = []
@@ -173,34 +179,6 @@ def test_compare_ranks_over_the_lightning_snapshots_names_rank_1(ddp_run: Any) -
 HF_STEPS = 4
 
 
-def env(rank: int, world: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="0",  # unused: the process group is already initialised
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
-
-
-def make_gpt2() -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=1,
-        n_embd=16,
-        n_head=2,
-        vocab_size=32,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
 class RankRows(torch.utils.data.Dataset):
     """Each rank's own rows; on rank 1 the row read as row BAD_ROW of step K's batch holds
     a NaN (rows are read in order: no workers)."""
@@ -227,7 +205,7 @@ def train_hf(rank: int, world: int, directory: str) -> dict[str, Any]:
     from nbdebug.integrations.hf import NaNGuardCallback
 
     env(rank, world)
-    model = make_gpt2()
+    model = tiny_gpt2()
     args = transformers.TrainingArguments(
         output_dir=os.path.join(directory, f"out-rank{rank}"),
         max_steps=HF_STEPS,
@@ -276,7 +254,7 @@ def test_the_hf_trainer_under_ddp_skips_on_every_rank_and_names_rank_1(
         assert v["finite"]
     assert values[BAD_RANK]["rows"][K] == "loss" and values[0]["rows"][K] == "grad"
     assert values[0]["hash"] == values[1]["hash"]
-    report = nbdebug.compare_ranks(tmp_path / "snaps", model=make_gpt2)
+    report = nbdebug.compare_ranks(tmp_path / "snaps", model=tiny_gpt2)
     assert report.culprit_ranks == [BAD_RANK] and report.replayed_culprits == [BAD_RANK]
     bad = report.rank(BAD_RANK)
     assert bad.origin_phase == "input" and bad.origin_rows == [BAD_ROW]

@@ -19,25 +19,12 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="the nbdebug[hf] extra is not installed")
 pytest.importorskip("accelerate", reason="the nbdebug[hf] extra (accelerate) is not installed")
 
+from models import tiny_gpt2  # noqa: E402
+
 import nbdebug  # noqa: E402
 from nbdebug.integrations.hf import NaNGuardCallback  # noqa: E402
 
 N, BATCH, STEPS, BAD = 24, 4, 6, 13  # dataset row BAD holds a NaN
-
-
-def make_model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=1,
-        n_embd=16,
-        n_head=2,
-        vocab_size=32,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
 
 
 class Rows(torch.utils.data.Dataset):
@@ -88,7 +75,7 @@ def arguments(out: Path, **kw: Any) -> Any:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("hf")
-    cb, watch, model = NaNGuardCallback(directory=tmp / "snaps"), WeightWatch(), make_model()
+    cb, watch, model = NaNGuardCallback(directory=tmp / "snaps"), WeightWatch(), tiny_gpt2()
     trainer = transformers.Trainer(
         model=model, args=arguments(tmp / "out"), train_dataset=Rows(), callbacks=[cb, watch]
     )
@@ -111,7 +98,7 @@ def test_the_nan_step_is_a_no_op(run: dict[str, Any]) -> None:
 
 def test_the_snapshot_holds_the_fed_batch_args_and_scheduler(run: dict[str, Any]) -> None:
     (path,) = run["cb"].guard.snapshots
-    snap = nbdebug.load_snapshot(path, model=make_model)
+    snap = nbdebug.load_snapshot(path, model=tiny_gpt2)
     assert snap.step == run["cb"].skipped[0] and snap.reason["kind"] == "loss"
     embeds = snap.inputs["inputs_embeds"]
     assert embeds.shape == (BATCH, 8, 16) and {"inputs_embeds", "labels"} <= set(snap.inputs)
@@ -130,7 +117,7 @@ def test_the_snapshot_holds_the_fed_batch_args_and_scheduler(run: dict[str, Any]
 
 def test_the_snapshot_replays_to_the_same_origin_in_a_fresh_process(run: dict[str, Any]) -> None:
     (path,) = run["cb"].guard.snapshots
-    snap = nbdebug.load_snapshot(path, model=make_model)
+    snap = nbdebug.load_snapshot(path, model=tiny_gpt2)
     embeds = snap.inputs["inputs_embeds"]
     row = torch.isnan(embeds).flatten(1).any(1).nonzero().flatten().tolist()
     code = textwrap.dedent(
@@ -138,8 +125,8 @@ def test_the_snapshot_replays_to_the_same_origin_in_a_fresh_process(run: dict[st
         import json, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import nbdebug
-        from test_integrations_hf import make_model
-        o = nbdebug.load_snapshot({str(path)!r}, model=make_model).trace().origin
+        from models import tiny_gpt2
+        o = nbdebug.load_snapshot({str(path)!r}, model=tiny_gpt2).trace().origin
         print(json.dumps({{"phase": o.phase, "module": o.module, "samples": o.samples}}))
         """
     )
@@ -205,14 +192,14 @@ def test_without_transformers_the_callback_raises_the_install_hint() -> None:
 def mixed_run(tmp: Path, **precision: Any) -> Any:
     cb = NaNGuardCallback(directory=tmp / "snaps")
     trainer = transformers.Trainer(
-        model=make_model(),
+        model=tiny_gpt2(),
         args=arguments(tmp / "out", **precision),
         train_dataset=Rows(),
         callbacks=[cb],
     )
     trainer.train()
     assert len(cb.skipped) == 1 and cb.guard.scaler is None  # no GradScaler on CPU
-    return nbdebug.load_snapshot(cb.guard.snapshots[0], model=make_model)
+    return nbdebug.load_snapshot(cb.guard.snapshots[0], model=tiny_gpt2)
 
 
 def test_under_bf16_the_snapshot_records_the_autocast_the_forward_ran_in(tmp_path: Path) -> None:
