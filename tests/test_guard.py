@@ -719,3 +719,19 @@ def test_guard_options_are_grouped_and_still_readable(tmp_path):
     assert guard.directory == tmp_path and guard.snapshots is guard.writer.paths
     with pytest.raises(ValueError, match="max_snapshots must be a positive int or None"):
         guardmod.GuardOptions(max_snapshots=0)
+
+
+def test_buffer_copies_follow_a_model_moved_to_another_dtype():
+    from nbdebug.core.state import BufferCopies
+
+    model = _bn_net()
+    first = BufferCopies.capture(model)
+    model.double()  # re-casts every buffer to float64
+    again = BufferCopies.capture(model, first)
+    copies = {key: saved for _, key, _, saved, _ in again.entries}
+    assert copies["running_mean"].dtype == torch.float64
+    assert again.written(model) == []
+    model[1].running_mean.fill_(float("nan"))
+    assert again.written(model) == ["1.running_mean"]
+    again.restore()
+    assert torch.equal(model[1].running_mean, torch.zeros(16, dtype=torch.float64))

@@ -179,7 +179,11 @@ class BufferCopies:
                 seen.add(id(b))
                 v = _version(b)
                 hit = old.get(id(b))
-                reuse = hit is not None and hit[2] is b and hit[3].shape == b.shape
+                reuse = (
+                    hit is not None
+                    and hit[2] is b
+                    and (hit[3].shape, hit[3].dtype, hit[3].device) == (b.shape, b.dtype, b.device)
+                )
                 if reuse and hit is not None and b.numel() <= LARGE_BUFFER:
                     refresh[0].append(hit[3])
                     refresh[1].append(b.detach())
