@@ -17,7 +17,7 @@ STAMP  := $(VENV)/.nbdebug-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -e ".[dev,lightning,hf]"
+	$(PIP) install -q -e ".[dev,lightning,hf,kernels]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -2,6 +2,8 @@
 ``zero_grad`` + ``loss.backward()``, as ``trace`` runs it), torch.autograd.detect_anomaly,
 naive per-module norm hooks, (GPT-2 models) Hugging Face's ``DebugUnderflowOverflow``, and
 the same step through ``torch.autograd.grad`` (no ``.grad`` written) for reference.
+``trace`` computes its statistics with eager PyTorch ops; ``trace_compiled`` with the
+compiled kernel (``nbdebug build-kernels``; the benchmark builds it once, cached).
 
 Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
 5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
@@ -14,7 +16,7 @@ plain step, and the peak memory of each variant
 (each in a fresh subprocess), and the 2,000-module check.
 
     python benchmarks/bench_trace.py [--rounds 3] [--models transformer,gpt2_124m]
-        [--threads 1,2] [--no-memory]
+        [--threads 1,2] [--no-memory] [--kernels both|eager]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import cnn, gpt2_124m, gpt2_deep, mean_square, resnet18, transformer
 
 import nbdebug
+from nbdebug.core import kernels
 
 MODELS = {
     "transformer": transformer,
@@ -58,6 +61,23 @@ def _trace(model: nn.Module, x: Any) -> Any:
     if isinstance(x, dict):
         return nbdebug.trace(model, x)
     return nbdebug.trace(model, x, loss_fn=mean_square)
+
+
+def _eager(f: Callable[[], Any]) -> Callable[[], Any]:
+    """``f`` with the statistics in eager PyTorch ops, even when the kernel is built."""
+
+    def run() -> Any:
+        before = os.environ.get(kernels.ENV)
+        os.environ[kernels.ENV] = "eager"
+        try:
+            return f()
+        finally:
+            if before is None:
+                del os.environ[kernels.ENV]
+            else:
+                os.environ[kernels.ENV] = before
+
+    return run
 
 
 def _naive_hooks(model: nn.Module) -> list[Any]:
@@ -104,7 +124,11 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
     def plain() -> None:
         step()
 
+    @_eager
     def traced() -> None:
+        _trace(model, x)
+
+    def traced_compiled() -> None:
         _trace(model, x)
 
     def anomaly() -> None:
@@ -133,6 +157,7 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
     out = {
         "plain": plain,
         "trace": traced,
+        **({"trace_compiled": traced_compiled} if kernels.active() else {}),
         "detect_anomaly": anomaly,
         "naive_hooks": naive,
         "autograd_grad": grad_only,
@@ -188,7 +213,8 @@ def nan_path(rounds: int, clock: Callable[[], float]) -> None:
     op-level replay of the origin module) against a plain step, interleaved."""
     for kind, label in NAN_CASES.items():
         model, x = nan_model(kind)
-        vs = {k: f for k, f in variants(model, x, False).items() if k in ("plain", "trace")}
+        keep = ("plain", "trace", "trace_compiled")
+        vs = {k: f for k, f in variants(model, x, False).items() if k in keep}
         for f in vs.values():
             f()
         times: dict[str, list[float]] = {k: [] for k in vs}
@@ -200,11 +226,13 @@ def nan_path(rounds: int, clock: Callable[[], float]) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         tr = _trace(model, x)
         o = tr.origin
+        ratios = "  ".join(
+            f"{k} {med[k] * 1e3:.0f} ms {med[k] / med['plain']:.2f}x" for k in vs if k != "plain"
+        )
         print(
             f"-- NaN path, gpt2_124m with {label} (origin {o.module if o else None}, "
             f"param {o.param if o else None}, op {o.op if o else None}): plain "
-            f"{med['plain'] * 1e3:.0f} ms  trace {med['trace'] * 1e3:.0f} ms  |  trace/plain "
-            f"{med['trace'] / med['plain']:.2f}x (target <= 3x)"
+            f"{med['plain'] * 1e3:.0f} ms  |  {ratios} (target <= 3x)"
         )
         del model, x, vs, tr
 
@@ -265,13 +293,16 @@ def peak_memory(names: list[str]) -> None:
     for name, label in rows:
         cells = []
         for env in (None, FIXED_MMAP):
-            p, t = _child(name, "plain", env), _child(name, "trace", env)
-            ratio = (t["base_mib"] + t["delta_mib"]) / (p["base_mib"] + p["delta_mib"])
-            extra = t["delta_mib"] / max(p["delta_mib"], 1e-9)
-            cells.append(
-                f"{'[held] ' if env else ''}plain +{p['delta_mib']:6.1f}  trace "
-                f"+{t['delta_mib']:6.1f}  peak {ratio:.2f}x (above resting {extra:.2f}x)"
-            )
+            p = _child(name, "plain", env)
+            traces = ["trace", "trace_compiled"] if kernels.active() else ["trace"]
+            for variant in traces:
+                t = _child(name, variant, env)
+                ratio = (t["base_mib"] + t["delta_mib"]) / (p["base_mib"] + p["delta_mib"])
+                extra = t["delta_mib"] / max(p["delta_mib"], 1e-9)
+                cells.append(
+                    f"{'[held] ' if env else ''}plain +{p['delta_mib']:6.1f}  {variant} "
+                    f"+{t['delta_mib']:6.1f}  peak {ratio:.2f}x (above resting {extra:.2f}x)"
+                )
         print(f"{label:12s} " + "  |  ".join(cells))
 
 
@@ -303,10 +334,22 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="torch thread counts timed; 0: none")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-child", nargs=2)
+    ap.add_argument(
+        "--kernels",
+        choices=("both", "eager"),
+        default="both",
+        help="both: also time the trace with the compiled kernel (built once, cached)",
+    )
     a = ap.parse_args()
     if a.memory_child:
         peak_memory_child(*a.memory_child)
         return
+    if a.kernels == "both":
+        t = time.perf_counter()
+        path = kernels.build()
+        print(f"compiled kernel: {path} (ready in {time.perf_counter() - t:.1f} s)")
+    else:
+        os.environ[kernels.ENV] = "eager"
     names = [n for n in a.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS))
     if unknown:

@@ -6,6 +6,7 @@
     nbdebug report  snapshots/step-000048213.nbsnap -o report.html --model mypkg.models:make_model
     nbdebug list    snapshots/
     nbdebug diagnose snapshots/step-000048213.nbsnap --model mypkg.models:make_model -o r.html
+    nbdebug build-kernels     # once: compile the statistics kernel that makes traces faster
 
 ``--model package.module:factory`` names a zero-argument callable (or a class) that builds
 the architecture; the current directory is importable. Without it, ``--trust-recipe``
@@ -44,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="nbdebug", description="Inspect nbdebug snapshot files (.nbsnap) from the terminal."
     )
     sub = p.add_subparsers(
-        dest="command", metavar="{inspect,report,list,diagnose}", parser_class=_Parser
+        dest="command",
+        metavar="{inspect,report,list,diagnose,build-kernels}",
+        parser_class=_Parser,
     )
     sub.required = True
 
@@ -92,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("-o", "--output", metavar="report.html", help="also write the HTML report")
     dg.add_argument("--budget", type=float, default=None, metavar="S", help="seconds of replays")
     dg.add_argument("--steps", type=int, default=1, help="updates replayed per fix (default 1)")
+
+    bk = sub.add_parser(
+        "build-kernels", help="compile the statistics kernel traces use on CPU (once)"
+    )
+    bk.add_argument("--verbose", action="store_true", help="show the compiler's output")
     return p
 
 
@@ -253,6 +261,18 @@ def _list(args: argparse.Namespace, out: Any) -> None:
     print(df.to_string(index=False, na_rep="-", max_colwidth=80), file=out)
 
 
+def _build_kernels(args: argparse.Namespace, out: Any) -> None:
+    from .core import kernels
+
+    try:
+        path = kernels.build(verbose=args.verbose)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    print(f"nbdebug kernels: {path}", file=out)
+    if not kernels.active():
+        print(f"(not used while {kernels.ENV}=eager)", file=out)
+
+
 def _diagnose(args: argparse.Namespace, out: Any) -> None:
     from .analysis.diagnose import diagnose
     from .core.snapshot import SnapshotError
@@ -304,7 +324,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``nbdebug`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        commands = {"inspect": _inspect, "report": _report, "list": _list, "diagnose": _diagnose}
+        commands = {
+            "inspect": _inspect,
+            "report": _report,
+            "list": _list,
+            "diagnose": _diagnose,
+            "build-kernels": _build_kernels,
+        }
         commands[args.command](args, sys.stdout)
     except UsageError as e:
         print(f"nbdebug: error: {' '.join(str(e).split())}", file=sys.stderr)

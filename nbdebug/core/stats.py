@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kernels
+
 #: log10|x| histogram: ``HIST_BINS`` bins over ``[HIST_LO, HIST_HI)``, out-of-range values
 #: clamped into the end bins; exact zeros and non-finite values are counted apart.
 HIST_BINS = 32
@@ -196,7 +198,9 @@ def row_dim(shape: torch.Size | tuple[int, ...], batch_size: int | None) -> int 
     return None
 
 
-QuickParts = tuple  # (sum, sum of squares, min, max, sample): device tensors
+#: (sum, sum of squares, min, max, sample) as device tensors, or (stats, sample) from the
+#: compiled kernel, or () for an empty tensor
+QuickParts = tuple
 
 
 def _flat_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -244,11 +248,19 @@ def quick_parts(t: torch.Tensor) -> QuickParts:
     (see :func:`quick_is_complete`). The share of zeros and the histogram come from the
     sample (exact up to ``HIST_SAMPLE`` elements): counting zeros exactly costs as much
     as the three reductions together.
+
+    A dense CPU tensor takes the compiled kernel when it was built
+    (:mod:`nbdebug.core.kernels`): the same numbers in one pass and one call, returned as
+    ``(stats, sample)`` instead of the eager ``(sum, sum of squares, min, max, sample)``.
     """
     x = as_real(t)
     if x.numel() == 0:
         return ()
     flat = _flat_view(x)
+    if flat is not None and x.device.type == "cpu":
+        fused = kernels.compiled()
+        if fused is not None:
+            return tuple(fused.quick_stats(flat, HIST_SAMPLE))
     lo, hi = torch.aminmax(x)  # one pass for both (one dispatch fewer per tensor)
     return (
         x.sum(dtype=_accum_dtype(x)),
@@ -276,21 +288,24 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     # one group per dtype: stacking tensors of mixed dtypes takes torch's slow path (about
     # 10x per tensor; an integer batch measured in float64 among float32 activations), and
     # float64 samples make :func:`sample_hist` bin all of its samples in float64
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    # (the form of the parts, eager or compiled, is part of the key)
+    groups: dict[tuple[int, torch.dtype, torch.dtype], list[int]] = {}
     for i in live:
-        groups.setdefault((parts[i][0].dtype, parts[i][2].dtype), []).append(i)
+        groups.setdefault((len(parts[i]), parts[i][0].dtype, parts[i][-1].dtype), []).append(i)
     for idx in groups.values():
         _assemble_group(parts, idx, out)
     return out
 
 
 def _assemble_group(parts: list[QuickParts], live: list[int], out: np.ndarray) -> None:
-    """Fill the rows ``live`` of ``out`` from their parts (all of one dtype)."""
-    # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
-    scal = torch.stack(
-        [torch.stack([parts[i][k] for i in live]).to(torch.float64) for k in range(4)], 1
-    )
-    samples = [parts[i][4] for i in live]
+    """Fill the rows ``live`` of ``out`` from their parts (all of one dtype and form)."""
+    if len(parts[live[0]]) == 2:  # compiled: one float64 [sum, sum sq, min, max] each
+        scal = torch.stack([parts[i][0] for i in live])
+    else:  # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
+        scal = torch.stack(
+            [torch.stack([parts[i][k] for i in live]).to(torch.float64) for k in range(4)], 1
+        )
+    samples = [parts[i][-1] for i in live]
     hist = sample_hist(samples)
     host = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
     sc = host[: 4 * len(live)].reshape(len(live), 4)
