@@ -210,7 +210,7 @@ def test_list(workdir, capsys):
         (["report", "{snap}"], "the following arguments are required: -o/--output"),
         (["report", "{snap}", "-o", "snaps"], "is a directory; give a file name"),
         (["explode"], "invalid choice: 'explode'"),
-        ([], "the following arguments are required: {{inspect,report,list,diagnose,build-kernels}}"),
+        ([], "arguments are required: {{inspect,report,list,diagnose,build-kernels}}"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(workdir, capsys, argv, message):

@@ -214,3 +214,17 @@ def test_a_build_without_ninja_says_what_is_missing(tmp_path, monkeypatch):
 def test_the_cli_builds_the_kernel_and_says_where(compiled, capsys):
     assert cli.main(["build-kernels"]) == 0
     assert capsys.readouterr().out.strip() == f"nbdebug kernels: {compiled}"
+
+
+def test_the_kernel_refuses_what_it_cannot_measure(compiled):
+    fused = kernels.compiled()
+    assert fused is not None
+    for bad, expected in (
+        (torch.empty(0), "non-empty contiguous CPU tensor"),
+        (torch.randn(4, 4).t(), "non-empty contiguous CPU tensor"),
+        (torch.arange(4), "quick_stats"),
+    ):
+        with pytest.raises(RuntimeError, match=expected):
+            fused.quick_stats(bad, 16)
+    with pytest.raises(RuntimeError, match="max_sample >= 1, got 0"):
+        fused.quick_stats(torch.ones(4), 0)

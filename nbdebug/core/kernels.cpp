@@ -109,6 +109,7 @@ void moments(const scalar_t* p, int64_t n, double* o) {
 std::tuple<torch::Tensor, torch::Tensor> quick_stats(const torch::Tensor& x, int64_t max_sample) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.numel() > 0,
               "quick_stats expects a non-empty contiguous CPU tensor");
+  TORCH_CHECK(max_sample >= 1, "quick_stats expects max_sample >= 1, got ", max_sample);
   const int64_t n = x.numel();
   auto stats = torch::empty({4}, torch::kFloat64);
   const int64_t step = n <= max_sample ? 1 : (n + max_sample - 1) / max_sample;
