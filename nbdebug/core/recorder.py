@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import kernels
 from .batch import named_tensors
 from .capture import CallCapture, clone_structure
 from .distributed import is_dtensor, unwrap_data_parallel
@@ -126,6 +127,7 @@ class Recorder:
         # quick mode: (event index, parameter) whose gradient is measured after the backward
         self._pending_grads: list[tuple[int, torch.Tensor]] = []
         self.exact = exact
+        self.kernel = kernels.compiled()  # quick mode: decided once per pass
         self.capture = capture and exact
         self.batch_size = batch_size
         self.raw: list[RawEvent] = []
@@ -218,7 +220,7 @@ class Recorder:
 
     def measure(self, t: torch.Tensor) -> tuple[Any, list[int]]:
         if not self.exact:
-            return quick_parts(t), []
+            return quick_parts(t, self.kernel), []
         v = exact_vector(t).cpu().numpy()
         samples: list[int] = []
         if not vector_is_finite(v):
@@ -436,7 +438,7 @@ class Recorder:
             i, p = self._pending_grads[k]
             if p is param:
                 g = param.grad
-                self.raw[i].vector = quick_parts(g) if g is not None else ()
+                self.raw[i].vector = quick_parts(g, self.kernel) if g is not None else ()
                 del self._pending_grads[k]
                 param.grad = None
                 return
@@ -446,7 +448,7 @@ class Recorder:
         measured yet, from their ``.grad`` (the backward is over)."""
         for i, p in self._pending_grads:
             g = p.grad
-            self.raw[i].vector = quick_parts(g) if g is not None else ()
+            self.raw[i].vector = quick_parts(g, self.kernel) if g is not None else ()
         self._pending_grads = []
 
     def keep_output(self, module: str, name: str, t: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -237,7 +238,11 @@ def _sample_of(x: torch.Tensor, flat: torch.Tensor | None) -> torch.Tensor:
     return _sample(flat).contiguous()
 
 
-def quick_parts(t: torch.Tensor) -> QuickParts:
+#: :func:`quick_parts`'s default: look the compiled kernel up (:func:`kernels.compiled`)
+LOOKUP: Any = object()
+
+
+def quick_parts(t: torch.Tensor, kernel: Any = LOOKUP) -> QuickParts:
     """The hot path: three reductions (sum, sum of squares, min and max in one) and a strided
     sample of ``t``, left on its device.
 
@@ -252,13 +257,15 @@ def quick_parts(t: torch.Tensor) -> QuickParts:
     A dense CPU tensor takes the compiled kernel when it was built
     (:mod:`nbdebug.core.kernels`): the same numbers in one pass and one call, returned as
     ``(stats, sample)`` instead of the eager ``(sum, sum of squares, min, max, sample)``.
+    ``kernel``: the kernel's module or None (eager), looked up once by a caller measuring
+    many tensors; by default it is looked up here.
     """
     x = as_real(t)
     if x.numel() == 0:
         return ()
     flat = _flat_view(x)
     if flat is not None and x.device.type == "cpu":
-        fused = kernels.compiled()
+        fused = kernels.compiled() if kernel is LOOKUP else kernel
         if fused is not None:
             return tuple(fused.quick_stats(flat, HIST_SAMPLE))
     lo, hi = torch.aminmax(x)  # one pass for both (one dispatch fewer per tensor)
