@@ -189,7 +189,11 @@ def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
         # page faults: memory the allocator handed back to the system and took again;
         # they cost system time that the ratios include (glibc's trimming depends on the
         # order of allocations, so they vary from run to run)
-        pf = "  ".join(f"{k} {statistics.median(faults[k]):.0f}" for k in ("plain", "trace"))
+        pf = "  ".join(
+            f"{k} {statistics.median(faults[k]):.0f}"
+            for k in ("plain", "trace", "trace_compiled")
+            if k in faults
+        )
         print(f"{'':12s} minor page faults per call: {pf}")
         del model, x, vs
 
