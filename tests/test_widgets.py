@@ -16,7 +16,13 @@ from torch import nn
 import nbdebug
 from nbdebug.figures.histogram import histogram_figure
 from nbdebug.figures.layers import BAND_LABEL, EXPLODING, VANISHING, ratio_figure
-from nbdebug.figures.norms import CURRENT_TRACE, NONFINITE_TRACE, norm_figure, norm_points
+from nbdebug.figures.norms import (
+    CURRENT_TRACE,
+    NONFINITE_TRACE,
+    TARGET_TRACE,
+    norm_figure,
+    norm_points,
+)
 from nbdebug.widgets.app import Debugger, debug
 from nbdebug.widgets.cursor import Cursor
 from nbdebug.widgets.plot import DrawnFigureWidget, PlotView, fit_figures
@@ -203,6 +209,24 @@ def test_norm_figure():
         norm_figure("trace")
     with pytest.raises(ValueError, match="current"):
         norm_figure(tr, current=999)
+
+
+def test_the_target_is_drawn_apart_from_the_forward_line():
+    """The target meets the output at the loss: on the "input" category it is a marker of its
+    own, not a point the forward line climbs through on the way to the first module."""
+    m = Shared()
+    with_target = nbdebug.trace(m, torch.randn(3, 4), torch.randn(3, 4), torch.nn.MSELoss())
+    fig = norm_figure(with_target)
+    by_name = {d.name: d for d in fig.data}
+    targets = [e.index for e in with_target.events if e.kind == "target"]
+    assert targets and list(by_name[TARGET_TRACE].customdata) == targets
+    assert by_name[TARGET_TRACE].mode == "markers"
+    assert not set(targets) & set(by_name["forward"].customdata)
+    assert list(by_name[TARGET_TRACE].x) == ["input"] * len(targets)
+    # without a target there is no empty legend entry for one
+    assert TARGET_TRACE not in [
+        d.name for d in norm_figure(nbdebug.trace(m, torch.randn(3, 4))).data
+    ]
 
 
 def test_nonfinite_points_are_marked(bad_dbg):

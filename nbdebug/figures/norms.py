@@ -30,6 +30,9 @@ from .palette import BLUE, GREEN, ORANGE, RED
 #: Names of the figure's traces, in order; the widget finds the marker by
 #: ``CURRENT_TRACE``, which is always ``fig.data[-1]``.
 FORWARD_TRACE = "forward"
+#: the target's tensors, markers without a line (present when the trace recorded a target:
+#: it meets the output at the loss, it does not feed the first module)
+TARGET_TRACE = "target"
 BACKWARD_TRACE = "backward"
 PARAM_TRACE = "param grad"
 NONFINITE_TRACE = "non-finite"
@@ -155,18 +158,25 @@ def norm_figure(
     Returns
     -------
     plotly.graph_objects.Figure
-        Traces named ``forward``, ``backward``, ``param grad``, ``non-finite`` and, last,
-        ``current event``.
+        Traces named ``forward``, ``target`` (when a target was recorded), ``backward``,
+        ``param grad``, ``non-finite`` and, last, ``current event``.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"norm_figure expects an nbdebug Trace; got {type(trace).__qualname__}.")
     pts = points if points is not None else norm_points(trace)
-    groups: dict[str, list[int]] = {FORWARD_TRACE: [], BACKWARD_TRACE: [], PARAM_TRACE: []}
+    groups: dict[str, list[int]] = {
+        FORWARD_TRACE: [],
+        TARGET_TRACE: [],
+        BACKWARD_TRACE: [],
+        PARAM_TRACE: [],
+    }
     for e in trace.events:
         if e.phase == "backward":
             groups[PARAM_TRACE if e.kind == "param_grad" else BACKWARD_TRACE].append(e.index)
         else:
-            groups[FORWARD_TRACE].append(e.index)
+            groups[TARGET_TRACE if e.kind == "target" else FORWARD_TRACE].append(e.index)
+    if not groups[TARGET_TRACE]:
+        del groups[TARGET_TRACE]
     style = {
         FORWARD_TRACE: {
             "mode": "lines+markers",
@@ -177,6 +187,10 @@ def norm_figure(
             "mode": "lines+markers",
             "line": {"color": ORANGE},
             "marker": {"size": 6},
+        },
+        TARGET_TRACE: {
+            "mode": "markers",
+            "marker": {"color": BLUE, "size": 8, "symbol": "square-open"},
         },
         PARAM_TRACE: {
             "mode": "markers",
