@@ -215,7 +215,10 @@ def test_the_target_is_drawn_apart_from_the_forward_line():
     """The target meets the output at the loss: on the "input" category it is a marker of its
     own, not a point the forward line climbs through on the way to the first module."""
     m = Shared()
-    with_target = nbdebug.trace(m, torch.randn(3, 4), torch.randn(3, 4), torch.nn.MSELoss())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        target = torch.randn_like(m(x))
+    with_target = nbdebug.trace(m, x, target, torch.nn.MSELoss())
     fig = norm_figure(with_target)
     by_name = {d.name: d for d in fig.data}
     targets = [e.index for e in with_target.events if e.kind == "target"]
