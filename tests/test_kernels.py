@@ -83,12 +83,17 @@ def test_compiled_statistics_equal_float64_references_and_the_eager_ones(
 
 def test_the_compiled_kernel_takes_dense_cpu_tensors_and_leaves_the_rest_to_eager(compiled):
     x = torch.randn(8, 3, 16, 16)
-    assert len(stats.quick_parts(x)) == 2  # compiled: (stats, sample)
-    assert len(stats.quick_parts(x.transpose(0, 3))) == 2  # dense, permuted
-    assert len(stats.quick_parts(x.to(memory_format=torch.channels_last))) == 2
+    assert len(stats.quick_parts(x)) == 1  # compiled: one row, histogram included
+    assert len(stats.quick_parts(x.transpose(0, 3))) == 1  # dense, permuted
+    assert len(stats.quick_parts(x.to(memory_format=torch.channels_last))) == 1
     strided = x[:, :, ::2]
     assert len(stats.quick_parts(strided)) == 5  # not dense: eager
-    assert len(stats.quick_parts(torch.arange(10))) == 2  # integers are measured as float64
+    assert len(stats.quick_parts(torch.arange(10))) == 1  # integers are measured as float64
+    # a tensor that requires grad is read as it is, and no graph grows from the reading
+    w = torch.randn(5, 7, requires_grad=True)
+    (row,) = stats.quick_parts(w)
+    assert row.grad_fn is None and not row.requires_grad
+    assert (row[2].item(), row[3].item()) == (float(w.detach().min()), float(w.detach().max()))
     assert stats.quick_parts(torch.empty(0)) == ()
     for t in (x.transpose(0, 3), strided):
         _, norm, lo, hi = reference(t)
@@ -219,12 +224,62 @@ def test_the_cli_builds_the_kernel_and_says_where(compiled, capsys):
 def test_the_kernel_refuses_what_it_cannot_measure(compiled):
     fused = kernels.compiled()
     assert fused is not None
+    args = stats.kernel_args()
     for bad, expected in (
         (torch.empty(0), "non-empty contiguous CPU tensor"),
         (torch.randn(4, 4).t(), "non-empty contiguous CPU tensor"),
         (torch.arange(4), "quick_stats"),
     ):
         with pytest.raises(RuntimeError, match=expected):
-            fused.quick_stats(bad, 16)
+            fused.quick_stats(bad, *args)
     with pytest.raises(RuntimeError, match="max_sample >= 1, got 0"):
-        fused.quick_stats(torch.ones(4), 0)
+        fused.quick_stats(torch.ones(4), 0, *args[1:])
+
+
+def _definition_bins(v: np.ndarray) -> np.ndarray:
+    """Counts by the histogram's definition, in float64: floor((log10|v| - LO) / width),
+    clamped, then zeros and NaN/Inf."""
+    a = np.abs(v.astype(np.float64))
+    width = (stats.HIST_HI - stats.HIST_LO) / stats.HIST_BINS
+    counts = np.zeros(stats.HIST_BINS + 2)
+    finite = np.isfinite(a) & (a > 0)
+    b = np.floor((np.log10(a[finite]) - stats.HIST_LO) / width).astype(np.int64)
+    np.add.at(counts, np.clip(b, 0, stats.HIST_BINS - 1), 1)
+    counts[stats.HIST_BINS] = np.sum(a == 0)
+    counts[stats.HIST_BINS + 1] = np.sum(~np.isfinite(a))
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_compiled_histogram_bins_every_magnitude_as_defined(compiled, dtype):
+    # every bin edge 10**(LO + k * width) and the floats on both sides of it (exact powers
+    # of ten among them), magnitudes from denormals to 3e38, zeros and non-finite values
+    width = (stats.HIST_HI - stats.HIST_LO) / stats.HIST_BINS
+    edges = 10.0 ** (stats.HIST_LO + width * np.arange(-4, stats.HIST_BINS + 5))
+    f = edges.astype(np.float32)
+    near = np.concatenate([f, np.nextafter(f, np.float32(0)), np.nextafter(f, np.float32(np.inf))])
+    wide = np.float32(10.0) ** np.linspace(-44, 38, 400, dtype=np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3.4e38], dtype=np.float32)
+    values = np.concatenate([near, -near, wide, special]).astype(np.float32)
+    for chunk in np.array_split(values, 3):  # each within one sample (<= HIST_SAMPLE)
+        assert len(chunk) <= stats.HIST_SAMPLE
+        t = torch.from_numpy(chunk.copy()).to(dtype)
+        fused = kernels.compiled()
+        assert fused is not None
+        row = fused.quick_stats(t, *stats.kernel_args()).numpy()
+        hist = row[4:]
+        np.testing.assert_array_equal(hist[:-1], _definition_bins(t.numpy()))
+        assert hist[-1] == len(chunk)
+
+
+def test_the_kernel_refuses_a_bin_table_that_points_outside_its_bins(compiled):
+    fused = kernels.compiled()
+    assert fused is not None
+    sample, bins, lo, hi, table = stats.kernel_args()
+    bad = table.clone()
+    bad[100, 0] = bins  # a bin past the last one
+    with pytest.raises(RuntimeError, match="bin table names a bin out of range"):
+        fused.quick_stats(torch.ones(4), sample, bins, lo, hi, bad)
+    with pytest.raises(RuntimeError, match=r"int32 \[256, 2\] bin table"):
+        fused.quick_stats(torch.ones(4), sample, bins, lo, hi, table[:10])
+    assert torch.equal(table, stats.kernel_args()[4])  # the shared table is untouched

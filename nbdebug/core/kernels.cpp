@@ -1,7 +1,8 @@
 // nbdebug's optional compiled statistics kernel (see kernels.py): the sum, the sum of
 // squares, the min and the max of a dense CPU tensor in one pass over its memory, plus
-// the evenly strided histogram sample, in one call. The eager path needs three passes
-// (sum, dot, aminmax) and five dispatches for the same numbers.
+// the histogram of its evenly strided sample, in one call and one small result. The eager
+// path needs three passes (sum, dot, aminmax), five dispatches and a batched histogram
+// over all samples of a pass for the same numbers.
 //
 // Accumulation: float32, float16 and bfloat16 tensors are summed in float32 lanes over
 // blocks of BLOCK elements, the block totals in float64; float64 tensors in float64.
@@ -15,6 +16,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -101,31 +104,89 @@ void moments(const scalar_t* p, int64_t n, double* o) {
   o[3] = bad ? nan : static_cast<double>(all.hi);
 }
 
+// The histogram of the sample into h[0 .. bins + 2]: bin counts of log10|v|, then zeros,
+// NaN/Inf and the sample's size. Float samples are binned by their exponent and mantissa
+// bits: table[2e] is the bin of the smallest magnitude with biased exponent e, and
+// magnitudes whose mantissa bits reach table[2e + 1] fall into the next bin (bins are
+// wider than an octave, so an octave holds at most one edge; stats.py builds the table
+// from the same bins as the eager histogram). Doubles take log10 (the second overload).
+void bin_sample(const float* s, int64_t k, const int32_t* table, double, double, double* h,
+                int64_t bins) {
+  std::vector<int64_t> c(bins + 2, 0);
+  for (int64_t j = 0; j < k; ++j) {
+    const float a = std::fabs(s[j]);
+    if (a == 0.0f) {
+      ++c[bins];
+    } else if (!std::isfinite(a)) {
+      ++c[bins + 1];
+    } else {
+      uint32_t bits;
+      std::memcpy(&bits, &a, sizeof bits);
+      const uint32_t e = bits >> 23, m = bits & 0x7FFFFFu;
+      ++c[table[2 * e] + (static_cast<int32_t>(m) >= table[2 * e + 1] ? 1 : 0)];
+    }
+  }
+  for (int64_t b = 0; b < bins + 2; ++b) h[b] = static_cast<double>(c[b]);
+  h[bins + 2] = static_cast<double>(k);
+}
+
+void bin_sample(const double* s, int64_t k, const int32_t*, double lo, double hi, double* h,
+                int64_t bins) {
+  std::vector<int64_t> c(bins + 2, 0);
+  const double scale = static_cast<double>(bins) / (hi - lo);
+  for (int64_t j = 0; j < k; ++j) {
+    const double a = std::fabs(s[j]);
+    if (a == 0.0) {
+      ++c[bins];
+    } else if (!std::isfinite(a)) {
+      ++c[bins + 1];
+    } else {
+      const double b = std::floor((std::log10(a) - lo) * scale);
+      ++c[static_cast<int64_t>(std::min(std::max(b, 0.0), static_cast<double>(bins - 1)))];
+    }
+  }
+  for (int64_t b = 0; b < bins + 2; ++b) h[b] = static_cast<double>(c[b]);
+  h[bins + 2] = static_cast<double>(k);
+}
+
 }  // namespace
 
-// (stats, sample): stats is float64 [sum, sum of squares, min, max]; sample holds every
-// ceil(n / max_sample)-th element (at most max_sample), float64 for a float64 tensor and
-// float32 otherwise. x: a non-empty contiguous CPU tensor of a floating dtype.
-std::tuple<torch::Tensor, torch::Tensor> quick_stats(const torch::Tensor& x, int64_t max_sample) {
+// One float64 row [sum, sum of squares, min, max, histogram counts (bins), zeros, NaN/Inf,
+// sample size] of x. The histogram is of every ceil(n / max_sample)-th element (at most
+// max_sample), in float64 for a float64 tensor and float32 otherwise, into `bins` bins of
+// log10|v| over [lo, hi) (clamped at both ends); `table` is int32 [256, 2], see bin_float.
+// x: a non-empty contiguous CPU tensor of a floating dtype (it may require grad: it is
+// only read).
+torch::Tensor quick_stats(const torch::Tensor& x, int64_t max_sample, int64_t bins, double lo,
+                          double hi, const torch::Tensor& table) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.numel() > 0,
               "quick_stats expects a non-empty contiguous CPU tensor");
   TORCH_CHECK(max_sample >= 1, "quick_stats expects max_sample >= 1, got ", max_sample);
+  TORCH_CHECK(bins >= 1 && hi > lo, "quick_stats expects bins >= 1 and hi > lo");
+  TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.is_contiguous() &&
+                  table.numel() == 512,
+              "quick_stats expects an int32 [256, 2] bin table");
   const int64_t n = x.numel();
-  auto stats = torch::empty({4}, torch::kFloat64);
+  auto row = torch::empty({4 + bins + 3}, torch::kFloat64);
+  double* o = row.data_ptr<double>();
   const int64_t step = n <= max_sample ? 1 : (n + max_sample - 1) / max_sample;
   const int64_t k = (n + step - 1) / step;
-  const bool wide = x.scalar_type() == torch::kFloat64;
-  auto sample = torch::empty({k}, wide ? torch::kFloat64 : torch::kFloat32);
+  const int32_t* tab = table.const_data_ptr<int32_t>();
+  for (int64_t e = 0; e < 256; ++e) {
+    TORCH_CHECK(tab[2 * e] >= 0 && tab[2 * e] < bins && (tab[2 * e] + 1 < bins ||
+                tab[2 * e + 1] > 0x7FFFFF), "quick_stats: the bin table names a bin out of range");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_stats", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* p = x.const_data_ptr<scalar_t>();
-    moments<scalar_t, acc_t>(p, n, stats.data_ptr<double>());
-    acc_t* s = sample.data_ptr<acc_t>();
+    moments<scalar_t, acc_t>(p, n, o);
+    std::vector<acc_t> s(k);
     for (int64_t j = 0; j < k; ++j) s[j] = static_cast<acc_t>(p[j * step]);
+    bin_sample(s.data(), k, tab, lo, hi, o + 4, bins);
   });
-  return {stats, sample};
+  return row;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quick_stats", &quick_stats, "sum, sum of squares, min, max and a strided sample");
+  m.def("quick_stats", &quick_stats, "sum, sum of squares, min, max and a sample's histogram");
 }

@@ -114,9 +114,10 @@ def active() -> bool:
 
 def compiled() -> ModuleType | None:
     """The compiled kernel's module when :func:`active`, else None (read per tensor). Its
-    ``quick_stats(x, max_sample)`` takes a non-empty contiguous CPU tensor of a floating
-    dtype and returns float64 ``[sum, sum of squares, min, max]`` and every
-    ``ceil(numel / max_sample)``-th element (float64 for float64, else float32)."""
+    ``quick_stats(x, *stats.kernel_args())`` takes a non-empty contiguous CPU tensor of a
+    floating dtype and returns one float64 row: ``[sum, sum of squares, min, max]``, then
+    the histogram (bin counts, zeros, NaN/Inf, size) of every ``ceil(numel /
+    max_sample)``-th element."""
     mode = os.environ.get(ENV)
     if mode is None or mode == "compiled":
         return _module()

@@ -199,8 +199,8 @@ def row_dim(shape: torch.Size | tuple[int, ...], batch_size: int | None) -> int 
     return None
 
 
-#: (sum, sum of squares, min, max, sample) as device tensors, or (stats, sample) from the
-#: compiled kernel, or () for an empty tensor
+#: (sum, sum of squares, min, max, sample) as device tensors, or (row,) from the compiled
+#: kernel, or () for an empty tensor
 QuickParts = tuple
 
 
@@ -255,19 +255,25 @@ def quick_parts(t: torch.Tensor, kernel: Any = LOOKUP) -> QuickParts:
     as the three reductions together.
 
     A dense CPU tensor takes the compiled kernel when it was built
-    (:mod:`nbdebug.core.kernels`): the same numbers in one pass and one call, returned as
-    ``(stats, sample)`` instead of the eager ``(sum, sum of squares, min, max, sample)``.
-    ``kernel``: the kernel's module or None (eager), looked up once by a caller measuring
-    many tensors; by default it is looked up here.
+    (:mod:`nbdebug.core.kernels`): the same numbers in one pass and one call, and the
+    sample's histogram with them, returned as ``(row,)`` (see :func:`kernel_args`) instead
+    of the eager ``(sum, sum of squares, min, max, sample)``. ``kernel``: the kernel's
+    module or None (eager), looked up once by a caller measuring many tensors; by default
+    it is looked up here.
     """
-    x = as_real(t)
+    # a floating strided tensor is read as it is (the hot path: no detached copy of the
+    # tensor object); anything else is made real and dense first
+    x = t if t.layout == torch.strided and t.dtype in _FLOATING else as_real(t)
     if x.numel() == 0:
         return ()
-    flat = _flat_view(x)
-    if flat is not None and x.device.type == "cpu":
+    if x.device.type == "cpu":
         fused = kernels.compiled() if kernel is LOOKUP else kernel
         if fused is not None:
-            return tuple(fused.quick_stats(flat, HIST_SAMPLE))
+            flat = x if x.is_contiguous() else _flat_view(x.detach())
+            if flat is not None:
+                return (fused.quick_stats(flat, *kernel_args()),)
+    x = x.detach()
+    flat = _flat_view(x)
     lo, hi = torch.aminmax(x)  # one pass for both (one dispatch fewer per tensor)
     return (
         x.sum(dtype=_accum_dtype(x)),
@@ -276,6 +282,42 @@ def quick_parts(t: torch.Tensor, kernel: Any = LOOKUP) -> QuickParts:
         hi,
         _sample_of(x, flat),
     )
+
+
+_FLOATING = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+_KERNEL_ARGS: list[tuple[int, int, float, float, torch.Tensor]] = []
+
+
+def kernel_args() -> tuple[int, int, float, float, torch.Tensor]:
+    """The compiled kernel's arguments after the tensor: ``HIST_SAMPLE``, ``HIST_BINS``,
+    ``HIST_LO``, ``HIST_HI`` and its bin table, int32 ``[256, 2]``: for each biased float32
+    exponent ``e``, the bin of the magnitude ``2**(e - 127)`` and the mantissa bits from
+    which magnitudes of that exponent fall into the next bin (``2**23``: none). Bins are
+    wider than an octave, so an octave holds at most one edge. The kernel bins float
+    samples with it (no logarithm), by the edges ``10**(HIST_LO + k * width)`` that the
+    eager histogram's ``floor((log10|x| - HIST_LO) / width)`` draws (the two can differ
+    by a rounding at an edge)."""
+    if not _KERNEL_ARGS:
+        width = (HIST_HI - HIST_LO) / HIST_BINS
+        if width < math.log10(2):  # pragma: no cover - a change to the bins above
+            raise ValueError(f"the bin table needs bins of at least an octave, got {width}")
+        table = np.zeros((256, 2), dtype=np.int32)
+        table[:, 1] = 1 << 23
+        for e in range(1, 255):
+            low = 2.0 ** (e - 127)
+            b = min(max(math.floor((math.log10(low) - HIST_LO) / width), 0), HIST_BINS - 1)
+            table[e, 0] = b
+            if b + 1 < HIST_BINS:
+                edge = 10.0 ** (HIST_LO + (b + 1) * width)
+                f = np.float32(edge)
+                if float(f) < edge:
+                    f = np.nextafter(f, np.float32(np.inf))
+                if float(f) < 2 * low:
+                    table[e, 1] = int(np.asarray(f).view(np.int32)) & 0x7FFFFF
+        _KERNEL_ARGS.append(
+            (HIST_SAMPLE, HIST_BINS, HIST_LO, HIST_HI, torch.from_numpy(table).contiguous())
+        )
+    return _KERNEL_ARGS[0]
 
 
 def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
@@ -306,17 +348,18 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
 
 def _assemble_group(parts: list[QuickParts], live: list[int], out: np.ndarray) -> None:
     """Fill the rows ``live`` of ``out`` from their parts (all of one dtype and form)."""
-    if len(parts[live[0]]) == 2:  # compiled: one float64 [sum, sum sq, min, max] each
-        scal = torch.stack([parts[i][0] for i in live])
+    k = len(live)
+    if len(parts[live[0]]) == 1:  # compiled: one float64 row each, histogram included
+        host = torch.stack([parts[i][0] for i in live]).cpu().numpy()
+        sc, hs = host[:, :4], host[:, 4:]
     else:  # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
         scal = torch.stack(
-            [torch.stack([parts[i][k] for i in live]).to(torch.float64) for k in range(4)], 1
+            [torch.stack([parts[i][j] for i in live]).to(torch.float64) for j in range(4)], 1
         )
-    samples = [parts[i][-1] for i in live]
-    hist = sample_hist(samples)
-    host = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
-    sc = host[: 4 * len(live)].reshape(len(live), 4)
-    hs = host[4 * len(live) :].reshape(len(live), HIST_BINS + 3)
+        hist = sample_hist([parts[i][-1] for i in live])
+        flat = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
+        sc = flat[: 4 * k].reshape(k, 4)
+        hs = flat[4 * k :].reshape(k, HIST_BINS + 3)
     rows = np.asarray(live)
     out[rows, IDX_SUM] = sc[:, 0]
     with np.errstate(invalid="ignore"):
