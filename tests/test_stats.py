@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from nbdebug.core import stats
 from nbdebug.core.stats import (
     HIST_EDGES,
     HIST_SAMPLE,
@@ -137,3 +138,27 @@ def test_quick_histogram_is_sampled_for_big_tensors() -> None:
     assert h.sampled and h.total <= HIST_SAMPLE + 1
     _, h2 = finalize(quick_vector(torch.randn(100)))
     assert not h2.sampled and h2.total == 100
+
+
+def test_all_quick_complete_agrees_with_quick_is_complete_vector_by_vector():
+    # quick vectors (counts not taken) and exact ones (counted), finite or not, with a
+    # float32 sum or norm overflowed to inf
+    def vec(t: torch.Tensor, counted: bool) -> np.ndarray:
+        return stats.exact_vector(t).numpy() if counted else stats.quick_vector(t)
+
+    cases = {
+        "finite": torch.randn(50),
+        "nan": torch.tensor([1.0, float("nan")]),
+        "inf": torch.tensor([1.0, float("inf")]),
+        "-inf": torch.tensor([-float("inf"), 2.0]),
+        "overflowed": torch.full((4,), 3e38),
+    }
+    vectors = {(k, c): vec(t, c) for k, t in cases.items() for c in (False, True)}
+    assert not stats.quick_is_complete(vectors[("overflowed", False)])
+    assert stats.all_quick_complete([]) is True
+    keys = list(vectors)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        pick = [keys[i] for i in rng.integers(0, len(keys), size=rng.integers(1, 6))]
+        vs = [vectors[k] for k in pick]
+        assert stats.all_quick_complete(vs) == all(stats.quick_is_complete(v) for v in vs), pick

@@ -2,14 +2,16 @@
 
 A pass installs a forward pre-hook and a forward hook on every module (or on those that
 ``modules=`` names), a tensor hook on every module output that requires grad (and on
-every module input that no module produced), and a tensor hook on every parameter (of
+every module input that no module produced), and one hook on every parameter (of
 those modules). Two modes:
 
 * quick (``exact=False``): statistics vectors stay on the device (:func:`quick_parts`);
-  nothing is synchronised until the pass is over. A parameter's tensor hook only marks the
-  event's place; its gradient is measured once autograd has accumulated it into
-  ``.grad`` (a post-accumulate hook), and then dropped, so a pass never holds a second
-  full set of gradients beside the user's (kept aside by the trace).
+  nothing is synchronised until the pass is over. A parameter's gradient is measured
+  right after autograd accumulated it into ``.grad`` (a post-accumulate hook), and then
+  dropped, so a pass never holds a second full set of gradients beside the user's (kept
+  aside by the trace). Under (Distributed)DataParallel or FSDP2, whose own hooks read the
+  accumulated gradients, a tensor hook marks the event's place and the gradients are
+  measured after the backward.
 * exact (``exact=True``): run only when the quick pass saw a NaN/Inf. Element-wise
   statistics, the batch rows holding non-finite values, which inputs of each module call
   were finite, the data flow between calls, and a copy of the inputs of the calls still
@@ -135,20 +137,19 @@ class Recorder:
         self.stack: list[int] = []
         self.names: dict[int, str] = {}
         self.types: dict[str, str] = {}
-        for name, m in model.named_modules():
+        self.param_names: dict[int, tuple[str, str, str]] = {}
+        for name, m in model.named_modules():  # one walk over a model of 1,000+ modules
             self.names.setdefault(id(m), name)
             self.types.setdefault(name, type(m).__name__)
+            for pname, p in m._parameters.items():
+                if p is not None and id(p) not in self.param_names:
+                    self.param_names[id(p)] = (name, pname, qualified_name(name, pname))
         # (id, version) -> (weakref, owners): one grad hook per tensor version
         self._grad_hooked: dict[tuple[int, int], tuple[Any, list[tuple[int, str, str]]]] = {}
         # exact mode: (id, version) -> (weakref, slot index)
         self._slot_of: dict[tuple[int, int], tuple[Any, int]] = {}
         self._measured: dict[tuple[int, int], tuple[Any, Any, list[int]]] = {}
         self.slots: list[Slot] = []
-        self.param_names: dict[int, tuple[str, str, str]] = {}
-        for mname, m in model.named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                qual = qualified_name(mname, pname)
-                self.param_names.setdefault(id(p), (mname, pname, qual))
         self.capture_closed = False  # exact mode: a call made NaN from NaN-free inputs
         self.recomputing = False  # set once the backward starts (activation checkpointing)
         self.bad_params: dict[str, list[str]] = {}  # module -> non-finite params/buffers
@@ -177,9 +178,10 @@ class Recorder:
             if p.requires_grad and id(p) in self.param_names:
                 if self.modules is not None and self.param_names[id(p)][0] not in self.modules:
                     continue
-                hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)], p)))
                 if free:
-                    hooks.add(p.register_post_accumulate_grad_hook(self._accumulated))
+                    hooks.add(p.register_post_accumulate_grad_hook(self._accumulated(p)))
+                else:
+                    hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)], p)))
 
     # ------------------------------------------------------------------ statistics
     def _record(
@@ -413,15 +415,16 @@ class Recorder:
         return hook
 
     def _param_hook(self, module: str, short: str, qual: str, param: torch.Tensor):
-        depth = module.count(".") + 1 if module else 0
+        depth = _depth(module)
 
         def hook(grad: torch.Tensor) -> None:
             if self.exact:
                 self._record("backward", "param_grad", module, short, grad, -1, depth, param=qual)
                 return None
-            # quick mode: only the event's place here; its statistics are taken from
-            # ``.grad`` once the backward is over (off its critical path, and no reference
-            # to ``grad`` held, which would make autograd copy it into ``.grad``)
+            # quick mode under (Distributed)DataParallel or FSDP2: only the event's place
+            # here; its statistics are taken from ``.grad`` once the backward is over (off
+            # its critical path, and no reference to ``grad`` held, which would make
+            # autograd copy it into ``.grad``)
             i = self._record(
                 "backward", "param_grad", module, short, grad, -1, depth, param=qual, vector=()
             )
@@ -430,18 +433,26 @@ class Recorder:
 
         return hook
 
-    def _accumulated(self, param: torch.Tensor) -> None:
-        """Quick mode, right after autograd wrote ``param.grad``: measure it for the event
-        its tensor hook recorded, and drop it (``.grad`` was ``None`` before the pass: what
-        was accumulated is this contribution, as the exact pass records it)."""
-        for k in range(len(self._pending_grads) - 1, -1, -1):
-            i, p = self._pending_grads[k]
-            if p is param:
-                g = param.grad
-                self.raw[i].vector = quick_parts(g, self.kernel) if g is not None else ()
-                del self._pending_grads[k]
-                param.grad = None
-                return
+    def _accumulated(self, param: torch.Tensor):
+        """Quick mode, the hook autograd calls right after it wrote ``param.grad``: the
+        event, measured from ``.grad``, which is then dropped (``.grad`` was ``None``
+        before the pass: what was accumulated is this contribution, as the exact pass
+        records it)."""
+        module, short, qual = self.param_names[id(param)]
+        depth = _depth(module)
+
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is None:  # pragma: no cover - autograd calls the hook after writing it
+                return None
+            vector = quick_parts(g, self.kernel)
+            self._record(
+                "backward", "param_grad", module, short, g, -1, depth, param=qual, vector=vector
+            )
+            p.grad = None
+            return None
+
+        return hook
 
     def measure_param_grads(self) -> None:
         """Quick mode: measure the parameter gradients whose hooks fired and that are not
@@ -523,6 +534,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _depth(module: str) -> int:
+    return module.count(".") + 1 if module else 0
 
 
 def _input_name(tname: str) -> str:

@@ -508,6 +508,21 @@ def quick_is_complete(v: np.ndarray) -> bool:
     return vector_is_finite(v) and bool(np.isfinite(v[IDX_SUM]) and np.isfinite(v[IDX_NORM]))
 
 
+def all_quick_complete(vectors: list[np.ndarray]) -> bool:
+    """:func:`quick_is_complete` for every vector, at once (numpy over the stacked rows)."""
+    if not vectors:
+        return True
+    m = np.vstack(vectors)
+    counted = m[:, IDX_NNAN] >= 0
+    with np.errstate(invalid="ignore"):
+        finite = np.where(
+            counted,
+            (m[:, IDX_NNAN] == 0) & (m[:, IDX_NINF] == 0),
+            np.isfinite(m[:, IDX_MIN]) & np.isfinite(m[:, IDX_MAX]),
+        )
+    return bool(np.all(finite & np.isfinite(m[:, IDX_SUM]) & np.isfinite(m[:, IDX_NORM])))
+
+
 def vector_is_finite(v: np.ndarray) -> bool:
     """Whether a finalized-quick or exact host vector describes an all-finite tensor."""
     if v[IDX_NNAN] >= 0:

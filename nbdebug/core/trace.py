@@ -39,7 +39,7 @@ from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
 from .recorder import RawEvent, Recorder, select_modules
 from .result import Trace, TraceError
 from .state import PreservedState, preserved
-from .stats import finalize_many, quick_is_complete, tensor_stats
+from .stats import all_quick_complete, finalize_many, tensor_stats
 from .text import dtype_name, fmt_bytes, qualified_name
 
 __all__ = ["Trace", "TraceError", "trace"]
@@ -117,7 +117,7 @@ def trace(
                 model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
             )
             vectors = rec.host_vectors()
-            if all(quick_is_complete(v) for v in vectors):
+            if all_quick_complete(vectors):
                 events, _ = _events(rec, vectors)
                 return _with_kept(_result(model, inputs, rec, events, None, out, health), rec.kept)
             # something is not finite (or overflowed float32 sums): replay the step exactly
@@ -624,26 +624,32 @@ class _ParamHealth:
 
     @classmethod
     def measure(cls, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> _ParamHealth:
-        tensors: list[tuple[str, str, torch.Tensor, bool]] = []
+        # every (owner, tensor) pair, a tied tensor under each owner; each tensor measured once
+        owned: list[tuple[str, str, torch.Tensor]] = []
+        unique: dict[int, torch.Tensor] = {}
         for mname, m in model.named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                tensors.append((mname, qualified_name(mname, pname), p, True))
-            for bname, b in m.named_buffers(recurse=False):
+            for pname, p in m._parameters.items():
+                if p is not None:
+                    owned.append((mname, qualified_name(mname, pname), p))
+                    unique.setdefault(id(p), p)
+            for bname, b in m._buffers.items():
                 if b is not None and (b.is_floating_point() or b.is_complex()):
-                    tensors.append((mname, qualified_name(mname, bname), b, False))
+                    owned.append((mname, qualified_name(mname, bname), b))
+                    unique.setdefault(id(b), b)
         norms: dict[int, float] = {}
         counts: dict[int, tuple[int, int]] = {}
         bad: dict[str, list[str]] = {}
-        if not tensors:
+        if not unique:
             return cls(norms, counts, bad)
-        values = fused_norms([t.detach() for _, _, t, _ in tensors])
-        for (mname, qual, t, _), n in zip(tensors, values):
-            norms[id(t)] = float(n)
+        values = fused_norms([t.detach() for t in unique.values()])
+        for key, t, n in zip(unique, unique.values(), values):
+            norms[key] = float(n)
             if not np.isfinite(n):
-                s = tensor_stats(t)
-                counts[id(t)] = (s.n_nan, s.n_inf)
-                if s.n_nan or s.n_inf:
-                    bad.setdefault(mname, []).append(qual)
+                st = tensor_stats(t)
+                counts[key] = (st.n_nan, st.n_inf)
+        for mname, qual, t in owned:
+            if sum(counts.get(id(t), (0, 0))):
+                bad.setdefault(mname, []).append(qual)
         return cls(norms, counts, bad)
 
 
@@ -660,12 +666,14 @@ def _result(
     grads = {e.param: e for e in events if e.kind == "param_grad"}
     params: list[ParamInfo] = []
     seen: set[int] = set()
+    n_params = 0
     for mname, m in model.named_modules():
-        for pname, p in m.named_parameters(recurse=False):
-            qual = qualified_name(mname, pname)
-            if id(p) in seen:
+        for pname, p in m._parameters.items():
+            if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
+            n_params += p.numel()
+            qual = qualified_name(mname, pname)
             g = grads.get(qual)
             n_nan, n_inf = health.counts.get(id(p), (0, 0))
             params.append(
@@ -696,7 +704,7 @@ def _result(
         params=params,
         model_name=type(model).__name__,
         batch_size=batch_size(inputs),
-        n_params=sum(p.numel() for p in model.parameters()),
+        n_params=n_params,
         batch=describe(inputs),
         module_types=dict(rec.types),
         notes=out.notes + (found.masks if found is not None else []),
