@@ -154,7 +154,11 @@ def test_all_quick_complete_agrees_with_quick_is_complete_vector_by_vector():
         "overflowed": torch.full((4,), 3e38),
     }
     vectors = {(k, c): vec(t, c) for k, t in cases.items() for c in (False, True)}
-    assert not stats.quick_is_complete(vectors[("overflowed", False)])
+    # complete: finite, and the sums did not overflow (the exact kernel sums in float64)
+    for (case, counted), v in vectors.items():
+        expected = case == "finite" or (case == "overflowed" and counted)
+        assert stats.quick_is_complete(v) is expected, (case, counted)
+        assert stats.vector_is_finite(v) is (case in ("finite", "overflowed")), (case, counted)
     assert stats.all_quick_complete([]) is True
     keys = list(vectors)
     rng = np.random.default_rng(0)

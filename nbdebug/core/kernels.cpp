@@ -104,49 +104,46 @@ void moments(const scalar_t* p, int64_t n, double* o) {
   o[3] = bad ? nan : static_cast<double>(all.hi);
 }
 
-// The histogram of the sample into h[0 .. bins + 2]: bin counts of log10|v|, then zeros,
-// NaN/Inf and the sample's size. Float samples are binned by their exponent and mantissa
-// bits: table[2e] is the bin of the smallest magnitude with biased exponent e, and
-// magnitudes whose mantissa bits reach table[2e + 1] fall into the next bin (bins are
-// wider than an octave, so an octave holds at most one edge; stats.py builds the table
-// from the same bins as the eager histogram). Doubles take log10 (the second overload).
-void bin_sample(const float* s, int64_t k, const int32_t* table, double, double, double* h,
-                int64_t bins) {
-  std::vector<int64_t> c(bins + 2, 0);
-  for (int64_t j = 0; j < k; ++j) {
-    const float a = std::fabs(s[j]);
-    if (a == 0.0f) {
-      ++c[bins];
-    } else if (!std::isfinite(a)) {
-      ++c[bins + 1];
-    } else {
-      uint32_t bits;
-      std::memcpy(&bits, &a, sizeof bits);
-      const uint32_t e = bits >> 23, m = bits & 0x7FFFFFu;
-      ++c[table[2 * e] + (static_cast<int32_t>(m) >= table[2 * e + 1] ? 1 : 0)];
-    }
-  }
-  for (int64_t b = 0; b < bins + 2; ++b) h[b] = static_cast<double>(c[b]);
-  h[bins + 2] = static_cast<double>(k);
+// The bins of log10|v| over [lo, hi), clamped at both ends. A float magnitude is binned
+// by its exponent and mantissa bits: table[2e] is the bin of the smallest magnitude with
+// biased exponent e, and magnitudes whose mantissa bits reach table[2e + 1] fall into the
+// next bin (bins are wider than an octave, so an octave holds at most one edge; stats.py
+// builds the table from the same bins as the eager histogram). A double takes log10.
+struct Bins {
+  int64_t n;
+  double lo, scale;
+  const int32_t* table;
+};
+
+inline int64_t bin_of(float a, const Bins& b) {
+  uint32_t bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  const uint32_t e = bits >> 23, m = bits & 0x7FFFFFu;
+  return b.table[2 * e] + (static_cast<int32_t>(m) >= b.table[2 * e + 1] ? 1 : 0);
 }
 
-void bin_sample(const double* s, int64_t k, const int32_t*, double lo, double hi, double* h,
-                int64_t bins) {
-  std::vector<int64_t> c(bins + 2, 0);
-  const double scale = static_cast<double>(bins) / (hi - lo);
+inline int64_t bin_of(double a, const Bins& b) {
+  const double k = std::floor((std::log10(a) - b.lo) * b.scale);
+  return static_cast<int64_t>(std::min(std::max(k, 0.0), static_cast<double>(b.n - 1)));
+}
+
+// The histogram of every step-th of p's first k * step elements, in acc_t, into
+// h[0 .. n + 2]: bin counts, then zeros, NaN/Inf and the sample's size.
+template <typename scalar_t, typename acc_t>
+void histogram(const scalar_t* p, int64_t step, int64_t k, const Bins& b, double* h) {
+  std::vector<int64_t> c(b.n + 2, 0);
   for (int64_t j = 0; j < k; ++j) {
-    const double a = std::fabs(s[j]);
-    if (a == 0.0) {
-      ++c[bins];
+    const acc_t a = std::fabs(static_cast<acc_t>(p[j * step]));
+    if (a == acc_t(0)) {
+      ++c[b.n];
     } else if (!std::isfinite(a)) {
-      ++c[bins + 1];
+      ++c[b.n + 1];
     } else {
-      const double b = std::floor((std::log10(a) - lo) * scale);
-      ++c[static_cast<int64_t>(std::min(std::max(b, 0.0), static_cast<double>(bins - 1)))];
+      ++c[bin_of(a, b)];
     }
   }
-  for (int64_t b = 0; b < bins + 2; ++b) h[b] = static_cast<double>(c[b]);
-  h[bins + 2] = static_cast<double>(k);
+  for (int64_t i = 0; i < b.n + 2; ++i) h[i] = static_cast<double>(c[i]);
+  h[b.n + 2] = static_cast<double>(k);
 }
 
 }  // namespace
@@ -154,7 +151,7 @@ void bin_sample(const double* s, int64_t k, const int32_t*, double lo, double hi
 // One float64 row [sum, sum of squares, min, max, histogram counts (bins), zeros, NaN/Inf,
 // sample size] of x. The histogram is of every ceil(n / max_sample)-th element (at most
 // max_sample), in float64 for a float64 tensor and float32 otherwise, into `bins` bins of
-// log10|v| over [lo, hi) (clamped at both ends); `table` is int32 [256, 2], see bin_float.
+// log10|v| over [lo, hi) (clamped at both ends); `table` is int32 [256, 2], see Bins.
 // x: a non-empty contiguous CPU tensor of a floating dtype (it may require grad: it is
 // only read).
 torch::Tensor quick_stats(const torch::Tensor& x, int64_t max_sample, int64_t bins, double lo,
@@ -180,9 +177,8 @@ torch::Tensor quick_stats(const torch::Tensor& x, int64_t max_sample, int64_t bi
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* p = x.const_data_ptr<scalar_t>();
     moments<scalar_t, acc_t>(p, n, o);
-    std::vector<acc_t> s(k);
-    for (int64_t j = 0; j < k; ++j) s[j] = static_cast<acc_t>(p[j * step]);
-    bin_sample(s.data(), k, tab, lo, hi, o + 4, bins);
+    histogram<scalar_t, acc_t>(p, step, k, {bins, lo, static_cast<double>(bins) / (hi - lo), tab},
+                               o + 4);
   });
   return row;
 }

@@ -505,7 +505,7 @@ def row_flags(t: torch.Tensor, dim: int) -> torch.Tensor:
 def quick_is_complete(v: np.ndarray) -> bool:
     """Whether a quick vector can stand as it is: the tensor was finite and its float32
     sum and norm did not overflow (else the exact, float64 kernel must measure it)."""
-    return vector_is_finite(v) and bool(np.isfinite(v[IDX_SUM]) and np.isfinite(v[IDX_NORM]))
+    return all_quick_complete([v])
 
 
 def all_quick_complete(vectors: list[np.ndarray]) -> bool:
@@ -513,21 +513,25 @@ def all_quick_complete(vectors: list[np.ndarray]) -> bool:
     if not vectors:
         return True
     m = np.vstack(vectors)
-    counted = m[:, IDX_NNAN] >= 0
-    with np.errstate(invalid="ignore"):
-        finite = np.where(
-            counted,
-            (m[:, IDX_NNAN] == 0) & (m[:, IDX_NINF] == 0),
-            np.isfinite(m[:, IDX_MIN]) & np.isfinite(m[:, IDX_MAX]),
-        )
-    return bool(np.all(finite & np.isfinite(m[:, IDX_SUM]) & np.isfinite(m[:, IDX_NORM])))
+    complete = _finite_rows(m) & np.isfinite(m[:, IDX_SUM]) & np.isfinite(m[:, IDX_NORM])
+    return bool(np.all(complete))
 
 
 def vector_is_finite(v: np.ndarray) -> bool:
     """Whether a finalized-quick or exact host vector describes an all-finite tensor."""
-    if v[IDX_NNAN] >= 0:
-        return v[IDX_NNAN] == 0 and v[IDX_NINF] == 0
-    return bool(np.isfinite(v[IDX_MIN]) and np.isfinite(v[IDX_MAX]))
+    return bool(_finite_rows(np.asarray(v).reshape(1, -1))[0])
+
+
+def _finite_rows(m: np.ndarray) -> np.ndarray:
+    """Per row of stacked vectors: all finite. Counted (exact) vectors by their NaN/Inf
+    counts, quick ones (counts left at -1) by a finite min and max."""
+    counted = m[:, IDX_NNAN] >= 0
+    with np.errstate(invalid="ignore"):
+        return np.where(
+            counted,
+            (m[:, IDX_NNAN] == 0) & (m[:, IDX_NINF] == 0),
+            np.isfinite(m[:, IDX_MIN]) & np.isfinite(m[:, IDX_MAX]),
+        )
 
 
 def finalize(v: np.ndarray) -> tuple[TensorStats, Histogram]:
