@@ -605,6 +605,13 @@ def test_bad_arguments(tmp_path):
         NaNGuard(model, history=0)
     with pytest.raises(ValueError, match="recipe must be an import path"):
         NaNGuard(model, recipe="my model")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(ValueError, match=r"directory must be a directory .* is an existing file"):
+        NaNGuard(model, directory=afile)
+    with pytest.raises(ValueError, match=r"directory must be a directory .* is under .*afile, a"):
+        NaNGuard(model, directory=afile / "snaps")
+    assert afile.read_text() == "mine"
     guard = NaNGuard(model, directory=tmp_path)
     with pytest.raises(ValueError, match=r"loss must be a scalar; got a tensor of shape \(4, 1\)"):
         guard.check(torch.zeros(4, 1))

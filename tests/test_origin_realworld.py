@@ -169,6 +169,32 @@ def test_custom_function_backward_is_named_with_its_source_line() -> None:
     assert chain_ops(o) == [("ProdFn.backward", "NaN")]
 
 
+def test_a_function_defined_inside_a_function_is_named_as_its_code_reads() -> None:
+    def make() -> nn.Module:
+        class LocalFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+                return grad.log()  # log of a negative gradient: NaN
+
+        class Local(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return LocalFn.apply(x)
+
+        return nn.Sequential(nn.Linear(3, 3), Local(), nn.Linear(3, 1))
+
+    model = make()
+    with torch.no_grad():
+        model[2].weight.fill_(-1.0)
+    tr = nbdebug.trace(model, torch.randn(4, 3), loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None and (o.phase, o.module) == ("backward", "1"), tr
+    assert o.op == "LocalFn.backward"  # not "test_....<locals>.make.<locals>.LocalFn"
+
+
 # ---------------------------------------------------------------------- composites
 class MaskedAttention(nn.Module):
     def __init__(self) -> None:

@@ -284,6 +284,35 @@ def test_replay_uses_the_stored_rng(tmp_path):
 # --------------------------------------------------------------------------- bad files
 
 
+def test_damaged_tensor_bytes_are_refused(tmp_path, trained):
+    # bytes changed inside a stored tensor leave a readable archive: the record's CRC-32
+    # is what tells, and a replay of such a file would be a different step
+    good = _save(tmp_path, trained)
+    data = good.read_bytes()
+    weight = trained[0].fc1.weight.detach().numpy().tobytes()
+    at = data.find(weight)
+    assert at > 0
+    bad = bytearray(data)
+    bad[at : at + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+    path = tmp_path / "damaged.nbsnap"
+    path.write_bytes(bytes(bad))
+    with pytest.raises(SnapshotError, match=r"record 'archive/data/\d+' do not match the checksum"):
+        load_snapshot(path, Net())
+    assert path.read_bytes() == bytes(bad)  # the file is left as it was
+    # listing maps the tensors without reading them: the damaged file is still listed
+    listed = list_snapshots(tmp_path).set_index("path")
+    assert listed.loc[str(path), "step"] == 12 and pd.isna(listed.loc[str(path), "error"])
+    # a file written without checksums (torch's compute_crc32 off) still loads
+    from torch.utils.serialization import config
+
+    with config.patch({"save.compute_crc32": False}):
+        plain = _save(tmp_path / "nocrc", trained)
+    with zipfile.ZipFile(plain) as z:
+        assert {i.CRC for i in z.infolist()} == {0}
+    snap = load_snapshot(plain, Net())
+    assert torch.equal(snap.model.fc1.weight, trained[0].fc1.weight)
+
+
 def _payload(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
@@ -580,7 +609,7 @@ def test_fuzz_only_snapshot_error(small_snapshot, tmp_path, mutation):
     path.write_bytes(_mutate(data, pickle_end, mutation))
     try:
         snap = load_snapshot(path, nn.Linear(3, 2))
-        # a mutation that kept the file valid (e.g. inside tensor data) loads fully
+        # a mutation that kept the file valid (e.g. inside zip padding) loads fully
         assert isinstance(snap, Snapshot) and isinstance(snap.model, nn.Linear)
         repr(snap)
         snap.history_frame()

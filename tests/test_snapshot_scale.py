@@ -50,12 +50,11 @@ def test_async_save_stores_the_step_as_it_was_while_training_goes_on(tmp_path: P
 
 
 def test_a_failed_background_write_is_raised_by_close(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
     model = nn.Linear(3, 1)
     guard = nbdebug.NaNGuard(
-        model, directory=blocker / "snaps", on_nonfinite="continue", async_save=True
+        model, directory=tmp_path / "snaps", on_nonfinite="continue", async_save=True
     )
+    (tmp_path / "snaps").write_text("a file took the directory's place after the guard began")
     with pytest.warns(RuntimeWarning, match="writing the snapshot .* failed"):
         assert bad_step(guard, model, 1) is False  # the step itself is not held up
         with pytest.raises(OSError, match=r"background write of the snapshot .*step-000000001"):

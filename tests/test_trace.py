@@ -306,6 +306,16 @@ def test_bad_inputs_raise_one_clear_sentence() -> None:
         nbdebug.trace(model, torch.randn(2, 3))
     with pytest.raises(nbdebug.TraceError, match="rejected the batch"):
         nbdebug.trace(model, (torch.randn(2, 3), torch.randn(2, 3)), loss_fn=lambda o: o.sum())
+    # refused before the model runs
+    calls: list[int] = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(TypeError, match="loss_fn must be callable or None; got str"):
+        nbdebug.trace(model, torch.randn(2, 3), torch.tensor([0, 1]), "cross_entropy")  # type: ignore[arg-type]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the inference_mode"):
+        nbdebug.trace(model, torch.randn(2, 3), loss_fn=lambda o: o.sum())
+    assert calls == []
+    with pytest.raises(ValueError, match="on the meta device"):
+        nbdebug.trace(nn.Linear(3, 2, device="meta"), torch.randn(2, 3), loss_fn=lambda o: o.sum())
 
 
 def test_model_raising_gives_trace_error_with_partial_trace() -> None:

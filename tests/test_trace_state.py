@@ -126,3 +126,32 @@ def test_no_activation_kept_alive() -> None:
     gc.collect()
     assert refs and all(r() is None for r in refs)
     assert tr.events  # the trace holds statistics only
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_no_hook_left_on_leaf_inputs(nan: bool) -> None:
+    # a parametrized weight is a module *input* (its original is a leaf), and so is a batch
+    # that requires grad: the trace's tensor hooks on them are removed like its module hooks
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(3, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 2)))
+    x = torch.randn(5, 3, requires_grad=True)
+    kept = torch.randn(5, 3, requires_grad=True)
+    user_calls: list[int] = []
+    kept.register_hook(lambda g: user_calls.append(1))
+    if nan:
+        with torch.no_grad():
+            x[3, 1] = float("nan")
+    before = fingerprint(model)
+    for _ in range(3):
+        tr = nbdebug.trace(model, (x,), loss_fn=lambda o: o.sum())
+        nbdebug.trace(model, (kept,), loss_fn=lambda o: o.sum())
+    assert (tr.origin is not None) == nan
+    assert_unchanged(before, model)
+    assert x._backward_hooks is None and x.grad is None
+    assert len(kept._backward_hooks) == 1 and kept.grad is None
+    # the trace's hooks are gone: the user's backward calls only the user's hook, once
+    user_calls.clear()
+    model(kept).sum().backward()
+    assert user_calls == [1]

@@ -137,6 +137,13 @@ def describe(obj: Any) -> str:
     return type(obj).__qualname__
 
 
+def check_loss_fn(loss_fn: Any) -> Any:
+    """``loss_fn`` itself: None or a callable, refused before anything runs."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None; got {type(loss_fn).__qualname__}.")
+    return loss_fn
+
+
 class LossError(ValueError):
     """No loss could be found, or it is not a scalar tensor (a bad input, not a model error)."""
 

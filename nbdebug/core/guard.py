@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from .batch import check_model
+from .batch import check_loss_fn, check_model
 from .distributed import (
     KIND_BITS,
     REMOTE_KIND,
@@ -334,8 +334,7 @@ class NaNGuard:
             raise TypeError(
                 f"directory must be a str or os.PathLike; got {type(directory).__qualname__}."
             )
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__qualname__}.")
+        check_loss_fn(loss_fn)
         self.writer = SnapshotWriter(
             directory,
             max_snapshots=max_snapshots,

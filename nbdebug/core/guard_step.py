@@ -153,6 +153,19 @@ def _positive_int(v: Any) -> bool:
     return not isinstance(v, bool) and isinstance(v, int) and v >= 1
 
 
+def _check_directory(directory: Path) -> None:
+    """Refuse, when the guard is made rather than at the failing step, a snapshot
+    directory that cannot be one: an existing file, or a path under one."""
+    for p in (directory, *directory.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is an existing file" if p == directory else f"is under {p}, a file"
+                raise ValueError(
+                    f"directory must be a directory for the snapshots; {directory} {what}."
+                )
+            return
+
+
 class SnapshotWriter:
     """Writes the snapshot of a failing step (at most ``max_snapshots``); ``paths`` lists
     what it wrote. The one place a guard touches the disk.
@@ -174,6 +187,7 @@ class SnapshotWriter:
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False; got {async_save!r}.")
         self.directory = Path(directory)
+        _check_directory(self.directory)
         self.max_snapshots = max_snapshots
         self.loss_fn = loss_fn
         self.recipe = recipe

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -18,14 +19,29 @@ class HookSet:
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
+        # tensors that had no hook dictionary before a tensor_hook: given none back
+        self._fresh: list[weakref.ref[Any]] = []
 
     def add(self, handle: Any) -> Any:
         self._handles.append(handle)
         return handle
 
+    def tensor_hook(self, t: Any, fn: Any) -> Any:
+        """``t.register_hook(fn)``, undone on :meth:`close` like the module hooks: a hook on
+        a leaf (a batch tensor, a parametrization's original) would otherwise outlive the
+        pass and run in the user's next backward. A tensor that had no hook dictionary
+        before gets none back. The tensor itself is held weakly."""
+        if t._backward_hooks is None:
+            self._fresh.append(weakref.ref(t))
+        return self.add(t.register_hook(fn))
+
     def close(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        while self._fresh:
+            t = self._fresh.pop()()
+            if t is not None and not t._backward_hooks:
+                t._backward_hooks = None
 
     def __len__(self) -> int:
         return len(self._handles)

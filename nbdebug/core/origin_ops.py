@@ -44,6 +44,7 @@ from .batch import compute_loss, named_tensors
 from .capture import CallCapture, frame_kind, source_text
 from .events import Chain, ChainLink
 from .stats import row_dim
+from .text import code_name
 
 __all__ = ["OpFinding", "op_name", "replay_backward", "replay_forward", "replay_loss"]
 
@@ -76,7 +77,7 @@ def op_name(func: Any) -> str:
     except Exception:  # pragma: no cover - exotic callables
         name = None
     if not name:
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        name = code_name(func)
     if name.startswith("torch.Tensor."):
         name = name[len("torch.") :]
     return name
@@ -550,7 +551,7 @@ def _graph_names(outs: list[torch.Tensor], graph: dict[Any, tuple[str, str | Non
             continue
         cls = getattr(node, "_forward_cls", None)
         if cls is not None:
-            name: tuple[str, str | None] | None = (f"{cls.__qualname__}.backward", _def_line(cls))
+            name: tuple[str, str | None] | None = (f"{code_name(cls)}.backward", _def_line(cls))
         else:
             name = graph.get(node, owner)
         if name is None:

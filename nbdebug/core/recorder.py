@@ -154,9 +154,11 @@ class Recorder:
         self.recomputing = False  # set once the backward starts (activation checkpointing)
         self.bad_params: dict[str, list[str]] = {}  # module -> non-finite params/buffers
         self.first_bad_call: int = -1
+        self._hooks = HookSet()  # replaced by install()'s: every hook this pass adds
 
     # ------------------------------------------------------------------ installing
     def install(self, hooks: HookSet, params: list[torch.nn.Parameter]) -> None:
+        self._hooks = hooks  # the tensor hooks go there too (HookSet.tensor_hook)
         for m in hookable_modules(self.model):
             name = self.names[id(m)]
             if self.modules is not None and name not in self.modules:
@@ -385,7 +387,7 @@ class Recorder:
         owners: list[tuple[int, str, str]] = [(call, kind, name)]
         slot = self._slot_for(t) if self.exact else -1
         self._grad_hooked[key] = (weakref.ref(t), owners)
-        t.register_hook(self._grad_hook(owners, slot))
+        self._hooks.tensor_hook(t, self._grad_hook(owners, slot))
 
     def _grad_hook(self, owners: list[tuple[int, str, str]], slot: int):
         def hook(grad: torch.Tensor) -> None:

@@ -550,6 +550,7 @@ def read_archive(
         )
     if not zipfile.is_zipfile(p):  # no end-of-archive record: cut short while written or copied
         raise SnapshotError(f"{p} is truncated or corrupt: its zip archive has no end record.")
+    _check_records(p, tensors=not mmap)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -568,6 +569,42 @@ def read_archive(
                 f"{p} is truncated or corrupt: its zip archive cannot be read."
             ) from e
         raise SnapshotError(f"{p} is corrupt: torch.load failed ({first_line(e)}).") from e
+
+
+#: bytes read at a time when the records' checksums are verified
+_CHECK_CHUNK = 16 << 20
+
+
+def _check_records(p: Path, *, tensors: bool) -> None:
+    """The archive's records against the CRC-32 its writer stored (``torch.load`` does not
+    compare them): damaged bytes inside a tensor would otherwise load, and replay a
+    different step, without a word. Read in chunks, so memory stays flat. ``tensors=False``
+    (a memory-mapped load, which does not read the tensors: listing a directory) checks
+    all but the tensors' records. A record with no checksum (CRC 0: torch.save with
+    ``compute_crc32`` off) is not checked."""
+    name = "?"
+    try:
+        with zipfile.ZipFile(p) as z:
+            for info in z.infolist():
+                if info.CRC == 0 or (not tensors and "/data/" in info.filename):
+                    continue
+                name = info.filename
+                with z.open(info) as f:
+                    while f.read(_CHECK_CHUNK):
+                        pass
+    except zipfile.BadZipFile as e:
+        if "CRC" not in str(e):
+            raise SnapshotError(f"{p} is truncated or corrupt: {first_line(e)}.") from e
+        raise SnapshotError(
+            f"{p} is corrupt: the bytes of its record {name!r} do not match the checksum "
+            "stored with them (the file was damaged after it was written)."
+        ) from e
+    except OSError as e:
+        raise SnapshotError(f"{p}: cannot read it ({first_line(e)}).") from e
+    except Exception as e:  # a damaged directory: names, sizes, offsets
+        raise SnapshotError(
+            f"{p} is truncated or corrupt: its zip archive cannot be read ({first_line(e)})."
+        ) from e
 
 
 def read_payload(

@@ -90,3 +90,11 @@ def cost_text(cost: float | None) -> str:
     if cost is None or cost != cost:
         return "-"
     return f"{cost:.0f}x" if abs(cost) >= 100 else f"{float(f'{cost:.2g}'):g}x"
+
+
+def code_name(obj: Any) -> str:
+    """The name of a function or class as its code reads it: ``__qualname__`` without the
+    enclosing functions of a local definition (``WFn``, not ``make.<locals>.WFn``);
+    ``Outer.Inner`` stays."""
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return str(name).rsplit("<locals>.", 1)[-1]

@@ -25,6 +25,7 @@ from .batch import (
     batch_size,
     call_model,
     check_inputs,
+    check_loss_fn,
     check_model,
     compute_loss,
     describe,
@@ -92,7 +93,10 @@ def trace(
     Raises
     ------
     TypeError, ValueError
-        For a non-module model, an empty or malformed batch, no loss or a non-scalar loss.
+        For a non-module model, a model on the meta device, an empty or malformed batch, a
+        loss_fn that is not callable, no loss or a non-scalar loss.
+    RuntimeError
+        Inside ``torch.inference_mode()``, where no backward can run.
     TraceError
         When the model, the loss function or the backward raises; carries the partial
         trace (``err.trace``) and chains the original exception.
@@ -105,12 +109,24 @@ def trace(
     """
     model = check_model(model)
     check_inputs(inputs)
+    check_loss_fn(loss_fn)
     bs = batch_size(inputs)
     kept_names = select_modules(model, keep, "keep")
     chosen = select_modules(model, modules, "modules")
     if chosen is not None and kept_names:
         chosen |= kept_names
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "trace() runs a backward pass, which torch.inference_mode() forbids: call it "
+            "outside the inference_mode block."
+        )
     with _gc_paused(), preserved(model) as st:
+        if any(p.is_meta for p in st.params):
+            raise ValueError(
+                "the model's parameters are on the meta device (shapes without values): "
+                "expected a model with its weights, e.g. after model.to_empty(device=...) and "
+                "loading a state dict."
+            )
         health = _ParamHealth.measure(model, st.params)
         if not health.bad:
             rec, out = _run(
@@ -531,6 +547,7 @@ def _capture(
     counter = [0]
     got: dict[int, tuple[CallCapture, dict[str, torch.Tensor]]] = {}
     stack: list[int] = []
+    hooks = HookSet()  # the module hooks and the tensor hooks on outputs
 
     def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         c = counter[0]
@@ -545,11 +562,11 @@ def _capture(
             grads = got[c][1]
             for name, t in named_tensors(output, "output"):
                 if t.requires_grad:
-                    t.register_hook(
-                        lambda g, name=name: grads.__setitem__(name, g.detach().clone())
+                    hooks.tensor_hook(
+                        t, lambda g, name=name: grads.__setitem__(name, g.detach().clone())
                     )
 
-    with HookSet() as hooks, torch.enable_grad():
+    with hooks, torch.enable_grad():
         for m in hookable_modules(model):
             hooks.add(m.register_forward_pre_hook(pre, with_kwargs=True))
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
