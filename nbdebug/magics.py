@@ -243,8 +243,13 @@ def _open(line: str) -> Any:
             if not first.endswith(".nbsnap"):
                 raise MagicUsageError(f"name {first!r} is not defined in the notebook.") from None
             value = first  # a file name such as step-1.nbsnap
+    elif first.endswith(".nbsnap") or os.sep in first or os.path.exists(first):
+        value = first  # a snapshot path, or a directory of them
     else:
-        value = first
+        raise MagicUsageError(
+            f"{first!r} is neither a name from the notebook nor a snapshot path: give the "
+            f"magic names (assign it first, e.g. m = {first}). {USAGE}"
+        )
     if isinstance(value, torch.nn.Module):
         if len(args) < 2:
             raise MagicUsageError(f"the batch is missing after {first}. {USAGE}")

@@ -890,6 +890,11 @@ def test_bad_input_raises_one_clear_sentence() -> None:
     for bad in (-3, "often", 2.5, {"every": 0}, {"evry": 5}, {"clip_norm": -1.0}):
         with pytest.raises(ValueError, match="checks"):
             NaNGuard(_mlp(), directory="unused", checks=bad)
+    for clip in (-1.0, 0.0, float("nan"), float("inf"), True, "1.0"):
+        with pytest.raises(ValueError, match=r"clip_norm must be a positive finite number"):
+            nbdebug.check((_mlp(), torch.randn(2, 4)), loss_fn=lambda o: o.sum(), clip_norm=clip)
+        with pytest.raises(ValueError, match=r"checks\['clip_norm'\] must be a positive finite"):
+            NaNGuard(_mlp(), directory="unused", checks={"clip_norm": clip})
 
 
 # --------------------------------------------------------------------------- nothing changes

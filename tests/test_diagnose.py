@@ -289,7 +289,11 @@ def test_budget_zero_replays_only_the_plain_step() -> None:
     assert len(skipped) >= 2 and all("budget_s=0" in n for n in skipped["note"])
     assert not any(skipped["finite"])
     assert d.cause.kind == "not_reproducible" and not d.cause.finite
-    assert "no candidate fix made the step finite" in d.cause.statement
+    # none was tried: the statement says so, not that none works
+    assert "no candidate fix made the step finite" not in d.cause.statement
+    assert f"budget_s ran out before any of the {len(skipped)} candidate fixes found" in (
+        d.cause.statement
+    )
 
 
 def test_bad_arguments_say_what_was_expected() -> None:
@@ -307,6 +311,13 @@ def test_bad_arguments_say_what_was_expected() -> None:
     other = torch.optim.SGD(MLP().parameters(), lr=0.1)
     with pytest.raises(ValueError, match="not the model's"):
         nbdebug.diagnose(model, x, y, F.cross_entropy, optimizer=other)
+    # a step that raises before any NaN: nothing to diagnose, and no "finite" verdict
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(nbdebug.TraceError, match=r"in fc \(Linear\).*shapes cannot be"):
+        nbdebug.diagnose(model, x[:, :5], y, F.cross_entropy, progress=False)
+    with pytest.raises(nbdebug.TraceError, match="the loss function raised"):
+        nbdebug.diagnose(model, x, y[:3], F.cross_entropy, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_healthy_step_has_nothing_to_fix() -> None:
@@ -397,6 +408,14 @@ def test_rewrite_line_makes_paste_ready_code() -> None:
         rewrite_line("e = torch.exp(z)", "exp", 0)
         == "e = torch.exp(z - z.amax(dim=-1, keepdim=True))"
     )
+    # every operation of the family on the line, as the replay patches them all
+    assert rewrite_line(
+        "l = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()", "log", 1e-6
+    ) == (
+        "l = -(y * torch.log(p.clamp_min(1e-06)) "
+        "+ (1 - y) * torch.log((1 - p).clamp_min(1e-06))).mean()"
+    )
+    assert rewrite_line("z = a / b + c / d", "div", 1e-6) == "z = a / (b + 1e-06) + c / (d + 1e-06)"
     assert rewrite_line("if x:", "div", 1e-6) is None
     assert rewrite_line("y = a + b", "div", 1e-6) is None
 
@@ -527,3 +546,29 @@ def test_a_nonfinite_error_names_its_snapshot(tmp_path: Path) -> None:
         guard.check(loss, inputs=x, target=y, step=7)
     d = nbdebug.diagnose(info.value, model=NormNet, progress=False)
     assert d.step == 7 and d.cause.kind == "epsilon" and d.cause.rows == [3]
+
+
+class _RowNorm(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        n = torch.sqrt((h**2).sum(1, keepdim=True))
+        return h + n
+
+
+def test_a_backward_origin_gets_its_line_rewritten_and_the_paste_works() -> None:
+    # sqrt(0) is finite; its gradient is not: the NaN appears only in the backward, and
+    # the snippet still rewrites the line, into code that makes the step finite
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), _RowNorm(), nn.Linear(4, 2))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    x[5] = 0.0
+    d = nbdebug.diagnose(model, x, y, F.cross_entropy, fixes=["epsilon"], progress=False)
+    assert (d.trace.origin.phase, d.trace.origin.module) == ("backward", "1")
+    top = d.to_frame().iloc[0]
+    assert top["kind"] == "epsilon" and bool(top["finite"])
+    new = top["snippet"].splitlines()[-1]
+    assert new == "n = torch.sqrt((h ** 2).sum(1, keepdim=True).clamp_min(1e-06))"
+    env: dict = {"torch": torch}
+    exec(f"def pasted(h):\n    {new}\n    return h + n", env)
+    model[1].forward = env["pasted"]
+    F.cross_entropy(model(x), y).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -639,6 +639,35 @@ def test_inputs_that_do_not_require_grad():
     with pytest.raises(ValueError) as e:
         gradcheck(torch.sin)
     assert "no inputs" in _one_sentence(e)
+    # an empty input would check nothing: refused rather than reported as a pass
+    with pytest.raises(ValueError) as e:
+        gradcheck(torch.sin, torch.empty(0, 3, dtype=torch.float64, requires_grad=True))
+    assert "is empty (input[0]: (0, 3))" in _one_sentence(e)
+
+
+class _DropsOne(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        d = x.cos()
+        d.view(-1)[7] = 0.0  # one element's gradient dropped
+        return g * d
+
+
+def test_a_gradient_dropped_for_one_element_is_not_called_missing():
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    r = gradcheck(_DropsOne.apply, x)
+    assert r.verdict == "backward is wrong"
+    assert "gives 0 at 1 of 256 Jacobian entries for input[0]" in r.message
+    assert "no gradient for input[0]" not in r.message
+    # with every element dropped it is "no gradient"
+    r = gradcheck(lambda t: _DropsOne.apply(t) * 0 + t.detach().sin(), x)
+    assert "no gradient for input[0]" in r.message
 
 
 @pytest.mark.parametrize("fn", [lambda x: float(x.sum()), lambda x: [1, 2], lambda x: x.argmax()])

@@ -109,6 +109,7 @@ def test_help_is_the_docstring(shell):
         ("missing/step-1.nbsnap", "no such file: missing/step-1.nbsnap"),
         ("step-1.nbsnap", "no such file"),
         ("'unclosed", "cannot parse"),
+        ("cfg[0] x", "'cfg[0]' is neither a name from the notebook nor a snapshot path"),
         ("", "no NonFiniteError"),
     ],
 )

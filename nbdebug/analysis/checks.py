@@ -125,6 +125,7 @@ from .checks_base import (
     Finding,
     Findings,
     TraceView,
+    check_clip_norm,
     position,
     run_families,
     skipped,
@@ -208,6 +209,7 @@ def check(
         Odd models (no parameters, frozen layers, integer buffers, complex tensors) never
         raise: checks that cannot apply give an ``"info"`` finding saying why.
     """
+    clip_norm = check_clip_norm(clip_norm)
     if isinstance(source, NaNGuard):
         return sort_findings(guard_findings(source, clip_norm=clip_norm))
     ctx = CheckContext(inputs=inputs, target=target, loss_fn=loss_fn, clip_norm=clip_norm)

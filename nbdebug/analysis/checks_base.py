@@ -139,6 +139,20 @@ _CODE_RANK = {
 }
 
 
+def check_clip_norm(value: Any, name: str = "clip_norm") -> float | None:
+    """The gradient-clipping threshold the run uses: None (not clipped) or a positive,
+    finite number, as a float."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name} must be a positive finite number or None; got {value!r}.")
+    return float(value)
+
+
 @dataclass
 class Finding:
     """One result of a health check.

@@ -23,7 +23,15 @@ from typing import Any
 
 from ..core import guard as core_guard
 from ..core.guard import StepChecks, StepReading
-from .checks_base import CHECK_EVERY, Band, CheckFamily, Finding, position, skipped
+from .checks_base import (
+    CHECK_EVERY,
+    Band,
+    CheckFamily,
+    Finding,
+    check_clip_norm,
+    position,
+    skipped,
+)
 from .checks_forward import weight_findings
 from .checks_grad import grad_findings, history_grad_findings, live_param_infos
 from .checks_optim import (
@@ -68,9 +76,7 @@ def parse_checks(checks: Any) -> dict[str, Any] | None:
         clip = checks.get("clip_norm")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checks['every'] must be a positive int; got {every!r}.")
-        if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
-            raise ValueError(f"checks['clip_norm'] must be a positive number; got {clip!r}.")
-        return {"every": every, "clip_norm": None if clip is None else float(clip)}
+        return {"every": every, "clip_norm": check_clip_norm(clip, "checks['clip_norm']")}
     raise ValueError(f"checks must be True, a positive number of steps or a dict; got {checks!r}.")
 
 

@@ -425,27 +425,32 @@ class Workbench:
         finally:
             self.reset()
 
-    def probe(self, module: str | None, families: Sequence[str]) -> list[tuple[str, str, str]]:
+    def probe(
+        self, module: str | None, families: Sequence[str]
+    ) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
         """Run the forward (and the loss) once with ``module`` (``None``: the loss) watched:
         (family, ``"file.py:line"``, filename) of the fixable operations whose output holds
-        a kind of non-finite value that their inputs did not hold."""
+        a kind of non-finite value that their inputs did not hold, and the filename of
+        every ``"file.py:line"`` that called a fixable operation (a backward origin's line
+        made finite values in the forward: its snippet needs the file all the same)."""
         self.reset()
         r = self.replay()
         found: list[tuple[str, str, str]] = []
+        sites: dict[str, str] = {}
         mode_cls = _ProbeMode
         try:
             with torch.no_grad(), self.autocast_context():
                 if module is None:
-                    with r.around_loss(lambda: mode_cls(found, families)):
+                    with r.around_loss(lambda: mode_cls(found, families, sites)):
                         compute_loss(call_model(r.model, r.inputs), r.target, r.loss_fn)
                 else:
-                    with r.around_forward(module, lambda: mode_cls(found, families)):
+                    with r.around_forward(module, lambda: mode_cls(found, families, sites)):
                         compute_loss(call_model(r.model, r.inputs), r.target, r.loss_fn)
         except Exception:
             pass  # a probe is a hint; the replays decide
         finally:
             self.reset()
-        return found
+        return found, sites
 
 
 _PLAIN = (int, float, bool, str, type(None), tuple)
@@ -505,10 +510,13 @@ def _put(cur: Any, saved: Any) -> Any:
 
 
 class _ProbeMode(torch.overrides.TorchFunctionMode):
-    def __init__(self, found: list[tuple[str, str, str]], families: Sequence[str]):
+    def __init__(
+        self, found: list[tuple[str, str, str]], families: Sequence[str], sites: dict[str, str]
+    ):
         super().__init__()
         self.found = found
         self.families = set(families)
+        self.sites = sites
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -519,17 +527,17 @@ class _ProbeMode(torch.overrides.TorchFunctionMode):
         outs = [t for _, t in named_tensors(out) if t.is_floating_point()]
         if not outs:
             return out
+        where = caller_line()
+        if where is None:
+            return out
+        src = f"{os.path.basename(where[0])}:{where[1]}"
+        self.sites.setdefault(src, where[0])
         ins = [t for _, t in named_tensors((args, kwargs)) if t.is_floating_point()]
         made = _kinds(outs) - _kinds(ins)
         if fam == "exp" and underflows(outs[0]):
             made.add("underflow")
-        if made:
-            where = caller_line()
-            if where is not None:
-                src = f"{os.path.basename(where[0])}:{where[1]}"
-                item = (fam, src, where[0])
-                if item not in self.found:
-                    self.found.append(item)
+        if made and (fam, src, where[0]) not in self.found:
+            self.found.append((fam, src, where[0]))
         return out
 
 
@@ -851,9 +859,10 @@ def _earlier_step(history: list[dict[str, Any]], step: int | None) -> str:
         )
     last = rows[-1]
     return (
-        f"look at step {last.get('step')}, the last step in the history: its update made the "
-        "weights "
-        f"non-finite (grad norm {fmt_num(last.get('grad_norm'))}, lr {fmt_num(last.get('lr'))})"
+        f"look at what followed step {last.get('step')}, the last step in the history and a "
+        f"healthy one (grad norm {fmt_num(last.get('grad_norm'))}, lr {fmt_num(last.get('lr'))}): "
+        "its update, or a write to the weights outside the optimizer (a loaded checkpoint, "
+        "code that edits them), made them non-finite"
     )
 
 
@@ -928,6 +937,10 @@ def diagnose(
         An unreadable snapshot, a model that does not fit it, no model to build, an
         autocast dtype this machine's device does not support (``autocast=False``
         replays without it).
+    TraceError
+        The step raises before any value is non-finite (e.g. a batch that does not fit
+        the model): there is no NaN to diagnose. As :func:`nbdebug.trace` raises it: it
+        names the module and carries the partial trace.
 
     Examples
     --------
@@ -972,6 +985,10 @@ def diagnose(
         try:
             tr: Trace | None = bench.trace()
         except TraceError as e:
+            if e.trace is None or e.trace.first_nonfinite is None:
+                # the step fails before any value is non-finite (a batch that does not fit
+                # the model, a target of the wrong length): there is no NaN to diagnose
+                raise
             tr = e.trace
             notes.append(f"the trace of the step raised: {e}")
         ref = _reference(src.history)
@@ -1059,7 +1076,8 @@ def _menu_context(
         if o is not None and o.phase in ("forward", "loss", "backward"):
             module = None if o.phase == "loss" else o.module
             families = ("div", "log", "sqrt", "exp", "softmax")
-            for fam, s, filename in bench.probe(module, families):
+            found, ctx.sites = bench.probe(module, families)
+            for fam, s, filename in found:
                 ctx.probed.append((module, fam, s, filename))
     return ctx
 
@@ -1213,6 +1231,8 @@ def _origin_text(tr: Trace | None, plain: StepOutcome) -> str:
     if o is None:
         if tr.first_nonfinite is not None:
             return f"the first non-finite value is at {tr.first_nonfinite.label}"
+        if plain.error:
+            return f"the step raises ({plain.error})"
         if plain.update is False:
             return (
                 "forward, loss and backward are finite; the optimizer step makes the weights "
@@ -1273,7 +1293,16 @@ def _cause(
             also = ", as does " + " and ".join(_gerund(r) for r in others)
         s = f"{_sentence_start(origin)}; {top.describe()} makes the step finite end to end{also}."
     else:
-        s = f"{_sentence_start(origin)}; no candidate fix made the step finite end to end."
+        unrun = [r for r in results[1:] if r.applies and r.outcome.skipped]
+        tried = [r for r in results[1:] if r.applies and not r.outcome.skipped]
+        if unrun and not tried:
+            n = f"{len(unrun)} candidate fix" + ("es" if len(unrun) > 1 else "")
+            s = (
+                f"{_sentence_start(origin)}; budget_s ran out before any of the {n} found was "
+                "replayed: raise it to try them."
+            )
+        else:
+            s = f"{_sentence_start(origin)}; no candidate fix made the step finite end to end."
     return Cause(
         kind=kind,
         module=top.module,

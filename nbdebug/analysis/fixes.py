@@ -418,8 +418,10 @@ _METHODS = {"log": "log", "sqrt": "sqrt", "exp": "exp"}
 
 
 def rewrite_line(line: str, family: str, eps: float) -> str | None:
-    """The source ``line`` with the first operation of ``family`` rewritten (the epsilon
-    in place), or ``None`` when the line cannot be parsed or holds no such operation."""
+    """The source ``line`` with every operation of ``family`` on it rewritten (the epsilon
+    in place), or ``None`` when the line cannot be parsed or holds no such operation.
+    Every one, as the replay patches them all: which of two ``log`` calls on a line got
+    the 0 is not known from the line, and a pasted fix must make the step finite."""
     text = line.strip()
     indent = line[: len(line) - len(line.lstrip())]
     if text.endswith(":"):
@@ -436,7 +438,7 @@ def rewrite_line(line: str, family: str, eps: float) -> str | None:
             nonlocal done
             self.generic_visit(node)
             div = family == "div" and isinstance(node.op, ast.Div)
-            if div and not done and not isinstance(node.right, ast.Constant):
+            if div and not isinstance(node.right, ast.Constant):
                 node.right = ast.BinOp(node.right, ast.Add(), e)
                 done = True
             return node
@@ -446,7 +448,7 @@ def rewrite_line(line: str, family: str, eps: float) -> str | None:
             self.generic_visit(node)
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-            if done or family not in _METHODS or name not in (family, family + "_", "rsqrt"):
+            if family not in _METHODS or name not in (family, family + "_", "rsqrt"):
                 return node
             if family == "exp":
                 base = node.args[0] if node.args else getattr(f, "value", None)
@@ -886,6 +888,7 @@ class MenuContext:
     grad_norm_ref: float | None = None
     probed: list[tuple[str | None, str, str | None, str | None]] = field(default_factory=list)
     # (module or None for the loss, family, "file.py:line", filename)
+    sites: dict[str, str] = field(default_factory=dict)  # "file.py:line" -> its filename
     corrupted: list[str] = field(default_factory=list)
     earlier: str = ""
     module_depths: dict[str, int] = field(default_factory=dict)
@@ -919,6 +922,7 @@ def menu(trace: Any, ctx: MenuContext) -> list[Fix]:
                         fx.filename = fx.filename or filename
                 continue
             seen.add((mod, f))
+            filename = filename or (ctx.sites.get(src) if src else None)
             fixes.append(
                 EpsilonFix(
                     mod, f, source=src, filename=filename, module_type=types.get(mod or "", "")

@@ -174,7 +174,14 @@ def check_gradcheck_inputs(
             return
         if has_params:
             return
-    if any(t.is_floating_point() and t.requires_grad for _, t in tensors):
+    diff = [(n, t) for n, t in tensors if t.is_floating_point() and t.requires_grad]
+    if diff and all(t.numel() == 0 for _, t in diff):
+        shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in diff)
+        raise ValueError(
+            "gradcheck needs an input with elements to differentiate; every input with "
+            f"requires_grad=True is empty ({shapes}), so nothing would be checked."
+        )
+    if diff:
         return
     hint = " (or wrt='params' to check the module's parameters)" if module is not None else ""
     if not tensors:

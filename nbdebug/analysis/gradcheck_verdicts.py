@@ -335,7 +335,12 @@ def _wrong_hint(p: PairCheck, no_graph: bool) -> str:
     tol = tolerance(n, p.atol, p.rtol)
     bad = out_of_tolerance(a, n, p.atol, p.rtol)
     if np.all(np.abs(a[bad]) <= p.atol):
-        return f"the backward gives no gradient for {p.input} where it should (zero or None)"
+        if np.all(np.abs(a) <= p.atol):
+            return f"the backward gives no gradient for {p.input} where it should (zero or None)"
+        return (
+            f"the backward gives 0 at {int(bad.sum())} of {a.size} Jacobian entries for "
+            f"{p.input} where the finite difference is not"
+        )
     if np.all(np.abs(a + n) <= tol):
         return "the backward has the wrong sign"
     big = np.abs(n) > max(p.atol, 1e-8 * float(np.max(np.abs(n))))
