@@ -313,6 +313,27 @@ def test_damaged_tensor_bytes_are_refused(tmp_path, trained):
     assert torch.equal(snap.model.fc1.weight, trained[0].fc1.weight)
 
 
+def test_checksums_hold_for_tied_and_equal_tensors(tmp_path):
+    # one storage per record: a tied weight is one record, two equal tensors are two records
+    # with one checksum; both load, and damage to either copy is still caught
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
+    model[1].weight = model[0].weight
+    model.register_buffer("a", torch.ones(5))
+    model.register_buffer("b", torch.ones(5))
+    good = save_snapshot(tmp_path, model, torch.tensor([[1, 2]]), step=3)
+    snap = load_snapshot(good, model)
+    assert torch.equal(snap.model.b, torch.ones(5))
+    data = good.read_bytes()
+    ones = torch.ones(5).numpy().tobytes()
+    first = data.find(ones)
+    assert data.find(ones, first + 1) > first  # both copies are in the file
+    bad = bytearray(data)
+    bad[first : first + 4] = np.array([2.0], dtype=np.float32).tobytes()
+    (tmp_path / "bad.nbsnap").write_bytes(bytes(bad))
+    with pytest.raises(SnapshotError, match="do not match the checksum"):
+        load_snapshot(tmp_path / "bad.nbsnap", model)
+
+
 def _payload(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 

@@ -56,6 +56,8 @@ import re
 import tempfile
 import warnings
 import zipfile
+import zlib
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
@@ -64,6 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batch import iter_tensors
 from .state import RngState
 from .text import first_line
 
@@ -550,11 +553,11 @@ def read_archive(
         )
     if not zipfile.is_zipfile(p):  # no end-of-archive record: cut short while written or copied
         raise SnapshotError(f"{p} is truncated or corrupt: its zip archive has no end record.")
-    _check_records(p, tensors=not mmap)
+    stored = _check_records(p, tensors=False)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
+            obj = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
         msg = str(e)
         if "Weights only load failed" in msg:
@@ -569,24 +572,32 @@ def read_archive(
                 f"{p} is truncated or corrupt: its zip archive cannot be read."
             ) from e
         raise SnapshotError(f"{p} is corrupt: torch.load failed ({first_line(e)}).") from e
+    if not mmap:  # a memory-mapped load reads no tensor: nothing to compare
+        _check_tensor_bytes(p, obj, stored)
+    return obj
 
 
 #: bytes read at a time when the records' checksums are verified
 _CHECK_CHUNK = 16 << 20
 
 
-def _check_records(p: Path, *, tensors: bool) -> None:
+def _check_records(p: Path, *, tensors: bool) -> list[int]:
     """The archive's records against the CRC-32 its writer stored (``torch.load`` does not
     compare them): damaged bytes inside a tensor would otherwise load, and replay a
-    different step, without a word. Read in chunks, so memory stays flat. ``tensors=False``
-    (a memory-mapped load, which does not read the tensors: listing a directory) checks
-    all but the tensors' records. A record with no checksum (CRC 0: torch.save with
-    ``compute_crc32`` off) is not checked."""
+    different step, without a word. Read in chunks, so memory stays flat.
+    ``tensors=False`` reads all but the tensors' records (those are compared once loaded,
+    by :func:`_check_tensor_bytes`, or not read at all by a memory-mapped load) and
+    returns the tensors' stored CRCs. A record with no checksum (CRC 0: torch.save with
+    ``compute_crc32`` off, or an empty record) is not checked."""
     name = "?"
+    stored: list[int] = []
     try:
         with zipfile.ZipFile(p) as z:
             for info in z.infolist():
-                if info.CRC == 0 or (not tensors and "/data/" in info.filename):
+                if not tensors and "/data/" in info.filename:
+                    stored.append(info.CRC)
+                    continue
+                if info.CRC == 0:
                     continue
                 name = info.filename
                 with z.open(info) as f:
@@ -605,6 +616,36 @@ def _check_records(p: Path, *, tensors: bool) -> None:
         raise SnapshotError(
             f"{p} is truncated or corrupt: its zip archive cannot be read ({first_line(e)})."
         ) from e
+    return stored
+
+
+def _check_tensor_bytes(p: Path, obj: Any, stored: list[int]) -> None:
+    """The loaded tensors' storages against the CRC-32s stored for the tensor records:
+    one storage per record, so every stored checksum is some storage's unless bytes were
+    damaged. In memory, without reading the file again; a storage off the CPU
+    (``map_location``) has the file's records read instead. On a mismatch the file is
+    read to name the record."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in iter_tensors(obj):
+        st = t.untyped_storage()
+        if st.device.type != "cpu":
+            _check_records(p, tensors=True)
+            return
+        if st.nbytes():
+            storages.setdefault(st.data_ptr(), st)
+    got = Counter(_crc32(st) for st in storages.values())
+    want = Counter(c for c in stored if c)  # CRC 0: written without a checksum
+    if want - got:  # a record's checksum that no loaded storage has
+        _check_records(p, tensors=True)  # names the damaged record
+        raise SnapshotError(
+            f"{p} is corrupt: the bytes of its stored tensors do not match the checksums "
+            "stored with them (the file was damaged after it was written)."
+        )
+
+
+def _crc32(storage: torch.UntypedStorage) -> int:
+    data = torch.empty(0, dtype=torch.uint8).set_(storage)  # a byte view, no copy
+    return zlib.crc32(data.numpy().data)
 
 
 def read_payload(
