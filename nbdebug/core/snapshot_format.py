@@ -622,15 +622,15 @@ def _check_records(p: Path, *, tensors: bool) -> list[int]:
 def _check_tensor_bytes(p: Path, obj: Any, stored: list[int]) -> None:
     """The loaded tensors' storages against the CRC-32s stored for the tensor records:
     one storage per record, so every stored checksum is some storage's unless bytes were
-    damaged. In memory, without reading the file again; a storage off the CPU
-    (``map_location``) has the file's records read instead. On a mismatch the file is
+    damaged. In memory, without reading the file again; a sparse tensor or one off the
+    CPU (``map_location``) has the file's records read instead. On a mismatch the file is
     read to name the record."""
     storages: dict[int, torch.UntypedStorage] = {}
     for t in iter_tensors(obj):
-        st = t.untyped_storage()
-        if st.device.type != "cpu":
+        if t.layout != torch.strided or t.device.type != "cpu":  # sparse, or mapped away
             _check_records(p, tensors=True)
             return
+        st = t.untyped_storage()
         if st.nbytes():
             storages.setdefault(st.data_ptr(), st)
     got = Counter(_crc32(st) for st in storages.values())
