@@ -145,11 +145,12 @@ def test_an_unsupported_transformers_version_is_named(monkeypatch: pytest.Monkey
         NaNGuardCallback(directory="x")
 
 
-def test_attached_to_a_lightning_trainer_it_says_so() -> None:
+@pytest.mark.parametrize("given", ["instance", "class"])
+def test_attached_to_a_lightning_trainer_it_says_so(given: str) -> None:
     L = pytest.importorskip("lightning", reason="the nbdebug[lightning] extra is not installed")
     trainer = L.Trainer(
         max_steps=1,
-        callbacks=[NaNGuardCallback()],
+        callbacks=[NaNGuardCallback() if given == "instance" else NaNGuardCallback],
         logger=False,
         accelerator="cpu",
         enable_progress_bar=False,
@@ -169,13 +170,19 @@ def test_attached_to_a_lightning_trainer_it_says_so() -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = Module()
-    with pytest.raises(TypeError, match=r"expects a transformers\.Trainer; it was attached to a "):
+    # the class too: the trainer is named, not the module Lightning passes next
+    with pytest.raises(
+        TypeError,
+        match=r"expects a transformers\.Trainer; it was attached to a lightning\..*Trainer: use",
+    ):
         trainer.fit(module, [torch.zeros(1)])
 
 
 def test_a_bad_guard_option_is_refused() -> None:
     with pytest.raises(TypeError, match="takes 'model' from the trainer"):
         NaNGuardCallback(model=nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"directory must be a str or os\.PathLike; got NoneType"):
+        NaNGuardCallback(directory=None)  # type: ignore[arg-type]
 
 
 def test_without_transformers_the_callback_raises_the_install_hint() -> None:

@@ -181,6 +181,45 @@ def test_a_bad_guard_option_is_refused_when_the_callback_is_made() -> None:
         NaNGuardCallback(directory="x", autocast="float16")  # from its precision setting
 
 
+def test_a_bad_directory_or_the_class_itself_is_named() -> None:
+    with pytest.raises(TypeError, match=r"directory must be a str or os\.PathLike; got int"):
+        NaNGuardCallback(directory=123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes an instance, NaNGuardCallback\(directory=\.\.\.\)"):
+        trainer([NaNGuardCallback]).fit(TinyModule(), data())
+
+
+class DictModule(L.LightningModule):
+    """A LightningModule whose forward takes the batch dict as one argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.log_in = Log()
+        self.a = nn.Linear(4, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.a(self.log_in(batch["x"]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch), batch["y"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def test_a_dict_batch_that_forward_takes_whole_replays_as_one_argument(tmp_path: Path) -> None:
+    rows = [{"x": x, "y": y} for x, y in data().dataset]
+    loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False)
+    cb = NaNGuardCallback(directory=tmp_path)
+    trainer([cb]).fit(DictModule(), loader)
+    assert cb.skipped == [K]
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=DictModule)
+    (batch,) = snap.inputs  # model(batch), not model(**batch): forward takes no 'x' keyword
+    assert set(batch) == {"x", "y"} and float(batch["x"][BAD_ROW, 2]) == -1.0
+    tr = snap.trace(loss_fn=lambda o: o.pow(2).mean())
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+
+
 def test_an_unsupported_lightning_version_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(L, "__version__", "1.9.5")
     with pytest.raises(

@@ -3,9 +3,10 @@ of the step, and the stub that stands in for a callback whose framework is missi
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,22 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     return batch, None
+
+
+def replay_inputs(module: Any, inputs: Any) -> Any:
+    """The inputs as a snapshot's replay passes them (a dict is the model's keyword
+    arguments): a dict batch whose keys ``module.forward`` does not take as keywords (a
+    LightningModule whose ``forward(batch)`` reads ``batch["input_ids"]``) becomes the one
+    positional argument, ``(batch,)``."""
+    if not isinstance(inputs, Mapping):
+        return inputs
+    try:
+        inspect.signature(module.forward).bind(**inputs)
+    except TypeError:
+        return (inputs,)
+    except ValueError:  # no signature to read: the convention stands
+        return inputs
+    return inputs
 
 
 def _finite(loss: Any) -> bool:
@@ -161,6 +178,11 @@ class CallbackState:
     ) -> None:
         """Check the framework's version and the options; start with no guard."""
         check_version(framework, version, *supported)
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                "NaNGuardCallback's directory must be a str or os.PathLike; got "
+                f"{type(directory).__qualname__}."
+            )
         self.directory = Path(directory)
         self.guard_options = check_options("NaNGuardCallback", guard_options)
         self.guard: Any = None

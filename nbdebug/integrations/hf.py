@@ -119,6 +119,8 @@ else:
 
         # a Lightning Trainer calls this first: the wrong trainer
         def setup(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            if not isinstance(self, NaNGuardCallback):  # the class, called unbound
+                trainer = self  # (the first argument is then the trainer)
             raise TypeError(
                 "nbdebug.integrations.hf.NaNGuardCallback expects a transformers.Trainer; it "
                 f"was attached to a {type(trainer).__module__}.{type(trainer).__qualname__}: "

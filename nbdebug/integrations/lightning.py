@@ -17,6 +17,7 @@ from .base import (
     CallbackState,
     make_guard,
     missing_framework,
+    replay_inputs,
     split_batch,
 )
 
@@ -105,7 +106,18 @@ else:
                 "nbdebug.integrations.hf.NaNGuardCallback there."
             )
 
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        def on_exception(self, *args: Any, **kwargs: Any) -> None:
+            # nothing to do; it takes any arguments so that, given the class instead of an
+            # instance, Lightning's call of it unbound leaves setup()'s error standing
+            return None
+
+        def setup(self, trainer: Any, pl_module: Any = None, stage: str | None = None) -> None:
+            # (defaults: given the class, Lightning's call binds its trainer to self)
+            if not isinstance(self, NaNGuardCallback):  # the class, called unbound
+                raise TypeError(
+                    "callbacks= takes an instance, NaNGuardCallback(directory=...), not the "
+                    "class nbdebug.integrations.lightning.NaNGuardCallback."
+                )
             if not isinstance(trainer, pl.Trainer):
                 raise TypeError(
                     "nbdebug.integrations.lightning.NaNGuardCallback expects a "
@@ -159,6 +171,7 @@ else:
                 return
             step = int(trainer.global_step)
             inputs, target = split_batch(self.step_batch.batch)
+            inputs = replay_inputs(pl_module, inputs)
             loss = self.step_batch.loss
             self.step_batch.reset()
             self.guard.writer.fields["trainer"]["global_step"] = step
