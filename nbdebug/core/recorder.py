@@ -152,7 +152,6 @@ class Recorder:
         self.slots: list[Slot] = []
         self.capture_closed = False  # exact mode: a call made NaN from NaN-free inputs
         self.recomputing = False  # set once the backward starts (activation checkpointing)
-        self.bad_params: dict[str, list[str]] = {}  # module -> non-finite params/buffers
         self.first_bad_call: int = -1
         self._hooks = HookSet()  # replaced by install()'s: every hook this pass adds
 

@@ -34,14 +34,14 @@ from .batch import (
 from .capture import CallCapture, clone_structure, copy_arguments, has_state
 from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
-from .norms import fused_norms
 from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
 from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
 from .recorder import RawEvent, Recorder, select_modules
 from .result import Trace, TraceError
 from .state import PreservedState, preserved
-from .stats import all_quick_complete, finalize_many, tensor_stats
+from .stats import all_quick_complete, finalize_many
 from .text import dtype_name, fmt_bytes, qualified_name
+from .weights import WeightHealth, owned_weights
 
 __all__ = ["Trace", "TraceError", "trace"]
 
@@ -127,7 +127,7 @@ def trace(
                 "expected a model with its weights, e.g. after model.to_empty(device=...) and "
                 "loading a state dict."
             )
-        health = _ParamHealth.measure(model, st.params)
+        health = WeightHealth.measure(owned_weights(model))
         if not health.bad:
             rec, out = _run(
                 model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
@@ -633,43 +633,6 @@ def _event(i: int, r: RawEvent, stats: Any, hist: Any, **fields: Any) -> Event:
     )
 
 
-@dataclasses.dataclass
-class _ParamHealth:
-    norms: dict[int, float]
-    counts: dict[int, tuple[int, int]]
-    bad: dict[str, list[str]]  # module -> its non-finite parameters and buffers
-
-    @classmethod
-    def measure(cls, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> _ParamHealth:
-        # every (owner, tensor) pair, a tied tensor under each owner; each tensor measured once
-        owned: list[tuple[str, str, torch.Tensor]] = []
-        unique: dict[int, torch.Tensor] = {}
-        for mname, m in model.named_modules():
-            for pname, p in m._parameters.items():
-                if p is not None:
-                    owned.append((mname, qualified_name(mname, pname), p))
-                    unique.setdefault(id(p), p)
-            for bname, b in m._buffers.items():
-                if b is not None and (b.is_floating_point() or b.is_complex()):
-                    owned.append((mname, qualified_name(mname, bname), b))
-                    unique.setdefault(id(b), b)
-        norms: dict[int, float] = {}
-        counts: dict[int, tuple[int, int]] = {}
-        bad: dict[str, list[str]] = {}
-        if not unique:
-            return cls(norms, counts, bad)
-        values = fused_norms([t.detach() for t in unique.values()])
-        for key, t, n in zip(unique, unique.values(), values):
-            norms[key] = float(n)
-            if not np.isfinite(n):
-                st = tensor_stats(t)
-                counts[key] = (st.n_nan, st.n_inf)
-        for mname, qual, t in owned:
-            if sum(counts.get(id(t), (0, 0))):
-                bad.setdefault(mname, []).append(qual)
-        return cls(norms, counts, bad)
-
-
 def _result(
     model: torch.nn.Module,
     inputs: Any,
@@ -677,7 +640,7 @@ def _result(
     events: list[Event],
     origin: Event | None,
     out: _Outcome,
-    health: _ParamHealth,
+    health: WeightHealth,
     found: _Found | None = None,
 ) -> Trace:
     grads = {e.param: e for e in events if e.kind == "param_grad"}
