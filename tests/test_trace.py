@@ -316,6 +316,15 @@ def test_bad_inputs_raise_one_clear_sentence() -> None:
     assert calls == []
     with pytest.raises(ValueError, match="on the meta device"):
         nbdebug.trace(nn.Linear(3, 2, device="meta"), torch.randn(2, 3), loss_fn=lambda o: o.sum())
+    # lazy modules that never ran: their first forward would give them parameters
+    for lazy, where in ((nn.LazyLinear(2), "0.weight"), (nn.LazyBatchNorm1d(), "0.weight")):
+        net = nn.Sequential(lazy, nn.Linear(2, 1))
+        net[0].register_forward_hook(lambda *a: calls.append(1))
+        with pytest.raises(
+            ValueError, match=rf"{where} \({type(lazy).__name__}\) is not initialized"
+        ):
+            nbdebug.trace(net, torch.randn(4, 2), loss_fn=lambda o: o.sum())
+        assert calls == [] and nn.parameter.is_lazy(net[0].weight)
 
 
 def test_model_raising_gives_trace_error_with_partial_trace() -> None:

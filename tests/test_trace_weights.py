@@ -137,7 +137,7 @@ def test_a_huge_finite_weight_is_not_taken_for_a_non_finite_one() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     with torch.no_grad():
         model[1].weight.fill_(1e20)  # its squares overflow float32
-    health = WeightHealth.measure(owned_weights(model))
+    health = WeightHealth.measure(owned_weights(model.named_modules()))
     assert not health.bad
     tr = nbdebug.trace(model, torch.zeros(2, 3), loss_fn=lambda o: o.sum())
     pf = tr.params_frame()

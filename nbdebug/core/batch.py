@@ -8,7 +8,7 @@ the output itself when it is a scalar.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,21 @@ def check_model(model: Any) -> torch.nn.Module:
             f"{type(model).__module__}.{type(model).__qualname__}."
         )
     return uncompiled(model)
+
+
+def check_materialized(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
+    """Refuse a model (``model.named_modules()``) whose lazy modules (``nn.LazyLinear``
+    ...) have not run yet: their first forward would give them parameters, and debugging
+    must not change the model."""
+    for name, m in modules:
+        for key, t in (*m._parameters.items(), *m._buffers.items()):
+            if t is not None and torch.nn.parameter.is_lazy(t):
+                where = f"{name}.{key}" if name else key
+                raise ValueError(
+                    f"the model's {where} ({type(m).__name__}) is not initialized yet: "
+                    "expected a model whose lazy modules have run once; call it on a batch "
+                    "first (model(x)) so they get their shapes, then debug it."
+                )
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -64,8 +64,10 @@ def hookable_modules(model: Any) -> list[Any]:
     return [m for _, m in hookable_named_modules(model)]
 
 
-def hookable_named_modules(model: Any) -> list[tuple[str, Any]]:
-    """``model.named_modules()`` without TorchScript modules (see :func:`hookable_modules`)."""
+def hookable_named_modules(model: Any, walk: Any = None) -> list[tuple[str, Any]]:
+    """``model.named_modules()`` (or ``walk``, a list of it already made) without
+    TorchScript modules (see :func:`hookable_modules`)."""
     import torch
 
-    return [(n, m) for n, m in model.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
+    named = model.named_modules() if walk is None else walk
+    return [(n, m) for n, m in named if not isinstance(m, torch.jit.ScriptModule)]

@@ -34,7 +34,7 @@ from . import kernels
 from .batch import named_tensors
 from .capture import CallCapture, clone_structure
 from .distributed import is_dtensor, unwrap_data_parallel
-from .hooks import HookSet, hookable_modules, hookable_named_modules
+from .hooks import HookSet, hookable_named_modules
 from .stats import (
     IDX_NNAN,
     IDX_NUMEL,
@@ -121,8 +121,11 @@ class Recorder:
         capture: bool = False,
         modules: set[str] | None = None,
         keep: set[str] | None = None,
+        walk: list[tuple[str, torch.nn.Module]] | None = None,
     ) -> None:
         self.model = model
+        # ``model.named_modules()``, made once by the caller (PreservedState.modules)
+        self.walk = list(model.named_modules()) if walk is None else walk
         self.modules = modules  # names of the modules to record (None: all)
         self.keep = keep or set()  # names of the modules whose outputs are kept
         self.kept: dict[str, torch.Tensor] = {}
@@ -138,7 +141,7 @@ class Recorder:
         self.names: dict[int, str] = {}
         self.types: dict[str, str] = {}
         self.param_names: dict[int, tuple[str, str, str]] = {}
-        for name, m in model.named_modules():  # one walk over a model of 1,000+ modules
+        for name, m in self.walk:
             self.names.setdefault(id(m), name)
             self.types.setdefault(name, type(m).__name__)
             for pname, p in m._parameters.items():
@@ -158,7 +161,7 @@ class Recorder:
     # ------------------------------------------------------------------ installing
     def install(self, hooks: HookSet, params: list[torch.nn.Parameter]) -> None:
         self._hooks = hooks  # the tensor hooks go there too (HookSet.tensor_hook)
-        for m in hookable_modules(self.model):
+        for _, m in hookable_named_modules(self.model, self.walk):
             name = self.names[id(m)]
             if self.modules is not None and name not in self.modules:
                 continue

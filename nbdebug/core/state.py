@@ -58,6 +58,8 @@ class PreservedState:
     training: dict[int, bool] = field(default_factory=dict)
     rng: RngState | None = None
     params: list[torch.nn.Parameter] = field(default_factory=list)
+    # ``model.named_modules()`` as captured: one walk, reused by whoever holds the state
+    modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
 
     @classmethod
     def capture(cls, model: torch.nn.Module) -> PreservedState:
@@ -65,7 +67,8 @@ class PreservedState:
         seen: set[int] = set()
         # one walk over the modules (a model of 1,000+ modules takes milliseconds a walk):
         # parameters in ``model.parameters()`` order, buffers, train/eval flags
-        for m in model.modules():
+        st.modules = list(model.named_modules())
+        for _, m in st.modules:
             st.training[id(m)] = m.training
             for p in m._parameters.values():
                 if p is not None and id(p) not in seen:
@@ -110,9 +113,9 @@ class PreservedState:
                 p._post_accumulate_grad_hooks = post
             if p._backward_hooks is not backward and not p._backward_hooks:
                 p._backward_hooks = backward
-        for m in self.model.modules():
+        for _, m in self.modules:
             flag = self.training.get(id(m))
-            if flag is not None:
+            if flag is not None and m.training != flag:
                 m.training = flag
 
     def changed_parameters(self) -> list[str]:

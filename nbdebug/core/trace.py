@@ -26,6 +26,7 @@ from .batch import (
     call_model,
     check_inputs,
     check_loss_fn,
+    check_materialized,
     check_model,
     compute_loss,
     describe,
@@ -108,6 +109,7 @@ def trace(
     ('norm', 'Tensor.__truediv__', 'model.py:12', [3])
     """
     model = check_model(model)
+    check_materialized(model.named_modules())
     check_inputs(inputs)
     check_loss_fn(loss_fn)
     bs = batch_size(inputs)
@@ -127,7 +129,7 @@ def trace(
                 "expected a model with its weights, e.g. after model.to_empty(device=...) and "
                 "loading a state dict."
             )
-        health = WeightHealth.measure(owned_weights(model))
+        health = WeightHealth.measure(owned_weights(st.modules))
         if not health.bad:
             rec, out = _run(
                 model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
@@ -200,6 +202,7 @@ def _run(
         capture=capture,
         modules=modules,
         keep=keep,
+        walk=st.modules,
     )
     st.clear_grads()
     outcome = _Outcome(None)
@@ -647,7 +650,7 @@ def _result(
     params: list[ParamInfo] = []
     seen: set[int] = set()
     n_params = 0
-    for mname, m in model.named_modules():
+    for mname, m in rec.walk:
         for pname, p in m._parameters.items():
             if p is None or id(p) in seen:
                 continue

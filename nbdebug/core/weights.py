@@ -8,6 +8,7 @@ parameter table.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -19,11 +20,14 @@ from .text import qualified_name
 __all__ = ["WeightHealth", "owned_weights"]
 
 
-def owned_weights(model: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+def owned_weights(
+    modules: Iterable[tuple[str, torch.nn.Module]],
+) -> list[tuple[str, str, torch.Tensor]]:
     """``(module name, qualified name, tensor)`` for every parameter and every floating or
-    complex buffer, once under each module that owns it (a tied tensor under each)."""
+    complex buffer of ``modules`` (``model.named_modules()``), once under each module that
+    owns it (a tied tensor under each)."""
     owned: list[tuple[str, str, torch.Tensor]] = []
-    for mname, m in model.named_modules():
+    for mname, m in modules:
         for pname, p in m._parameters.items():
             if p is not None:
                 owned.append((mname, qualified_name(mname, pname), p))
