@@ -3,7 +3,12 @@
 naive per-module norm hooks, (GPT-2 models) Hugging Face's ``DebugUnderflowOverflow``, and
 the same step through ``torch.autograd.grad`` (no ``.grad`` written) for reference.
 ``trace`` computes its statistics with eager PyTorch ops; ``trace_compiled`` with the
-compiled kernel (``nbdebug build-kernels``; the benchmark builds it once, cached).
+compiled kernel (``nbdebug build-kernels``; the benchmark builds it once, cached). Both
+run right after another variant, so the model holds that step's ``.grad``, which a trace
+keeps aside (the user's gradients survive it) while plain's ``zero_grad`` frees them: the
+trace then needs a gradient-sized block of memory more than plain, page-faulted in on every
+call. ``trace_no_grad`` (the kernel when built, else eager) starts from plain's state,
+``zero_grad`` first, so its ratio is the trace's own cost.
 
 Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
 5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
@@ -131,6 +136,11 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
     def traced_compiled() -> None:
         _trace(model, x)
 
+    def traced_no_grad() -> None:
+        # from the state plain starts from: no ``.grad`` for the trace to keep aside
+        model.zero_grad(set_to_none=True)
+        _trace(model, x)
+
     def anomaly() -> None:
         with torch.autograd.detect_anomaly(check_nan=True):
             step()
@@ -158,6 +168,7 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
         "plain": plain,
         "trace": traced,
         **({"trace_compiled": traced_compiled} if kernels.active() else {}),
+        "trace_no_grad": traced_no_grad,
         "detect_anomaly": anomaly,
         "naive_hooks": naive,
         "autograd_grad": grad_only,
@@ -191,7 +202,7 @@ def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
         # order of allocations, so they vary from run to run)
         pf = "  ".join(
             f"{k} {statistics.median(faults[k]):.0f}"
-            for k in ("plain", "trace", "trace_compiled")
+            for k in ("plain", "trace", "trace_compiled", "trace_no_grad")
             if k in faults
         )
         print(f"{'':12s} minor page faults per call: {pf}")
