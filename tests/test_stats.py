@@ -166,3 +166,11 @@ def test_all_quick_complete_agrees_with_quick_is_complete_vector_by_vector():
         pick = [keys[i] for i in rng.integers(0, len(keys), size=rng.integers(1, 6))]
         vs = [vectors[k] for k in pick]
         assert stats.all_quick_complete(vs) == all(stats.quick_is_complete(v) for v in vs), pick
+        # the recorder hands its vectors over as one matrix: same answers
+        assert stats.all_quick_complete(np.vstack(vs)) == stats.all_quick_complete(vs), pick
+        got = stats.finalize_many(np.vstack(vs))
+        for (st, h), v in zip(got, vs):
+            want, want_h = stats.finalize(v)
+            assert repr(st) == repr(want) and np.array_equal(h.counts, want_h.counts), pick
+    assert stats.all_quick_complete(np.zeros((0, stats.VECTOR_LEN))) is True
+    assert stats.finalize_many(np.zeros((0, stats.VECTOR_LEN))) == []

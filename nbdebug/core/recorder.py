@@ -38,6 +38,7 @@ from .hooks import HookSet, hookable_named_modules
 from .stats import (
     IDX_NNAN,
     IDX_NUMEL,
+    VECTOR_LEN,
     assemble_quick,
     exact_vector,
     quick_parts,
@@ -473,26 +474,28 @@ class Recorder:
         self.kept[key] = t.detach().clone()
 
     # ------------------------------------------------------------------ results
-    def host_vectors(self) -> list[np.ndarray]:
-        """All statistics vectors on the host: one transfer per device."""
+    def host_vectors(self) -> np.ndarray:
+        """All statistics vectors on the host, one row per event: one transfer per device."""
         if self.exact:
-            return [r.vector for r in self.raw]
+            if not self.raw:
+                return np.zeros((0, VECTOR_LEN))
+            return np.vstack([r.vector for r in self.raw])
         self.measure_param_grads()
-        out: list[Any] = [None] * len(self.raw)
+        out = np.empty((len(self.raw), VECTOR_LEN))
         by_device: dict[Any, list[int]] = {}
         first: dict[int, int] = {}  # events sharing one measurement are assembled once
+        source = []
         for i, r in enumerate(self.raw):
             j = first.setdefault(id(r.vector), i)
+            source.append(j)
             if j == i:
                 dev = r.vector[0].device if r.vector else None
                 by_device.setdefault(dev, []).append(i)
         for idx in by_device.values():
-            rows = assemble_quick(
+            out[idx] = assemble_quick(
                 [self.raw[i].vector for i in idx], [_numel(self.raw[i].shape) for i in idx]
             )
-            for row, i in zip(rows, idx):
-                out[i] = row
-        return [out[first[id(r.vector)]] for r in self.raw]
+        return out[source]
 
 
 def select_modules(

@@ -581,7 +581,7 @@ def _capture(
 
 # ---------------------------------------------------------------------- results
 def _events(
-    rec: Recorder, vectors: list[np.ndarray], found: _Found | None = None
+    rec: Recorder, vectors: np.ndarray, found: _Found | None = None
 ) -> tuple[list[Event], Event | None]:
     """Every event, built once; the origin's op, source, chain and note are part of its
     construction. When the producing module is not the event's own (a parent's code),
