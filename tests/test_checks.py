@@ -1195,3 +1195,28 @@ def test_findings_sort_by_named_bands() -> None:
     schedule = cb.Finding("lr_spike", "warning", "step 9", {}, "", position=p(cb.Band.HISTORY, 9))
     event = cb.Finding("dead_relu", "warning", "m", {}, "", event=4)
     assert cb.sort_findings([recorded, schedule, event]) == [event, schedule, recorded]
+
+
+def test_fp16_overflow_made_in_the_backward_is_named_as_such() -> None:
+    # float16 autocast, no scaler: the forward stays finite (~46000 < 65504), the weight
+    # gradient of layer 2 overflows in its float16 matmul and lands as inf in the float32
+    # .grad; in float32 the same step is healthy
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        m[0].bias.fill_(40000.0)
+    x, y = torch.randn(8, 8).abs() + 0.5, torch.randn(8, 4)
+
+    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(o.float(), t)
+
+    assert nbdebug.trace(m, x, y, loss).healthy
+    with torch.autocast("cpu", dtype=torch.float16):
+        tr = nbdebug.trace(m, x, y, loss)
+    o = tr.origin
+    assert o is not None and (o.phase, o.module, o.dtype) == ("backward", "2", "float32")
+    errors = [f for f in nbdebug.check(tr) if f.severity == "error"]
+    assert [
+        (f.code, f.module) for f in errors if f.code.endswith("origin") or "fp16" in f.code
+    ] == [("fp16_overflow_risk", "2")]
+    assert any("overflowed float16" in f.advice for f in errors)

@@ -296,6 +296,9 @@ def test_compare_ranks_finds_the_first_differing_parameter(tmp_path):
     assert report.rows[0].local_first is None  # no guard record in these files
     with pytest.raises(ValueError, match="no snapshot of step 4; the files hold steps"):
         nbdebug.compare_ranks(tmp_path, step=4)
+    for bad in ("5", 5.0, True):  # "5" once read "no snapshot of step 5 ... steps [5]"
+        with pytest.raises(TypeError, match=f"step expects an int .*got {bad!r}"):
+            nbdebug.compare_ranks(tmp_path, step=bad)  # type: ignore[arg-type]
     (tmp_path / "other").mkdir()
     with pytest.raises(ValueError, match="holds no per-rank snapshots"):
         nbdebug.compare_ranks(tmp_path / "other")

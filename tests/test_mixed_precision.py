@@ -301,3 +301,7 @@ def test_diagnose_replays_a_float16_only_overflow_under_float16(tmp_path: Path) 
     # without the recorded autocast the step is finite: nothing to fix
     plain32 = nbdebug.diagnose(path, model=wide_model, progress=False, autocast=False)
     assert plain32.plain.finite and plain32.cause.kind == "not_reproducible"
+    # ... because autocast is off, not because the failure does not reproduce
+    said = plain32.cause.statement
+    assert "autocast=False" in said and "float16 autocast" in said
+    assert "non-determinism" not in said and "hardware" not in said

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import random
+import re
 import sys
 import textwrap
 import zipfile
@@ -341,6 +342,38 @@ def test_checksums_hold_for_tied_and_equal_tensors(tmp_path):
 
 def _payload(path: Path) -> dict:
     return torch.load(path, weights_only=True)
+
+
+def test_a_bad_map_location_is_named_not_the_file(tmp_path, trained):
+    good = _save(tmp_path, trained)
+    before = good.read_bytes()
+    cases = {
+        "gpu": (ValueError, "got 'gpu', which is not a device"),
+        3.5: (TypeError, "got float 3.5"),
+        "meta": (ValueError, "meta device hold no values"),
+    }
+    if not torch.cuda.is_available():
+        cases["cuda:0"] = (ValueError, "a device this machine has; got 'cuda:0'")
+    for value, (err, text) in cases.items():
+        with pytest.raises(err, match=re.escape(text)) as info:
+            load_snapshot(good, map_location=value)
+        assert "corrupt" not in str(info.value)
+    assert good.read_bytes() == before
+    # what torch.load takes still loads
+    for value in ("cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda storage, loc: storage):
+        assert load_snapshot(good, map_location=value).step == load_snapshot(good).step
+
+
+def test_replay_autocast_takes_a_bool_only(tmp_path, trained):
+    # a dtype or a string in place of True would be taken as "true" and replay the
+    # recorded state (float32 here), not the dtype the caller named
+    snap = load_snapshot(_save(tmp_path, trained), model=Net())
+    for bad in (torch.bfloat16, "bf16", 1):
+        with pytest.raises(TypeError, match=f"autocast must be True or False; got {bad!r}"):
+            snap.trace(autocast=bad)
+        with pytest.raises(TypeError, match=f"autocast must be True or False; got {bad!r}"):
+            nbdebug.diagnose(snap, autocast=bad, progress=False)
+    assert snap.trace(autocast=False).loss is not None
 
 
 def test_bad_files(tmp_path, trained):

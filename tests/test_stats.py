@@ -169,8 +169,8 @@ def test_all_quick_complete_agrees_with_quick_is_complete_vector_by_vector():
         # the recorder hands its vectors over as one matrix: same answers
         assert stats.all_quick_complete(np.vstack(vs)) == stats.all_quick_complete(vs), pick
         got = stats.finalize_many(np.vstack(vs))
-        for (st, h), v in zip(got, vs):
+        for (got_st, h), v in zip(got, vs):
             want, want_h = stats.finalize(v)
-            assert repr(st) == repr(want) and np.array_equal(h.counts, want_h.counts), pick
+            assert repr(got_st) == repr(want) and np.array_equal(h.counts, want_h.counts), pick
     assert stats.all_quick_complete(np.zeros((0, stats.VECTOR_LEN))) is True
     assert stats.finalize_many(np.zeros((0, stats.VECTOR_LEN))) == []

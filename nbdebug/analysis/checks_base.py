@@ -401,6 +401,19 @@ class TraceView:
         floating = [e for e in self.outputs if e.shape and e.dtype.startswith(("float", "bfloat"))]
         return floating[0] if floating else (self.outputs[0] if self.outputs else None)
 
+    def ran_in(self, module: str) -> str | None:
+        """The dtype a module's forward produced (under autocast, the dtype it ran in): its
+        first floating output, or None when it made none."""
+        for e in self.events:
+            if (
+                e.phase == "forward"
+                and e.kind == "output"
+                and e.module == module
+                and e.dtype.startswith(("float", "bfloat"))
+            ):
+                return str(e.dtype)
+        return None
+
     def position_of_param(self, name: str) -> float:
         i = self.param_event.get(name)
         return math.inf if i is None else float(i)

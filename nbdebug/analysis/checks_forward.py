@@ -164,7 +164,10 @@ def origin_findings(view: TraceView) -> list[Finding]:
                 **common,
             )
         ]
-    if o.dtype == "float16" and o.stats.n_inf:
+    # a backward origin ran in the dtype of its module's forward (an fp16 matmul's weight
+    # gradient overflows in float16, then lands in the float32 .grad)
+    ran = o.dtype if o.phase != "backward" or o.dtype == "float16" else view.ran_in(o.module)
+    if ran == "float16" and o.stats.n_inf:
         inp = view.input_of(o) if o.phase == "forward" else None
         if inp is not None and inp.finite:
             ev["input_absmax"] = inp.stats.absmax

@@ -34,6 +34,7 @@ import torch
 from ..core.batch import (
     batch_size,
     call_model,
+    check_flag,
     check_inputs,
     check_model,
     compute_loss,
@@ -932,7 +933,8 @@ def diagnose(
     Raises
     ------
     TypeError, ValueError
-        A source of the wrong type, a missing batch, an optimizer over other parameters.
+        A source of the wrong type, a missing batch, an optimizer over other parameters,
+        an ``autocast`` that is not a bool.
     SnapshotError
         An unreadable snapshot, a model that does not fit it, no model to build, an
         autocast dtype this machine's device does not support (``autocast=False``
@@ -955,6 +957,7 @@ def diagnose(
         isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s < 0
     ):
         raise ValueError(f"budget_s must be a number of seconds >= 0 or None; got {budget_s!r}.")
+    check_flag(autocast, "autocast")
     chosen_kinds, user_fixes = _split_fixes(fixes)
     caller = RngState.capture()
     t_start = time.perf_counter()
@@ -1019,7 +1022,7 @@ def diagnose(
             notes.append(f"the plain replay of the step raised: {plain.error}")
         origin = _origin_text(tr, plain)
         _rank(results, ref, plain, ctx)
-        cause = _cause(results, tr, plain, src, origin)
+        cause = _cause(results, tr, plain, src, origin, autocast)
         return Diagnosis(
             cause=cause,
             results=results,
@@ -1257,7 +1260,12 @@ def _origin_text(tr: Trace | None, plain: StepOutcome) -> str:
 
 
 def _cause(
-    results: list[FixResult], tr: Trace | None, plain: StepOutcome, src: _Source, origin: str
+    results: list[FixResult],
+    tr: Trace | None,
+    plain: StepOutcome,
+    src: _Source,
+    origin: str,
+    autocast: bool = True,
 ) -> Cause:
     top = results[0]
     o = tr.origin if tr is not None else None
@@ -1268,7 +1276,14 @@ def _cause(
     source = getattr(top.fix, "source", None) or (o.source if o is not None else None)
     kind = top.kind
     if kind == "not_reproducible" and top.finite:
-        if src.recorded_failure:
+        if src.recorded_failure and src.autocast is not None and not autocast:
+            dtype = src.autocast.get("dtype", "its autocast dtype")
+            s = (
+                f"the step replayed in the model's own dtypes (autocast=False) is finite, "
+                f"although the run recorded {src.recorded_failure}: the failure comes from "
+                f"running under {dtype} autocast; diagnose with autocast=True to find where."
+            )
+        elif src.recorded_failure:
             s = (
                 "the step replayed bit for bit is finite, although the run recorded "
                 f"{src.recorded_failure}: the failure is not reproducible (non-determinism, a "

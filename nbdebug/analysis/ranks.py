@@ -246,11 +246,15 @@ def compare_ranks(
 
     Raises
     ------
+    TypeError
+        A ``step`` that is not an int.
     ValueError
         No per-rank snapshot, the step asked for is absent, or two files claim the same rank.
     nbdebug.SnapshotError
         A file cannot be read.
     """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step expects an int (or None: the earliest); got {step!r}.")
     paths = _paths(paths_or_directory)
     snaps = [load_snapshot(p, trust_recipe=trust_recipe) for p in paths]
     steps = sorted({s.step for s in snaps if s.step is not None})

@@ -16,6 +16,14 @@ import torch
 from .text import dtype_name
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` when it is a bool; else one TypeError naming the option ``name`` (a dtype
+    or a string in place of ``True`` would otherwise be taken as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}.")
+    return value
+
+
 def check_model(model: Any) -> torch.nn.Module:
     """The module to debug. A ``torch.compile``'d model is debugged through the module it
     wraps (``_orig_mod``: same parameters, run eagerly), so the compiler neither traces

@@ -33,11 +33,14 @@ With a ``torch.amp.GradScaler``, pass it as ``scaler=`` and step through it::
     with torch.autocast("cuda", dtype=torch.float16):
         loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)          # optional: the guard reads unscaled gradients
+    scaler.unscale_(optimizer)          # so that update() may run on every step
     if guard.check(loss, inputs=x, target=y, step=step):   # pass the unscaled loss
         scaler.step(optimizer)          # skips an overflow step by itself
-    scaler.update()                     # after unscale_(), also on a step the guard skipped
+    scaler.update()                     # also on a step the guard skipped
     optimizer.zero_grad()
+
+``scaler.update()`` needs the overflow check of ``unscale_()`` or ``step()``: without the
+``unscale_()`` line, call ``update()`` only after ``scaler.step()`` (inside the ``if``).
 
 A step whose loss is finite but whose gradients hold Inf/NaN is the scaler's business (a
 float16 gradient overflow is routine: the scaler skips the update and lowers its scale):

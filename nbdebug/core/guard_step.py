@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .batch import check_flag
 from .distributed import SNAPSHOT_FIELDS, Agreement, full_tensors, is_dtensor
 from .snapshot import save_snapshot
 from .snapshot_data import cpu_copy
@@ -184,8 +185,7 @@ class SnapshotWriter:
         recipe: dict[str, Any] | None,
         async_save: bool = False,
     ) -> None:
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False; got {async_save!r}.")
+        check_flag(async_save, "async_save")
         self.directory = Path(directory)
         _check_directory(self.directory)
         self.max_snapshots = max_snapshots

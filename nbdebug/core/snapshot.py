@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch import describe
+from .batch import check_flag, describe
 from .snapshot_data import (
     build_loss,
     environment,
@@ -127,6 +127,9 @@ def save_snapshot(
     TypeError
         A keyword is not a snapshot field (or one written from the arguments above), or
         its value has a type the field does not accept.
+    ValueError
+        A value its field's check refuses (the check the reader runs: e.g. an ``autocast``
+        state without its ``device_type``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__qualname__}.")
@@ -280,6 +283,35 @@ def _build_model(
     )
 
 
+def _check_map_location(map_location: Any) -> None:
+    """One sentence for a ``map_location`` torch.load would fail on (before the file is
+    read, so that the error names the argument, not the file)."""
+    if callable(map_location) or isinstance(map_location, dict):
+        return
+    expected = (
+        "map_location expects a device (a str such as 'cpu' or 'cuda:0', or a "
+        "torch.device), a dict or a callable"
+    )
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError(f"{expected}; got {type(map_location).__name__} {map_location!r}.")
+    try:
+        dev = torch.device(map_location)
+    except RuntimeError:
+        raise ValueError(f"{expected}; got {map_location!r}, which is not a device.") from None
+    if dev.type == "meta":
+        raise ValueError(
+            f"{expected}; got {map_location!r}: tensors on the meta device hold no values to "
+            "replay."
+        )
+    if dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(
+                f"map_location expects a device this machine has; got {map_location!r} ({e})."
+            ) from None
+
+
 def load_snapshot(
     path: str | os.PathLike[str],
     model: Any = None,
@@ -313,6 +345,7 @@ def load_snapshot(
         A missing, truncated, corrupt, foreign or newer-format file, or a state that does
         not fit the model (missing/unexpected keys and shape mismatches listed).
     """
+    _check_map_location(map_location)
     where = Path(path)
     snap = Snapshot.from_payload(
         read_archive(path, map_location=map_location), where, trust_recipe=trust_recipe
@@ -629,6 +662,8 @@ class Snapshot:
 
         Raises
         ------
+        TypeError
+            An ``autocast`` that is not a bool (a dtype: the replay takes the recorded one).
         SnapshotError
             The step ran under an autocast dtype (bfloat16, float16) that this machine's
             device does not support.
@@ -639,6 +674,7 @@ class Snapshot:
         """
         from .trace import trace as _trace
 
+        check_flag(autocast, "autocast")
         model = self.reset_model()
         loss_fn = self.replay_loss_fn(loss_fn, "snap.trace(loss_fn=...)")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -68,7 +68,7 @@ import torch
 
 from .batch import iter_tensors
 from .state import RngState
-from .text import first_line
+from .text import first_line, shorten
 
 FORMAT = "nbdebug-snapshot"
 SUFFIX = ".nbsnap"
@@ -432,6 +432,8 @@ def build_payload(values: Mapping[str, Any]) -> dict[str, Any]:
     TypeError
         A key is not a field, a value has a type its field does not accept, or a field
         without a default has no value.
+    ValueError
+        A value that fails its field's check (the one the reader runs).
     """
     fields = FIELDS
     keys = [f.key for f in fields]
@@ -452,6 +454,13 @@ def build_payload(values: Mapping[str, Any]) -> dict[str, Any]:
         problem = f.type_problem(value)
         if problem:
             raise TypeError(f"cannot write the snapshot: {problem}.")
+        if f.check is not None:  # the reader's check, so that no file it refuses is written
+            try:
+                f.check(value)
+            except ValueError as e:
+                raise ValueError(
+                    f"cannot write the snapshot: {e} (got {shorten(repr(value), 80)})."
+                ) from None
         payload[f.key] = value
     return payload
 
