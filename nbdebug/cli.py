@@ -332,9 +332,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "build-kernels": _build_kernels,
         }
         commands[args.command](args, sys.stdout)
+        sys.stdout.flush()
     except UsageError as e:
         print(f"nbdebug: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        # the reader went away (`nbdebug inspect SNAP | head -1`): stop quietly, as cat
+        # does; stdout goes to devnull so that the interpreter's final flush is silent too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 

@@ -240,9 +240,12 @@ def _open(line: str) -> Any:
         try:
             value = _lookup(first, ns)
         except KeyError:
-            if not first.endswith(".nbsnap"):
-                raise MagicUsageError(f"name {first!r} is not defined in the notebook.") from None
-            value = first  # a file name such as step-1.nbsnap
+            if not (first.endswith(".nbsnap") or os.path.exists(first)):
+                also = " nor a file or folder here" if "." in first else ""
+                raise MagicUsageError(
+                    f"name {first!r} is not defined in the notebook{also}."
+                ) from None
+            value = first  # a file name (step-1.nbsnap, crash.pt) or a folder of snapshots
     elif first.endswith(".nbsnap") or os.sep in first or os.path.exists(first):
         value = first  # a snapshot path, or a directory of them
     else:

@@ -257,6 +257,20 @@ def test_real_process(workdir):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == f"nbdebug: error: {tmp / 'nope.nbsnap'}: no such file.\n"
     assert not (tmp / "x.html").exists()
+    # a reader that stops early (`nbdebug inspect SNAP | head -1`): no traceback
+    proc = subprocess.Popen(
+        [*cmd, "inspect", str(path), "--model", f"{mod}:make"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and first.startswith(b"nbdebug snapshot")
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_console_script_is_declared():

@@ -486,6 +486,13 @@ def test_cleaner_bad_inputs(tmp_path, case):
         LabelCleaner(
             images, noisy, issues, class_names=["a", "b", "c"], journal=tmp_path / "d.jsonl"
         )
+    # a refused call writes no journal: the corrected call on the same path opens fine
+    assert list(tmp_path.iterdir()) == []
+    c = LabelCleaner(images, noisy, issues, journal=tmp_path / "a.jsonl")
+    assert list(tmp_path.iterdir()) == []  # nor does a review without a decision
+    c.keep_button.click()
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    assert [json.loads(x)["type"] for x in lines] == ["header", "decision"]
 
 
 def test_ensemble_rows_without_agreed_suggestion(tmp_path):

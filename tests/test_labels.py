@@ -543,3 +543,45 @@ def test_out_of_fold_columns_follow_the_class_indices():
     assert s.loc[y == 3, "self_confidence"].mean() > 0.8  # class 3's column holds class 3
     assert (s["top1"] != 2).all()
     assert not s.loc[0, "is_issue"]
+
+
+def test_uninformative_probabilities_flag_nothing():
+    # every class at 1/3: the given label ties for the top in every row, so it is the
+    # model's prediction and no sample is flagged (nor any noise estimated)
+    y = np.repeat([0, 1, 2], 50)
+    P = np.full((150, 3), 1 / 3)
+    for kw in ({}, {"prune": "global"}, {"method": "predicted_neq_given"}):
+        issues = find_label_issues(y, pred_probs=P, **kw)
+        assert not issues["is_issue"].any(), kw
+    assert issues.attrs["label_noise"].n_estimated == 0
+    # one informative row among tied ones is still flagged
+    P2 = P.copy()
+    P2[7] = [0.05, 0.05, 0.9]  # labelled 0, confidently 2
+    issues = find_label_issues(y, pred_probs=P2)
+    assert list(issues.index[issues["is_issue"]]) == [7]
+
+
+def test_features_and_models_that_do_not_fit_get_one_sentence():
+    d = load_digits()
+    X, y = d.data[:300], d.target[:300]
+    with pytest.raises(ValueError, match=r"X has shape \(300, 8, 8\): a scikit-learn model"):
+        find_label_issues(y, X=d.images[:300])
+    Xn = X.copy()
+    Xn[[3, 9], 5] = np.nan
+    before = Xn.copy()
+    with pytest.raises(
+        ValueError,
+        match=r"X holds 2 NaN/inf values in 1 feature column\(s\) "
+        r"\(column 5: 2\): expected finite features for LogisticRegression",
+    ):
+        find_label_issues(y, X=Xn)
+    np.testing.assert_array_equal(Xn, before)  # the user's array is unchanged
+    # a model that takes NaN is left to do so
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    hgb = HistGradientBoostingClassifier(max_iter=10, random_state=0)
+    assert len(find_label_issues(y, X=Xn, model=hgb)) == 300
+    # a torch model with fewer outputs than classes
+    net = torch.nn.Linear(64, 4)
+    with pytest.raises(ValueError, match=r"one score per class, logits of shape \(batch, 10\)"):
+        find_label_issues(y, X=X.astype(np.float32), model=net)

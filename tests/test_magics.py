@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,6 +165,29 @@ def test_snapshot_path_and_snapshot_object(shell, tmp_path, capsys):
     shell.user_ns["snap"] = nbdebug.load_snapshot(path, model=LogNet)
     shell.run_line_magic("nbdebug", "snap")
     assert magics.open_debuggers()[-1].trace.summary() == dbg.trace.summary()
+
+
+def test_relative_file_names_without_a_slash(shell, tmp_path, capsys, monkeypatch):
+    # "crash.pt" reads like a dotted notebook name; a file of that name here is a path
+    m = LogNet()
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    path = nbdebug.save_snapshot(tmp_path / "snaps", m, x, y, loss_fn=F.cross_entropy)
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(path, "crash.pt")
+    n = len(magics.open_debuggers())
+    shell.run_line_magic("nbdebug", "crash.pt --model factory")
+    assert len(magics.open_debuggers()) == n + 1
+    capsys.readouterr()
+    shell.run_line_magic("nbdebug", "snaps --model factory")  # a folder: per-rank files
+    assert "the directory snaps holds no per-rank snapshots" in one_error_line(capsys)
+    Path("notes.txt").write_text("not a snapshot")
+    shell.run_line_magic("nbdebug", "notes.txt --model factory")
+    line = one_error_line(capsys)
+    assert "notes.txt" in line and "not defined" not in line
+    shell.run_line_magic("nbdebug", "nothere.txt")
+    assert "'nothere.txt' is not defined in the notebook nor a file or folder here" in (
+        one_error_line(capsys)
+    )
 
 
 TRAIN = """

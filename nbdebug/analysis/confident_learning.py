@@ -63,13 +63,20 @@ def per_class_thresholds(
     return t
 
 
-def confident_assignment(pred_probs: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+def confident_assignment(
+    pred_probs: np.ndarray, thresholds: np.ndarray, labels: np.ndarray | None = None
+) -> np.ndarray:
     """For each example, the most probable class among those reaching their threshold,
-    or ``-1`` when none does. Shape ``(n,)`` int64."""
+    or ``-1`` when none does; with ``labels``, the given label where it ties for the most
+    probable (a tie is no evidence against it). Shape ``(n,)`` int64."""
     # a small tolerance so that an example exactly at the mean counts
     above = pred_probs >= thresholds[None, :] - 1e-9
     scored = np.where(above, pred_probs, -1.0)
     best = scored.argmax(axis=1)
+    if labels is not None:
+        rows = np.arange(len(labels))
+        tied = above[rows, labels] & (scored[rows, labels] >= scored[rows, best])
+        best[tied] = labels[tied]
     best[~above.any(axis=1)] = -1
     return best
 

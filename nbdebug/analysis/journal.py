@@ -86,7 +86,8 @@ def fingerprint(data: Any, labels: np.ndarray) -> str:
 
 
 class Journal:
-    """Open (resume) or create a decision journal.
+    """Open (resume) or create a decision journal (a new one is written with its first
+    decision).
 
     Parameters
     ----------
@@ -109,6 +110,7 @@ class Journal:
         self.fingerprint = fingerprint
         self.records: list[dict[str, Any]] = []
         self._needs_newline = False
+        self._unwritten = False
         if self.path.exists() and self.path.stat().st_size > 0:
             self._load(n_items)
         else:
@@ -121,8 +123,9 @@ class Journal:
                 "n_classes": int(n_classes),
                 "created": now(),
             }
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._write([self.header])
+            # written with the first decision: a review that fails to open, or makes no
+            # decision, leaves no file behind (that would then refuse the corrected call)
+            self._unwritten = True
 
     # ---- reading
     def _load(self, n_items: int) -> None:
@@ -168,6 +171,9 @@ class Journal:
 
     # ---- writing
     def _write(self, records: Iterable[dict[str, Any]]) -> None:
+        if self._unwritten:
+            records = [self.header, *records]
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         payload = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
         if self._needs_newline:
             payload = "\n" + payload
@@ -176,6 +182,7 @@ class Journal:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
+        self._unwritten = False
 
     @property
     def _next_seq(self) -> int:

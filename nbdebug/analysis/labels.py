@@ -154,7 +154,7 @@ def _estimate(pred_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
     k = pred_probs.shape[1]
     counts = cl.class_counts(labels, k)
     thresholds = cl.per_class_thresholds(pred_probs, labels, counts)
-    assigned = cl.confident_assignment(pred_probs, thresholds)
+    assigned = cl.confident_assignment(pred_probs, thresholds, labels)
     cj = cl.confident_joint(labels, assigned, k)
     calibrated = cl.calibrate(cj, counts)
     joint = calibrated / calibrated.sum()
@@ -382,7 +382,8 @@ def find_label_issues(
 
     # ---- flags and suggestions
     suggested = other_cls
-    candidates = pred != y
+    # the model's prediction: a given label tied for the top probability counts as it
+    candidates = sc < top_p[:, 0]
     if unassessed:
         candidates &= ~np.isin(y, unassessed)
     n_cand = int(candidates.sum())

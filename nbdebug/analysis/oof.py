@@ -63,6 +63,9 @@ def out_of_fold_probs(
         raise ValueError(
             f"X has {n_x} rows but there are {len(labels)} labels: expected one row per label."
         )
+    est = wrap_model(model, random_state)
+    if type(est).__name__ != "TorchClassifier":
+        _check_shape(Xa)
     counts = np.bincount(labels)
     present = counts[counts > 0]
     if present.max() < cv:
@@ -70,18 +73,57 @@ def out_of_fold_probs(
             f"cv={cv} folds need at least {cv} samples in some class; the largest class has "
             f"{present.max()}."
         )
-    est = wrap_model(model, random_state)
     folds = StratifiedKFold(n_splits=int(cv), shuffle=True, random_state=random_state)
     with warnings.catch_warnings():
         # small classes: reported once, clearly, by find_label_issues
         warnings.filterwarnings("ignore", message=".*least populated class.*")
         warnings.filterwarnings("ignore", message=".*Number of classes in training fold.*")
-        probs = cross_val_predict(est, Xa, labels, cv=folds, method="predict_proba")
+        try:
+            probs = cross_val_predict(est, Xa, labels, cv=folds, method="predict_proba")
+        except ValueError as e:
+            bad = _nonfinite_features(Xa)
+            if bad is None:
+                raise
+            # the model does not take NaN (some do: HistGradientBoosting, an imputer first)
+            raise ValueError(
+                f"X holds {bad}: expected finite features for {model_name(est)}; impute or "
+                "drop them first, or use a model that takes NaN."
+            ) from e
     # columns follow the classes present in labels; a class absent from labels gets zeros
     classes = np.unique(labels)
     full = np.zeros((len(labels), int(labels.max()) + 1), dtype=np.float64)
     full[:, classes] = probs
     return full
+
+
+def _check_shape(X: Any) -> None:
+    """A scikit-learn model's features are 2-D (one sentence instead of its own message)."""
+    shape = getattr(X, "shape", None)
+    if shape is not None and len(shape) > 2:
+        raise ValueError(
+            f"X has shape {tuple(shape)}: a scikit-learn model (the default one included) "
+            "takes 2-D features (samples, features); pass X.reshape(len(X), -1), or a torch "
+            "model for shaped inputs."
+        )
+
+
+def _nonfinite_features(X: Any) -> str | None:
+    """How many NaN/inf values X's numeric columns hold, and where; None when none."""
+    columns = getattr(X, "columns", None)
+    if columns is not None:  # a DataFrame: its numeric columns
+        num = X.select_dtypes(include="number")
+        names, values = [str(c) for c in num.columns], num.to_numpy(dtype=np.float64)
+    else:
+        arr = np.asarray(X)
+        if arr.dtype.kind not in "fiub" or arr.ndim != 2:
+            return None
+        names, values = [f"column {j}" for j in range(arr.shape[1])], arr.astype(np.float64)
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        return None
+    per = bad.sum(axis=0)
+    cols = ", ".join(f"{names[j]}: {int(per[j])}" for j in np.flatnonzero(per)[:5])
+    return f"{int(bad.sum())} NaN/inf values in {int((per > 0).sum())} feature column(s) ({cols})"
 
 
 def default_ensemble(random_state: int) -> list[Any]:

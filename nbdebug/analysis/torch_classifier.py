@@ -102,6 +102,7 @@ class TorchClassifier(ClassifierMixin, BaseEstimator):
                     idx = perm[start : start + self.batch_size]
                     opt.zero_grad(set_to_none=True)
                     logits = net(xt[idx])
+                    _check_logits(logits, self.classes_)
                     loss = torch.nn.functional.cross_entropy(logits, yt[idx])
                     loss.backward()
                     opt.step()
@@ -114,13 +115,20 @@ class TorchClassifier(ClassifierMixin, BaseEstimator):
         xt = _as_float_tensor(X)
         with torch.no_grad():
             logits = self.module_(xt)
-        if logits.ndim != 2 or logits.shape[1] <= int(self.classes_.max()):
-            raise ValueError(
-                f"the torch classifier must return logits of shape (batch, K) with K > "
-                f"{int(self.classes_.max())}; it returned shape {tuple(logits.shape)}."
-            )
+        _check_logits(logits, self.classes_)
         p = torch.softmax(logits.double(), dim=1).numpy()[:, self.classes_]
         return p / p.sum(axis=1, keepdims=True)
 
     def predict(self, X: Any) -> np.ndarray:
         return self.classes_[self.predict_proba(X).argmax(axis=1)]
+
+
+def _check_logits(logits: Any, classes: np.ndarray) -> None:
+    """One sentence when the module's output is not one score per class."""
+    k = int(classes.max()) + 1
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[1] < k:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"the torch model must return one score per class, logits of shape (batch, {k}) "
+            f"for the labels' {k} classes (0..{k - 1}); it returned {got}."
+        )
