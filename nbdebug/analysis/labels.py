@@ -229,7 +229,8 @@ def find_label_issues(
         four of the five (wine: 0.848 against ``"global"``'s 0.850); ``"global"`` wins on
         uniform noise but loses on class-conditional noise, ``"noise_rate"`` is close to
         cleanlab everywhere (``benchmarks/bench_labels.py``).
-        Samples whose given label is the model's prediction are never flagged.
+        Samples whose given label is the model's prediction are never flagged (a given
+        label tied for the top probability counts as the prediction).
 
     Notes
     -----

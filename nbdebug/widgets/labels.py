@@ -108,8 +108,9 @@ class LabelCleaner:
         ``render(sample, index)`` returning an ipywidget, a plotly figure, an HTML string
         or anything IPython can display; replaces the built-in rendering.
     journal : str or Path
-        The JSONL journal: every decision is appended and fsync'ed at once; reopening the
-        same file with the same data resumes; a journal of other data is refused.
+        The JSONL journal: every decision is appended and fsync'ed at once (a new file is
+        written with the first decision); reopening the same file with the same data
+        resumes; a journal of other data is refused.
     is_test : bool
         A test split: relabeling and excluding are refused unless ``force=True``.
     force : bool
