@@ -156,12 +156,14 @@ def _non_numeric(df: pd.DataFrame) -> dict[str, str]:
     return bad
 
 
-def _nonfinite_counts(arr: np.ndarray, names: list[str]) -> dict[str, int]:
+def nonfinite_counts(arr: np.ndarray, names: list[str]) -> dict[str, int]:
+    """NaN/inf per column of a 2-D float array, for the columns that hold any."""
     counts = (~np.isfinite(arr)).sum(axis=0)
     return {names[j]: int(c) for j, c in enumerate(counts) if c}
 
 
-def _describe_counts(counts: dict[str, int], limit: int = 8) -> str:
+def describe_counts(counts: dict[str, int], limit: int = 8) -> str:
+    """``"x2: 2, x5: 1"``: the counts of :func:`nonfinite_counts`, the first ``limit``."""
     items = [f"{k}: {v}" for k, v in list(counts.items())[:limit]]
     more = f", and {len(counts) - limit} more columns" if len(counts) > limit else ""
     return ", ".join(items) + more
@@ -291,11 +293,11 @@ def prepare_batches(
                 f"the {which} batch has {arr.shape[0]} row(s); at least {MIN_ROWS} are needed "
                 f"(and {FEW_ROWS} or more for tests with any power)."
             )
-    bad_counts = {w: _nonfinite_counts(a, names) for w, a in (("reference", xr), ("current", xc))}
+    bad_counts = {w: nonfinite_counts(a, names) for w, a in (("reference", xr), ("current", xc))}
     if any(bad_counts.values()):
         if nan_policy == "raise":
             parts = [
-                f"{w} has {sum(c.values())} ({_describe_counts(c)})"
+                f"{w} has {sum(c.values())} ({describe_counts(c)})"
                 for w, c in bad_counts.items()
                 if c
             ]
@@ -320,7 +322,7 @@ def prepare_batches(
                 notes.append(
                     f"imputed {int(mask.sum())} NaN/inf value(s) in the {w} batch with "
                     f"the reference "
-                    f"median ({_describe_counts(bad_counts[w])})"
+                    f"median ({describe_counts(bad_counts[w])})"
                 )
 
     for which, arr in (("reference", xr), ("current", xc)):

@@ -109,6 +109,8 @@ def _check_shape(X: Any) -> None:
 
 def _nonfinite_features(X: Any) -> str | None:
     """How many NaN/inf values X's numeric columns hold, and where; None when none."""
+    from .drift_data import describe_counts, nonfinite_counts
+
     columns = getattr(X, "columns", None)
     if columns is not None:  # a DataFrame: its numeric columns
         num = X.select_dtypes(include="number")
@@ -118,12 +120,11 @@ def _nonfinite_features(X: Any) -> str | None:
         if arr.dtype.kind not in "fiub" or arr.ndim != 2:
             return None
         names, values = [f"column {j}" for j in range(arr.shape[1])], arr.astype(np.float64)
-    bad = ~np.isfinite(values)
-    if not bad.any():
+    counts = nonfinite_counts(values, names)
+    if not counts:
         return None
-    per = bad.sum(axis=0)
-    cols = ", ".join(f"{names[j]}: {int(per[j])}" for j in np.flatnonzero(per)[:5])
-    return f"{int(bad.sum())} NaN/inf values in {int((per > 0).sum())} feature column(s) ({cols})"
+    total = sum(counts.values())
+    return f"{total} NaN/inf values in {len(counts)} feature column(s) ({describe_counts(counts)})"
 
 
 def default_ensemble(random_state: int) -> list[Any]:
