@@ -64,19 +64,17 @@ def device_norms(
             # on CPU a dot product of the flat tensor with itself reads it once, as fast
             # as a sum (at 2 threads a third faster than _foreach_norm)
             ns = [_dot_norm(t) for t in ts]
-            for i, n in zip(idx, ns):
-                out[i] = n
-            continue
-        try:
-            ns = (
-                list(torch._foreach_norm(ts))
-                if dtype is None
-                else list(torch._foreach_norm(ts, 2, dtype=dtype))
-            )
-        except (RuntimeError, TypeError):
-            ns = [torch.linalg.vector_norm(t.double()) for t in ts]
-            if dtype is not None:
-                ns = [n.to(dtype) for n in ns]
+        else:
+            try:
+                ns = (
+                    list(torch._foreach_norm(ts))
+                    if dtype is None
+                    else list(torch._foreach_norm(ts, 2, dtype=dtype))
+                )
+            except (RuntimeError, TypeError):
+                ns = [torch.linalg.vector_norm(t.double()) for t in ts]
+                if dtype is not None:
+                    ns = [n.to(dtype) for n in ns]
         for i, n in zip(idx, ns):
             out[i] = n
     return [n for n in out if n is not None]
