@@ -287,6 +287,29 @@ def bad_setups(rank: int, world: int, directory: str) -> dict[str, Any]:
     return out
 
 
+def models_differ_store_host_exits(rank: int, world: int, directory: str) -> Any:
+    """Different models on the two ranks. Rank 0 hosts the store and exits as soon as its
+    guard raises; rank 1 reads the store slowly (each read 1 s late)."""
+    import torch.distributed as dist
+
+    import nbdebug
+
+    if rank == 1:
+        c10d = dist.distributed_c10d
+        real = c10d._get_default_store()
+
+        class SlowReads:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def get(self, key: str) -> bytes:
+                time.sleep(1.0)
+                return real.get(key)
+
+        c10d._get_default_store = SlowReads  # type: ignore[attr-defined]
+    return nbdebug.NaNGuard(make_model(16 if rank == 0 else 32), timeout=10)
+
+
 def fsdp2(rank: int, world: int, directory: str) -> dict[str, Any]:
     """FSDP2 (``fully_shard``) on CPU: a NaN in rank 1's batch at step 2."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -155,6 +155,20 @@ def test_bad_setups_are_clear_errors_not_hangs(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_different_models_are_named_on_every_rank_when_the_store_host_exits(tmp_path):
+    """The rank hosting the rendezvous store exits on its error; the other rank, slower to
+    read the store, still gets the same clear error (it used to get "Connection reset by
+    peer")."""
+    results = h.launch(h.models_differ_store_host_exits, 2, str(tmp_path))
+    assert sorted(results) == [0, 1]
+    for r in (0, 1):
+        out = results[r]
+        assert out.get("error") == "RankError", out
+        assert out["ranks"] == [1 - r]
+        assert "the ranks' models differ: parameter '0.weight' has shape" in out["message"]
+
+
+@pytest.mark.timeout(120)
 def test_fsdp2_sharded_gradients_agree(tmp_path):
     values = _values(h.launch(h.fsdp2, 2, str(tmp_path)), 2)
     for r, v in enumerate(values):

@@ -477,8 +477,9 @@ def test_few_rows_warn_and_too_few_refuse():
 def test_bad_options_one_clear_message(kwargs, match):
     kwargs = dict(kwargs)
     model = fitted("breast_cancer", kwargs.pop("model", "rf"))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         drift(model, _frame(), _frame(seed=1), progress=False, **kwargs)
+    assert type(info.value) is ValueError  # not a private subclass the user cannot name
 
 
 def test_bad_models_and_shapes_one_clear_message():

@@ -132,6 +132,49 @@ def test_a_class_that_grew_is_named_by_its_class():
     assert "predicted class 1 (purity" in rep.summary and "grew from" in rep.summary
 
 
+def test_two_clusters_of_one_class_get_two_names():
+    """Two clusters both made of class-1 predictions (two regions the model calls class 1)
+    are not both "predicted class 1": each is named by the rule that sets it apart."""
+    from nbdebug.analysis.drift_groups import name_groups
+
+    rng = np.random.default_rng(0)
+    x = np.r_[
+        rng.normal(-3, 0.3, (40, 2)), rng.normal(3, 0.3, (40, 2)), rng.normal(0, 0.3, (40, 2))
+    ]
+    x[:, 1] = rng.normal(0, 1, 120)  # b tells nothing apart
+    labels = np.repeat([0, 1, 2], 40)
+    classes = np.repeat([1, 1, 0], 40)  # clusters 0 and 1 are both class 1; cluster 2 is class 0
+    groups = name_groups(
+        labels,
+        x,
+        ["a", "b"],
+        x[::2],
+        x[1::2],
+        classes=classes,
+        classes_reference=classes[::2],
+        classes_current=classes[1::2],
+    )
+    names = [g.description for g in groups]
+    assert len(set(names)) == 3, names
+    assert [g.kind for g in groups] == ["rule", "rule", "class"]
+    assert names[2] == "predicted class 0"
+    assert names[0].startswith("rows with `a` <=") and names[1].startswith("rows with `a` >")
+    assert groups[0].purity == groups[1].purity == 1.0
+
+
+def test_two_clusters_no_rule_tells_apart_are_numbered():
+    from nbdebug.analysis.drift_groups import name_groups
+
+    rng = np.random.default_rng(0)
+    left, right = rng.normal(-3, 0.3, (40, 2)), rng.normal(3, 0.3, (40, 2))
+    x = np.r_[left, left, right]  # clusters 0 and 1 hold the same rows
+    groups = name_groups(np.repeat([0, 1, 2], 40), x, ["a", "b"], x[::2], x[1::2])
+    names = [g.description for g in groups]
+    assert names[0].endswith(" (cluster 0)") and names[1].endswith(" (cluster 1)")
+    assert names[0].removesuffix(" (cluster 0)") == names[1].removesuffix(" (cluster 1)")
+    assert "(cluster" not in names[2]
+
+
 def test_a_grown_input_region_is_named_by_a_rule():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(900, 3))

@@ -365,6 +365,24 @@ def test_fast_mode_checks_random_projections():
     assert gradcheck(MatMul.apply, a, b, fast=True).verdict == "ok"
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_each_verdict_names_its_pair_once(fast):
+    """The message names the pair as "d output... / d input...", whatever the verdict and the
+    mode (fast mode once read "d d output / d input[0]")."""
+    x = torch.tensor([0.3, -1.2, 2.5, 0.9], dtype=f64, requires_grad=True)
+    cases = {
+        "backward is wrong": SquareWrongSign.apply,
+        "float32 precision": lambda t: (t.float() ** 3).double(),
+    }
+    for verdict, fn in cases.items():
+        p = gradcheck(fn, x, fast=fast).pairs[0]
+        assert p.verdict == verdict
+        assert "d d " not in p.message
+        assert p.message.count("d output") == 1, p.message
+        where = "random projection" if fast else "d output["
+        assert where in p.message, p.message
+
+
 # --------------------------------------------------------------------------- second order
 
 

@@ -566,3 +566,25 @@ def test_confident_joint_counts_are_white_on_dark_cells():
     assert np.nanmax(off) > np.nanmin(off)
     assert colors[darkest] == "white" and colors[lightest] == DARK_TEXT
     assert all(colors[i, i] == DARK_TEXT for i in range(3))  # the grey diagonal
+
+
+def test_detail_of_an_all_nan_event_shows_no_moments_and_its_zero_share():
+    """An all-NaN tensor has no finite element: its moments read NaN, but its share of exact
+    zeros is 0 (NaN is not zero), the value Event.stats and to_frame() give."""
+    from nbdebug.widgets.step import detail_html
+
+    class AllNaN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) * float("nan")
+
+    tr = nbdebug.trace(AllNaN(), torch.randn(2, 3), loss_fn=lambda o: o.sum())
+    ev = next(e for e in tr.events if e.phase == "forward" and e.module == "")
+    assert ev.stats.n_nan == ev.stats.numel == 6 and ev.stats.zero_frac == 0.0
+    assert tr.to_frame().loc[ev.index, "zero_frac"] == 0.0
+    html = detail_html(ev, tr)
+    assert "<th style='text-align:left'>mean</th><td class=''>NaN</td>" in html
+    assert "<th style='text-align:left'>zero_frac</th><td class=''>0</td>" in html

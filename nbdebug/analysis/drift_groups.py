@@ -4,10 +4,11 @@ finding ("predicted class 0 grew from 37% to 64%", "rows with `worst radius` > 1
 A cluster is named
 
 * by the model's predicted class, when at least :data:`CLASS_PURITY` of its rows have that
-  class (the cluster *is* a class);
+  class and no other cluster is that class too (the cluster *is* the class);
 * otherwise by a rule on the inputs: a depth-2 decision tree (scikit-learn, as shap's
   cohorts do) is fitted on the inputs to tell the cluster's rows from the others, and the
-  leaf holding most of the cluster's rows gives the rule.
+  leaf holding most of the cluster's rows gives the rule. Two clusters whose rules read
+  alike get their cluster number added, so no two clusters share a name.
 
 Each name comes with its purity (the share of the cluster's rows that match the
 description) and its coverage (the share of the rows matching the description that lie in
@@ -99,27 +100,25 @@ def name_groups(
     from sklearn.tree import DecisionTreeClassifier
 
     k = int(labels.max()) + 1 if len(labels) else 0
+    have_classes = classes_reference is not None and classes_current is not None
+    pure = _pure_classes(labels, k, classes) if have_classes else {}
     out: list[Group] = []
     for c in range(k):
         members = labels == c
-        if classes is not None and classes_reference is not None and classes_current is not None:
-            vals, counts = np.unique(classes[members], return_counts=True)
-            top = int(np.argmax(counts))
-            purity = counts[top] / members.sum()
-            if purity >= CLASS_PURITY:
-                cls = vals[top]
-                in_class = classes == cls
-                out.append(
-                    Group(
-                        f"predicted class {cls.item() if isinstance(cls, np.generic) else cls!r}",
-                        "class",
-                        float(purity),
-                        float((members & in_class).sum() / max(in_class.sum(), 1)),
-                        float(np.mean(classes_reference == cls)),
-                        float(np.mean(classes_current == cls)),
-                    )
+        if c in pure and classes is not None and classes_current is not None:
+            cls, purity = pure[c]
+            in_class = classes == cls
+            out.append(
+                Group(
+                    f"predicted class {cls.item() if isinstance(cls, np.generic) else cls!r}",
+                    "class",
+                    float(purity),
+                    float((members & in_class).sum() / max(in_class.sum(), 1)),
+                    float(np.mean(classes_reference == cls)),
+                    float(np.mean(classes_current == cls)),
                 )
-                continue
+            )
+            continue
         if members.all() or not members.any():
             out.append(Group("all rows", "rule", 1.0, 1.0, 1.0, 1.0))
             continue
@@ -149,7 +148,37 @@ def name_groups(
                 float(np.mean(tree.apply(xc_all) == best)),
             )
         )
-    return out
+    return _distinct(out)
+
+
+def _pure_classes(
+    labels: np.ndarray, k: int, classes: np.ndarray | None
+) -> dict[int, tuple[Any, float]]:
+    """Cluster -> (its class, purity) for the clusters that *are* a class: at least
+    :data:`CLASS_PURITY` of their rows have it, and no other cluster is that class too (two
+    clusters of one class are told apart by a rule, not given one name)."""
+    if classes is None:
+        return {}
+    found: dict[int, tuple[Any, float]] = {}
+    for c in range(k):
+        vals, counts = np.unique(classes[labels == c], return_counts=True)
+        if not len(vals):
+            continue
+        top = int(np.argmax(counts))
+        purity = counts[top] / counts.sum()
+        if purity >= CLASS_PURITY:
+            found[c] = (vals[top], float(purity))
+    taken = [cls for cls, _ in found.values()]
+    return {c: v for c, v in found.items() if taken.count(v[0]) == 1}
+
+
+def _distinct(groups: list[Group]) -> list[Group]:
+    """Two clusters whose rules read alike get their cluster number added to the name."""
+    names = [g.description for g in groups]
+    for c, g in enumerate(groups):
+        if names.count(g.description) > 1:
+            g.description = f"{g.description} (cluster {c})"
+    return groups
 
 
 def groups_frame(groups: list[Group]) -> pd.DataFrame:

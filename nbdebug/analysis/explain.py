@@ -680,8 +680,9 @@ def explain_batches(
                 kind = "linear" if built.name.startswith("Linear") else "tree"
             else:
                 built = _build(kind, adapter, bg, d, random_state)
-        except _WrongKind:
-            raise
+        except _WrongKind as e:
+            # the user sees a ValueError: the private class only routes around the fallback
+            raise ValueError(str(e)) from None
         except Exception as e:
             if explainer != "auto":
                 raise ValueError(

@@ -284,7 +284,7 @@ def _message(
     c = p.worst[1]
     if p.mode == "elements":
         out_at, in_at = index_text(p.worst_output_index), index_text(p.worst_input_index)
-        where = f"{p.output}{out_at} / d {p.input}{in_at}"
+        where = f"d {p.output}{out_at} / d {p.input}{in_at}"
         xval = float(x.reshape(-1)[int(p.cols[c])])
         at = f"{p.input}{in_at} = {xval:.4g}"
     else:
@@ -294,7 +294,7 @@ def _message(
     if kind == _WRONG:
         hint = _wrong_hint(p, no_graph)
         return (
-            f"{BACKWARD_WRONG}: d {where} is {a:.4g} from the backward but {n:.4g} by finite "
+            f"{BACKWARD_WRONG}: {where} is {a:.4g} from the backward but {n:.4g} by finite "
             f"differences (max abs error {p.max_abs_error:.2g} over the pair); the finite "
             f"differences are stable from eps={h_small:g} to {h_large:g}, so the function is "
             "smooth there and the backward is to blame" + (f" — {hint}" if hint else "") + "."
@@ -315,7 +315,7 @@ def _message(
     if kind == _KINK:
         return (
             f"{NON_DIFFERENTIABLE}: at {at} the function has a kink (one-sided slopes "
-            f"{float(info['left']):.4g} and {float(info['right']):.4g} for d {where}); the "
+            f"{float(info['left']):.4g} and {float(info['right']):.4g} for {where}); the "
             f"backward's {a:.4g} is one of the one-sided values, the central difference "
             f"{n:.4g} averages them; the same at eps={h_small:g} and {h_large:g}."
         )

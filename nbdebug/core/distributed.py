@@ -490,10 +490,17 @@ class RankAgreement:
                 "agreement is a collective every rank joins), or pass process_group=False.",
                 ranks=missing,
             )
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            theirs = json.loads(self.store.get(f"{self.prefix}/meet/{r}"))
+        posts = {
+            r: json.loads(self.store.get(f"{self.prefix}/meet/{r}"))
+            for r in range(self.world_size)
+            if r != self.rank
+        }
+        # no rank raises before every rank has read the others' posts: the rank hosting the
+        # store may exit on its error, and a rank still reading would then get "Connection
+        # reset by peer" instead of the same clear error
+        self.store.set(f"{self.prefix}/read/{self.rank}", "1")
+        self._wait_keys("read", time.monotonic() + self.timeout)
+        for r, theirs in posts.items():
             diff = _structure_difference(mine, theirs["structure"])
             if diff is not None:
                 raise RankError(

@@ -82,8 +82,9 @@ def detail_html(ev: Event | None, trace: Trace) -> str:
     bad = {"n_nan", "n_inf"} if not s.finite else set()
     shown = {k: fmt_num(vals[k]) for k in names}
     if s.numel and s.n_nonfinite == s.numel:
-        # no finite element: the moments are not 0, there are none
-        for k in ("norm", "mean", "std", "min", "max", "absmax", "zero_frac"):
+        # no finite element: the moments are not 0, there are none (zero_frac stays: no
+        # element is zero, as Event.stats and to_frame() say)
+        for k in ("norm", "mean", "std", "min", "max", "absmax"):
             shown[k] = "NaN" if s.n_nan else "inf"
         bad |= {"norm"}
     elif not s.finite:
