@@ -155,3 +155,47 @@ def test_no_hook_left_on_leaf_inputs(nan: bool) -> None:
     user_calls.clear()
     model(kept).sum().backward()
     assert user_calls == [1]
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_batch_computed_by_another_model_keeps_its_graph(nan: bool) -> None:
+    """trace(head, backbone(x)): the trace's backward stops at the batch. The backbone gets
+    no .grad and its graph is not freed, so the user's own backward still runs, and the
+    input-gradient event is still recorded."""
+    torch.manual_seed(0)
+    backbone = nn.Linear(3, 4)
+    head = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    if nan:
+        with torch.no_grad():
+            head[2].weight[0, 0] = float("nan")
+    raw, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    feats = backbone(raw)
+    tr = nbdebug.trace(head, feats, y, F.cross_entropy)
+    assert (tr.origin is not None) == nan
+    assert backbone.weight.grad is None and backbone.bias.grad is None
+    assert feats.grad_fn is not None
+    assert any(e.phase == "backward" and e.kind == "grad_input" for e in tr.events)
+    F.cross_entropy(head(feats), y).backward()  # the graph behind feats is intact
+    assert backbone.weight.grad is not None
+
+
+def test_a_forward_that_changes_its_batch_in_place_sees_the_batch_as_given() -> None:
+    """Every pass (the quick one, the exact one, the replays) starts from the batch as the
+    user gave it, so the origin's rows are those of that batch, and the batch is left as
+    it was."""
+
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(1, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.sub_(0.5)  # in place on its batch
+            return self.fc(torch.log(x))
+
+    x = torch.tensor([[0.2], [0.9], [0.4], [0.7], [0.6]])
+    given = x.clone()
+    tr = nbdebug.trace(Shift(), x, torch.zeros(5, dtype=torch.long), F.cross_entropy)
+    assert tr.origin is not None and tr.origin.op == "torch.log"
+    assert tr.origin.samples == [0, 2]  # 0.2 and 0.4 fall below 0.5
+    assert torch.equal(x, given) and x._version == given._version

@@ -75,25 +75,31 @@ def has_state(obj: Any, depth: int = 0) -> bool:
     return not callable(obj) or hasattr(obj, "__dict__")
 
 
-def copy_arguments(obj: Any, *, clone_tensors: bool = True) -> Any:
+def copy_arguments(obj: Any, *, clone_tensors: bool = True, leaves: bool = False) -> Any:
     """A copy of ``obj`` that a call may mutate without changing ``obj``.
 
-    Tensors are detached clones (``clone_tensors=True``) or the same tensors; tuples,
+    Tensors are detached clones (``clone_tensors=True``) or the same tensors; with
+    ``leaves=True`` a clone requires grad when its original does (a leaf of its own, so a
+    backward through it stops there and leaves the original's ``.grad`` and graph alone);
+    tuples,
     lists and dicts are rebuilt; other objects with a ``__dict__`` (caches, configs,
     dataclasses) are shallow-copied with their attributes copied the same way, shared
     references kept shared. Modules, functions and classes are shared. An object that
     cannot be copied is shared as it is.
     """
-    return _copy(obj, clone_tensors, {}, 0)
+    return _copy(obj, (clone_tensors, leaves), {}, 0)
 
 
-def _copy(obj: Any, clone: bool, memo: dict[int, Any], depth: int) -> Any:
+def _copy(obj: Any, clone: tuple[bool, bool], memo: dict[int, Any], depth: int) -> Any:
     if isinstance(obj, torch.Tensor):
-        if not clone:
+        if not clone[0]:
             return obj
         hit = memo.get(id(obj))
         if hit is None:
-            hit = memo[id(obj)] = obj.detach().clone()
+            hit = obj.detach().clone()
+            if clone[1] and obj.requires_grad:
+                hit.requires_grad_()
+            memo[id(obj)] = hit
         return hit
     if isinstance(obj, (*_ATOMS, *_SHARED)) or depth > _MAX_DEPTH:
         return obj

@@ -32,7 +32,7 @@ from .batch import (
     describe,
     named_tensors,
 )
-from .capture import CallCapture, clone_structure, copy_arguments, has_state
+from .capture import CallCapture, clone_structure, copy_arguments
 from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
 from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
@@ -211,9 +211,10 @@ def _run(
     with HookSet() as hooks:
         rec.install(hooks, st.params)
         try:
-            rec.record_batch(inputs, target)
+            batch = _fresh(inputs)
+            rec.record_batch(batch, target)
             with torch.enable_grad():
-                output = call_model(model, _fresh(inputs))
+                output = call_model(model, batch)
                 stage = "loss"
                 loss = compute_loss(output, target, loss_fn)
                 rec.record_loss(loss)
@@ -225,7 +226,7 @@ def _run(
                 output = None
                 stage = "backward"
                 rec.recomputing = True
-                note = _backward(loss, st, inputs)
+                note = _backward(loss, st)
                 if note:
                     outcome.notes.append(note)
         except LossError:
@@ -236,16 +237,19 @@ def _run(
 
 
 def _fresh(inputs: Any) -> Any:
-    """The batch for one pass: the same tensors, but a copy of any other object in it
-    (a cache the model extends in place), so no pass sees another's state and the
-    user's objects are never changed."""
-    return copy_arguments(inputs, clone_tensors=False) if has_state(inputs) else inputs
+    """The batch for one pass: clones of its tensors (leaves of their own that require grad
+    where the user's do) and a copy of any other object in it (a cache the model extends in
+    place). So every pass starts from the batch as the user gave it, even when the forward
+    changes its batch in place; the backward stops at the batch, leaving the user's
+    tensors' ``.grad`` and any graph behind them (a batch computed by another model)
+    untouched; and the user's objects are never changed."""
+    return copy_arguments(inputs, clone_tensors=True, leaves=True)
 
 
-def _backward(loss: torch.Tensor, st: PreservedState, inputs: Any) -> str:
+def _backward(loss: torch.Tensor, st: PreservedState) -> str:
     """``loss.backward()`` without leaving a trace on the user's tensors: the parameters'
     ``.grad`` were detached by :meth:`PreservedState.clear_grads` (and are put back on
-    exit), the batch's leaf tensors get their ``.grad`` back here. A plain ``backward()``
+    exit), and the batch is the pass's own (:func:`_fresh`). A plain ``backward()``
     (rather than ``torch.autograd.grad``) also works through reentrant activation
     checkpointing. Returns a note when there is nothing to differentiate."""
     if not loss.requires_grad:
@@ -256,15 +260,7 @@ def _backward(loss: torch.Tensor, st: PreservedState, inputs: Any) -> str:
                 "torch.utils.checkpoint(use_reentrant=True) on inputs that do not require grad)"
             )
         return "no parameter or input requires grad: the backward pass was skipped"
-    batch = [t for _, t in named_tensors(inputs) if t.is_leaf and t.requires_grad]
-    saved = [t.grad for t in batch]
-    for t in batch:
-        t.grad = None
-    try:
-        loss.backward()
-    finally:
-        for t, g in zip(batch, saved):
-            t.grad = g
+    loss.backward()
     return ""
 
 
@@ -575,7 +571,7 @@ def _capture(
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
         output = call_model(model, _fresh(inputs))
         loss = compute_loss(output, target, loss_fn)
-        _backward(loss, st, inputs)
+        _backward(loss, st)
     return got
 
 
