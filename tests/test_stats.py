@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+import nbdebug
 from nbdebug.core import stats
 from nbdebug.core.stats import (
     HIST_EDGES,
@@ -174,3 +175,37 @@ def test_all_quick_complete_agrees_with_quick_is_complete_vector_by_vector():
             assert repr(got_st) == repr(want) and np.array_equal(h.counts, want_h.counts), pick
     assert stats.all_quick_complete(np.zeros((0, stats.VECTOR_LEN))) is True
     assert stats.finalize_many(np.zeros((0, stats.VECTOR_LEN))) == []
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-25, 1e-30, 1e-40])
+def test_norm_of_tiny_values_is_not_zero(scale: float) -> None:
+    """Squares of float32 values below ~1e-19 round to 0 in float32: the norm of a
+    vanishing tensor must not read as that of a zero one (quick vectors are incomplete
+    there, and the exact kernel squares in float64)."""
+    a = (np.random.default_rng(0).normal(size=500) * scale).astype(np.float32)
+    t = torch.from_numpy(a)
+    want = float(np.sqrt((a.astype(np.float64) ** 2).sum()))
+    assert want > 0
+    assert tensor_stats(t).norm == pytest.approx(want, rel=1e-6)
+    assert not stats.all_quick_complete([quick_vector(t)])
+    assert stats.all_quick_complete([quick_vector(t / scale)])
+
+
+def test_a_tiny_gradient_is_measured_not_zeroed() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o.sum() * 1e-25)
+    model(x).sum().mul(1e-25).backward()
+    pf = tr.params_frame()
+    for name, p in model.named_parameters():
+        want = float(p.grad.double().norm())
+        assert pf.loc[name, "grad_norm"] == pytest.approx(want, rel=1e-5), name
+
+
+def test_constant_tensors_have_std_zero() -> None:
+    """All elements equal: std is 0 exactly, not what E[x^2] - mean^2 rounds to."""
+    for value, n in ((0.1, 1), (1000.0, 4096), (3.3, 7)):
+        t = torch.full((n,), value)
+        assert tensor_stats(t).std == 0.0
+        assert finalize(quick_vector(t))[0].std == 0.0

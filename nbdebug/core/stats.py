@@ -38,6 +38,12 @@ HIST_EDGES = np.linspace(HIST_LO, HIST_HI, HIST_BINS + 1)
 #: The quick kernel draws its histogram from at most this many evenly strided elements.
 HIST_SAMPLE = 1024
 
+#: Below this magnitude a float32 square underflows (or loses its precision: float32's
+#: smallest normal number is 1.2e-38), so a quick sum of squares of a tensor whose largest
+#: element is this small reads 0, the norm of a vanishing gradient as that of a zero one:
+#: such a tensor is re-measured by the exact, float64 kernel.
+UNDERFLOW = 1e-18
+
 # Layout of a statistics vector: the index of each entry (public: the recorder and the
 # origin finder read single entries of the vectors they hold).
 IDX_NUMEL, IDX_SUM, IDX_NORM, IDX_MIN, IDX_MAX, IDX_NNZ, IDX_NNAN, IDX_NINF, IDX_NFIN = range(9)
@@ -454,11 +460,12 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
     hist = sample_hist([sample.to(f64)])[0]  # binned in float64, as the reference does
     if bool(torch.isfinite(total)):
         sq = _sum_squares(x, flat).to(f64)
-        if not bool(torch.isfinite(sq)):
+        mn, mx = (v.to(f64) for v in torch.aminmax(x))
+        absmax = float(torch.maximum(mn.abs(), mx.abs()))
+        if not bool(torch.isfinite(sq)) or 0 < absmax < UNDERFLOW:
             sq = torch.linalg.vector_norm(x, dtype=f64).square()
         norm = sq.sqrt()
         total = total.to(f64)
-        mn, mx = (v.to(f64) for v in torch.aminmax(x))
         n_nan = n_inf = torch.zeros((), dtype=f64, device=dev)
         n_fin = torch.full((), float(numel), dtype=f64, device=dev)
         share = hist[HIST_BINS] / hist[HIST_BINS + 2].clamp(min=1)
@@ -505,7 +512,8 @@ def row_flags(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def quick_is_complete(v: np.ndarray) -> bool:
     """Whether a quick vector can stand as it is: the tensor was finite and its float32
-    sum and norm did not overflow (else the exact, float64 kernel must measure it)."""
+    sum and norm did not overflow or underflow (else the exact, float64 kernel must
+    measure it)."""
     return all_quick_complete([v])
 
 
@@ -522,6 +530,9 @@ def all_quick_complete(vectors: np.ndarray | Sequence[np.ndarray]) -> bool:
         return True
     m = _matrix(vectors)
     complete = _finite_rows(m) & np.isfinite(m[:, IDX_SUM]) & np.isfinite(m[:, IDX_NORM])
+    with np.errstate(invalid="ignore"):
+        absmax = np.maximum(np.abs(m[:, IDX_MIN]), np.abs(m[:, IDX_MAX]))
+        complete &= ~((absmax > 0) & (absmax < UNDERFLOW))
     return bool(np.all(complete))
 
 
@@ -558,7 +569,8 @@ def finalize(v: np.ndarray) -> tuple[TensorStats, Histogram]:
     if n_fin:
         mean = total / n_fin
         var = max(norm * norm / n_fin - mean * mean, 0.0)
-        std = math.sqrt(var)
+        # equal extremes: every finite element is the same, whatever the sums round to
+        std = 0.0 if mn == mx else math.sqrt(var)
     else:
         mean = std = float("nan")
     absmax = max(abs(mn), abs(mx)) if n_fin else float("nan")
@@ -609,7 +621,7 @@ def finalize_many(
         safe = np.maximum(n_fin, 1)
         mean = np.where(n_fin > 0, total / safe, np.nan)
         var = np.maximum(norm * norm / safe - mean * mean, 0.0)
-        std = np.where(n_fin > 0, np.sqrt(var), np.nan)
+        std = np.where(n_fin > 0, np.where(mn == mx, 0.0, np.sqrt(var)), np.nan)
         absmax = np.where(n_fin > 0, np.maximum(np.abs(mn), np.abs(mx)), np.nan)
         zero_frac = np.where(numel > 0, (numel - m[:, IDX_NNZ]) / np.maximum(numel, 1), 0.0)
     counts = m[:, IDX_HIST0:IDX_HZERO].astype(np.int64)
