@@ -230,7 +230,7 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
             print("  (none recorded)", file=out)
     if trace is not None:
         acts = {
-            e.label: e.stats.norm
+            e.label: e.stats.norm_as_is
             for e in trace.events
             if e.phase == "forward" and e.kind == "output"
         }

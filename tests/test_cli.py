@@ -112,6 +112,9 @@ def test_inspect_with_model(workdir, capsys):
     snap = load_snapshot(path)
     norms = sorted(snap.param_norms().items(), key=lambda kv: -kv[1])[:2]
     assert [line.split()[0] for line in params] == [n for n, _ in norms]
+    # every activation after the NaN row holds it: its norm is nan (not its finite part's)
+    acts = out.split("largest activation norms in the replay\n")[1].split("\n\n")[0]
+    assert [line.split()[-1] for line in acts.splitlines()] == ["nan", "nan"], acts
     assert path.read_bytes() == before  # the file is not touched
 
 

@@ -588,3 +588,39 @@ def test_detail_of_an_all_nan_event_shows_no_moments_and_its_zero_share():
     html = detail_html(ev, tr)
     assert "<th style='text-align:left'>mean</th><td class=''>NaN</td>" in html
     assert "<th style='text-align:left'>zero_frac</th><td class=''>0</td>" in html
+
+
+def test_figures_show_a_nan_norm_as_nan_not_zero():
+    """An all-NaN gradient and an all-NaN batch: their norm is NaN in the hover texts, as
+    in params_frame() and the Step detail (Event.stats.norm, over the finite elements, is
+    0 there); a partly NaN tensor also shows its finite elements' norm."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    x = torch.full((8, 4), float("nan"))
+    tr = nbdebug.trace(m, x, loss_fn=lambda o: o.sum())
+    assert math.isnan(tr.params_frame().loc["1.weight", "grad_norm"])
+    bar = ratio_figure(tr).data[0]
+    assert "grad norm NaN" in bar.text[list(bar.x).index("1.weight")]
+    texts = [t for d in norm_figure(tr).data for t in (d.text or ())]
+    assert any(t.startswith("#0 input <model> x<br>norm NaN<br>") for t in texts), texts[:3]
+    assert not any("<br>norm 0<br>" in t for t in texts)
+    x2 = torch.ones(8, 4)
+    x2[3, 1] = float("nan")
+    tr2 = nbdebug.trace(m, x2, loss_fn=lambda o: o.sum())
+    first = next(t for d in norm_figure(tr2).data for t in (d.text or ()) if t.startswith("#0 "))
+    assert "norm NaN (finite elements 5.568)" in first  # sqrt(31)
+
+
+def test_histogram_title_counts_nan_in_the_whole_tensor():
+    """The bins come from a strided sample, but the title's NaN/Inf count is the tensor's
+    (exact): one NaN the sample missed is still counted."""
+    from nbdebug.figures.histogram import histogram_title
+
+    m = nn.Sequential(nn.Linear(4000, 8))
+    x = torch.randn(8, 4000)
+    x[3, 1] = float("nan")
+    tr = nbdebug.trace(m, x, loss_fn=lambda o: o.sum())
+    ev = tr.events[0]
+    assert ev.hist.sampled and ev.hist.n_nonfinite == 0 and ev.stats.n_nan == 1
+    assert histogram_title(ev).endswith("; 1 NaN/Inf in all")
+    assert f"a sample of {ev.hist.total} of 32000 values" in histogram_title(ev)
+    assert ev.hist.total <= 1024

@@ -104,6 +104,16 @@ class TensorStats:
     def n_nonfinite(self) -> int:
         return self.n_nan + self.n_inf
 
+    @property
+    def norm_as_is(self) -> float:
+        """The L2 norm of the whole tensor: NaN when it holds NaN, inf when it holds Inf
+        (``norm`` is that of its finite elements, 0 when there is none)."""
+        if self.n_nan:
+            return math.nan
+        if self.n_inf:
+            return math.inf
+        return self.norm
+
     def as_dict(self) -> dict[str, float]:
         return {
             "norm": self.norm,

@@ -12,10 +12,14 @@ from .palette import BLUE, RED
 def histogram_title(ev: Event) -> str:
     """Title of :func:`histogram_figure`: what the counts cover, zeros and non-finite values."""
     h = ev.hist
-    sampled = f" (every k-th of {ev.stats.numel})" if h.sampled else ""
+    if not h.sampled:
+        return (
+            f"log10|x| of #{ev.index}: {h.total} values, {h.n_zero} zeros, {h.n_nonfinite} NaN/Inf"
+        )
+    # the bins and zeros come from the sample; the NaN/Inf count is the tensor's, exact
     return (
-        f"log10|x| of #{ev.index}: {h.total} values{sampled}, {h.n_zero} zeros, "
-        f"{h.n_nonfinite} NaN/Inf"
+        f"log10|x| of #{ev.index}: a sample of {h.total} of {ev.stats.numel} values, "
+        f"{h.n_zero} zeros; {ev.stats.n_nonfinite} NaN/Inf in all"
     )
 
 

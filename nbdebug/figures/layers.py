@@ -10,7 +10,8 @@ import plotly.graph_objects as go
 from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
 from ..analysis.checks_base import VANISHING_RATIO as VANISHING
 from ..analysis.checks_grad import ratio_verdict
-from ..core.result import Trace
+from ..core.result import Trace, shown_grad_norm
+from ..core.text import fmt_num
 from .palette import BLUE, GREY, PURPLE, RED
 
 #: the ``name`` of the band labels' annotations (in the right margin, beside their bands)
@@ -63,7 +64,8 @@ def ratio_figure(trace: Trace) -> go.Figure:
         ys.append(y)
         colors.append(color)
         texts.append(
-            f"{p.name} {tuple(p.shape)}<br>norm {p.norm:.4g}, grad norm {p.grad_norm:.4g}<br>{note}"
+            f"{p.name} {tuple(p.shape)}<br>norm {fmt_num(p.norm)}, grad norm "
+            f"{fmt_num(shown_grad_norm(p), nan='NaN')}<br>{note}"
         )
     fig = go.Figure(
         go.Bar(

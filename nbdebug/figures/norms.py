@@ -25,6 +25,7 @@ import plotly.graph_objects as go
 
 from ..core.events import Event
 from ..core.result import Trace
+from ..core.text import fmt_num
 from .palette import BLUE, GREEN, ORANGE, RED
 
 #: Names of the figure's traces, in order; the widget finds the marker by
@@ -134,9 +135,12 @@ def norm_points(trace: Trace) -> NormPoints:
 def _hover(e: Event) -> str:
     s = e.stats
     bad = f"<br>NaN {s.n_nan}, Inf {s.n_inf}" if not s.finite else ""
+    norm = fmt_num(s.norm_as_is, nan="NaN")
+    if not s.finite and s.n_nonfinite < s.numel:
+        norm += f" (finite elements {s.norm:.4g})"
     return (
         f"#{e.index} {e.phase} {e.module or '<model>'} {e.name}<br>"
-        f"norm {s.norm:.4g}<br>{tuple(e.shape)} {e.dtype}{bad}"
+        f"norm {norm}<br>{tuple(e.shape)} {e.dtype}{bad}"
     )
 
 
