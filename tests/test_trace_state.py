@@ -199,3 +199,25 @@ def test_a_forward_that_changes_its_batch_in_place_sees_the_batch_as_given() -> 
     assert tr.origin is not None and tr.origin.op == "torch.log"
     assert tr.origin.samples == [0, 2]  # 0.2 and 0.4 fall below 0.5
     assert torch.equal(x, given) and x._version == given._version
+
+
+def test_a_forward_that_cannot_run_twice_is_named_as_such() -> None:
+    """The first pass finds a NaN; the exact pass runs the forward again, which fails (it
+    pops one step's noise from a list): the error says the model cannot be replayed, not
+    that it is broken, and chains the model's own error."""
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.noise = [torch.zeros(2)]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.fc(x)) + self.noise.pop()
+
+    with pytest.raises(nbdebug.TraceError, match=r"^the step ran once and needed") as info:
+        nbdebug.trace(Noisy(), torch.randn(4, 3), loss_fn=lambda o: o.sum())
+    assert "cannot be replayed" in str(info.value)
+    assert "IndexError in <model> (Noisy) during the forward pass" in str(info.value)
+    assert isinstance(info.value.__cause__, IndexError)
+    assert info.value.trace is not None and info.value.trace.error == str(info.value)

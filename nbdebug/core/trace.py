@@ -142,9 +142,14 @@ def trace(
             st.reset_buffers()
         # (a parameter or buffer that is already non-finite makes the step need the exact
         # pass: the quick one is skipped)
-        rec, out = _run(
-            model, inputs, target, loss_fn, st, exact=True, capture=True, keep=kept_names
-        )
+        try:
+            rec, out = _run(
+                model, inputs, target, loss_fn, st, exact=True, capture=True, keep=kept_names
+            )
+        except TraceError as e:
+            if health.bad:  # this was the step's first run: the model's own error
+                raise
+            raise _rerun_error(e) from e.__cause__
         vectors = rec.host_vectors()
         found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
@@ -312,6 +317,20 @@ def _trace_error(
     if partial is not None:
         partial.error = msg
     return TraceError(msg, trace=partial, module=module)
+
+
+def _rerun_error(e: TraceError) -> TraceError:
+    """The forward ran once, but failed when run again for the exact pass: say so (the
+    model is not broken, it cannot be replayed)."""
+    msg = (
+        "the step ran once and needed nbdebug's exact pass (a NaN/Inf, or values beyond "
+        "float32's range), but the model failed when run again for it (a forward that "
+        "consumes state outside its inputs, such as a list it pops from, cannot be "
+        f"replayed); the second run raised: {e}"
+    )
+    if e.trace is not None:
+        e.trace.error = msg
+    return TraceError(msg, trace=e.trace, module=e.module)
 
 
 def _partial(model: torch.nn.Module, inputs: Any, rec: Recorder) -> Trace:
