@@ -61,11 +61,13 @@ def test_a_drift_alarm_is_not_shown_beside_a_green_healthy_badge() -> None:
     assert "DRIFT" in drift_panel.summary.value
     assert "nbdebug-badge-ok" not in shifted.header.value
     assert "nbdebug-badge-plain" in shifted.header.value and "no NaN/Inf" in shifted.header.value
+    assert repr(shifted).endswith("; no NaN/Inf)")  # the repr says what the header says
     shifted.rerun()  # kept across re-runs
     assert "nbdebug-badge-ok" not in shifted.header.value
     same = nbdebug.debug(model, x[40:], y[40:], F.cross_entropy, reference=x[40:])
     assert not same.panel("Drift").report.alarm  # the batch against itself
     assert "nbdebug-badge-ok" in same.header.value and ">healthy<" in same.header.value
+    assert repr(same).endswith("; healthy)")
 
 
 def test_labels_tab_with_labels_and_probabilities(tmp_path) -> None:

@@ -357,6 +357,12 @@ def test_no_backward_when_nothing_requires_grad() -> None:
     assert not any(e.phase == "backward" for e in tr.events)
     assert any("backward pass was skipped" in n for n in tr.notes)
     assert all(not p.requires_grad for p in model.parameters())
+    # a trace without a backward is not called "healthy": its repr carries the reason
+    assert tr.summary() == "no NaN/Inf in the forward; no backward ran (see notes)"
+    assert "note: no parameter or input requires grad" in repr(tr)
+    detached = nbdebug.trace(nn.Linear(3, 2), torch.randn(4, 3), loss_fn=lambda o: o.argmax())
+    assert "no backward ran" in detached.summary()
+    assert "the loss does not depend on any parameter" in repr(detached)
 
 
 def test_many_modules_trace_and_frame() -> None:

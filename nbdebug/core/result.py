@@ -200,6 +200,8 @@ class Trace:
                     f"non-finite values first seen at {self.first_nonfinite.label} (origin "
                     f"not found)"
                 )
+            if self.loss is not None and not any(e.phase == "backward" for e in self.events):
+                return "no NaN/Inf in the forward; no backward ran (see notes)"
             return "healthy"
         kind = "NaN" if o.stats.n_nan else "Inf"
         if o.module:
@@ -237,6 +239,7 @@ class Trace:
                 lines.append(f"  note: {self.origin.note}")
         if self.masks:
             lines.append(f"  masks: {'; '.join(self.masks)}")
+        lines += [f"  note: {n}" for n in self.notes if n not in self.masks]
         return "\n".join(lines)
 
 

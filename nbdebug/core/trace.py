@@ -415,7 +415,7 @@ def _find_origin(
             call = rec.calls[loc.call]
             masks.slots.update(call.output_slots)
             masks.slots.add(rec.raw[event_index].slot)
-            texts.append(f"{call.module or '<model>'} outputs -inf values used as a mask")
+            texts.append(f"{call.module or '<model>'} outputs infinite values used as a mask")
             continue
         found = _found(rec, loc, event_index, finding, texts)
         found.note = "; ".join(x for x in (unmasked, found.note) if x)

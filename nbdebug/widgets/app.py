@@ -81,6 +81,14 @@ def _run(source: TraceSource, model_name: str) -> tuple[Trace, str | None]:
         return tr, str(err)
 
 
+def status_text(trace: Trace, error: str | None, warned: bool) -> str:
+    """The status the header's badge and the debugger's repr give: the trace's summary,
+    or "no NaN/Inf" for a healthy trace beside errors or warnings of the health checks or
+    another tab (it is not called "healthy" beside them)."""
+    ok = trace.healthy and error is None
+    return "no NaN/Inf" if ok and warned else trace.summary()
+
+
 def header_html(
     trace: Trace,
     *,
@@ -104,7 +112,7 @@ def header_html(
     cls = "nbdebug-badge-bad"
     if ok:
         cls = "nbdebug-badge-plain" if warned else "nbdebug-badge-ok"
-    shown = "no NaN/Inf" if ok and warned else status
+    shown = status_text(trace, error, warned)
     badge = f"<span class='nbdebug-badge {cls}'>{e(shown)}</span>"
     parts = [
         f"<b>{e(trace.model_name)}</b>",
@@ -221,8 +229,11 @@ class Debugger:
             error=self.error,
             snapshot=line,
             extra=self._header_extra,
-            warned=self._warned or any(self._warned_by.values()),
+            warned=self._warned_or_alarmed(),
         )
+
+    def _warned_or_alarmed(self) -> bool:
+        return self._warned or any(self._warned_by.values())
 
     def set_header_extra(self, html_text: str, *, warned: bool = False) -> None:
         """HTML shown after the status badge (kept across re-runs until set again);
@@ -343,10 +354,8 @@ class Debugger:
     def __repr__(self) -> str:
         ev = self.current_event
         at = f"at #{ev.index} {ev.label}" if ev is not None else "no events"
-        return (
-            f"Debugger({self.trace.model_name}: {len(self.trace.events)} events, {at}; "
-            f"{self.trace.summary()})"
-        )
+        status = status_text(self.trace, self.error, self._warned_or_alarmed())
+        return f"Debugger({self.trace.model_name}: {len(self.trace.events)} events, {at}; {status})"
 
 
 def debug(
