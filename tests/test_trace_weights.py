@@ -145,3 +145,36 @@ def test_a_huge_finite_weight_is_not_taken_for_a_non_finite_one() -> None:
     want = 3**0.5 * float(torch.tensor(1e20))
     assert pf.loc["1.weight", "norm"] == pytest.approx(want, rel=1e-9)  # not inf
     assert tr.origin is None
+
+
+@pytest.mark.parametrize("container", ["dict", "list"])
+def test_a_nan_weight_in_a_parameter_container_is_named(container: str) -> None:
+    """A ParameterDict/ParameterList is never called: its parameters belong to the module
+    that holds it and reads them, so a NaN among them is named as that module's parameter
+    (rule 2), not blamed on the multiplication that reads it."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.block = nn.Module()
+            if container == "dict":
+                self.block.gains = nn.ParameterDict({"scale": nn.Parameter(torch.ones(4))})
+            else:
+                self.block.gains = nn.ParameterList([nn.Parameter(torch.ones(4))])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            g = self.block.gains["scale"] if container == "dict" else self.block.gains[0]
+            return self.fc(x) * g
+
+    model = Scaled()
+    qual = "block.gains.scale" if container == "dict" else "block.gains.0"
+    with torch.no_grad():
+        model.get_parameter(qual)[1] = float("nan")
+    x = torch.randn(6, 4)
+    before = fingerprint(model)
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None and (o.phase, o.module, o.param) == ("forward", "", qual)
+    assert f"the parameter or buffer {qual} already held non-finite values" in o.note
+    assert_unchanged(before, model)

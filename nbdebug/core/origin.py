@@ -145,7 +145,7 @@ def _forward(
     rec: Recorder, i: int, bad_params: dict[str, list[str]], kind: str, masks: MaskInfo
 ) -> Located:
     call = rec.calls[rec.raw[i].call]
-    param = _bad_param(call.module, bad_params)
+    param = _bad_param(rec, call.module, bad_params)
     if _inputs_clean(rec, call.call, masks):
         return Located(event=i, call=call.call, param=param, corrupted=param is not None, kind=kind)
     # the inputs already held the value: the code of an enclosing module produced it
@@ -161,14 +161,29 @@ def _forward(
         if not vector_is_finite(rec.raw[e].vector) and rec.raw[e].slot not in masks.slots
     ]
     if bad:
-        p = _bad_param(anc.module, bad_params)
+        p = _bad_param(rec, anc.module, bad_params)
         return Located(event=bad[0], call=a, param=p, corrupted=p is not None, kind=kind)
     return Located(event=i, call=a, module=anc.module, kind=kind)
 
 
-def _bad_param(module: str, bad_params: dict[str, list[str]]) -> str | None:
+def _bad_param(rec: Recorder, module: str, bad_params: dict[str, list[str]]) -> str | None:
+    """The first non-finite parameter or buffer ``module``'s own code reads: its own, or
+    one of a submodule that was never called in the step (a ``ParameterDict``, or a plain
+    module holding weights that the parent's forward reads as ``self.block.scale``)."""
     names = bad_params.get(module)
-    return names[0] if names else None
+    if names:
+        return names[0]
+    called = {c.module for c in rec.calls}
+    prefix = f"{module}." if module else ""
+    for owner, names in bad_params.items():
+        if not owner.startswith(prefix) or owner in called:
+            continue
+        # no module between ``module`` and the owner was called: ``module`` reads it
+        parts = owner[len(prefix) :].split(".")
+        path = [prefix + ".".join(parts[:k]) for k in range(1, len(parts))]
+        if names and not any(p in called for p in path):
+            return names[0]
+    return None
 
 
 def _backward(rec: Recorder, i: int, kind: str) -> Located:
