@@ -495,3 +495,32 @@ def test_backward_through_a_composite_names_the_elementary_operation() -> None:
     assert o.chain[0].value == "inf" and o.chain[-1].value == "NaN"
     assert "multi_head_attention_forward" not in str(o.chain)
     assert "softmax" in str(o.chain)
+
+
+def _standardise(module: nn.Module, args: tuple) -> tuple:
+    h = args[0]
+    return ((h - h.mean(1, keepdim=True)) / h.std(1, keepdim=True),)
+
+
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_a_nan_made_by_a_user_hook_belongs_to_the_hooked_call(kind: str) -> None:
+    """A forward pre-hook on model[2] (or a forward hook on model[1]) standardises a tensor
+    whose rows 2 and 3 are constant: 0/0. The call that ran the hook made the NaN, at the
+    hook's line, not the Sequential around it."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        m[0].bias.zero_()
+    x = torch.randn(6, 4)
+    x[2] = 0.0
+    x[3] = 0.0
+    if kind == "pre":
+        m[2].register_forward_pre_hook(_standardise)
+    else:
+        m[1].register_forward_hook(lambda mod, a, out: _standardise(mod, (out,))[0])
+    tr = nbdebug.trace(m, x, loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None
+    assert (o.phase, o.module, o.samples) == ("forward", "2" if kind == "pre" else "1", [2, 3])
+    assert o.op == "Tensor.div" and o.source == line_of(_standardise, "/ h.std")
+    assert len(m[2]._forward_pre_hooks) == (1 if kind == "pre" else 0)

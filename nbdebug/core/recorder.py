@@ -166,7 +166,12 @@ class Recorder:
             name = self.names[id(m)]
             if self.modules is not None and name not in self.modules:
                 continue
-            hooks.add(m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            # the call's inputs as its caller passed them, before the user's own pre-hooks
+            # (a pre-hook that makes a NaN is part of this call); its output after the
+            # user's forward hooks (what flows on)
+            hooks.add(
+                m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True, prepend=True)
+            )
             hooks.add(m.register_forward_hook(self._post_hook(name), with_kwargs=True))
         # quick mode: each parameter's gradient is measured as soon as it is accumulated,
         # then dropped (the trace keeps the user's own ``.grad`` aside, so holding every new

@@ -586,7 +586,9 @@ def _capture(
 
     with hooks, torch.enable_grad():
         for m in hookable_modules(model):
-            hooks.add(m.register_forward_pre_hook(pre, with_kwargs=True))
+            # as the recorder: inputs before the user's pre-hooks, which the replay of
+            # ``module(*args)`` runs again
+            hooks.add(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
         output = call_model(model, _fresh(inputs))
         loss = compute_loss(output, target, loss_fn)
