@@ -221,3 +221,32 @@ def test_a_forward_that_cannot_run_twice_is_named_as_such() -> None:
     assert "IndexError in <model> (Noisy) during the forward pass" in str(info.value)
     assert isinstance(info.value.__cause__, IndexError)
     assert info.value.trace is not None and info.value.trace.error == str(info.value)
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_forward_that_writes_its_weight_is_left_as_one_forward_leaves_it(nan: bool) -> None:
+    """A clamp inside forward writes fc.weight in place. A plain forward writes it once; the
+    trace, whose NaN path runs the forward three times, leaves it written once too, and
+    says so in its notes."""
+
+    class Decay(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.fc.weight.mul_(0.5)
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = Decay()
+    start = model.fc.weight.detach().clone()
+    x = torch.randn(4, 3)
+    if nan:
+        x[2, 0] = float("nan")
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o.sum())
+    assert (tr.origin is not None) == nan
+    assert torch.equal(model.fc.weight, start * 0.5)
+    assert any("forward writes fc.weight in place" in n for n in tr.notes), tr.notes
+    assert "note: the model's forward writes fc.weight" in repr(tr)

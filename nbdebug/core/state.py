@@ -60,6 +60,8 @@ class PreservedState:
     params: list[torch.nn.Parameter] = field(default_factory=list)
     # ``model.named_modules()`` as captured: one walk, reused by whoever holds the state
     modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    # parameters the forward itself writes in place, with their values after one forward
+    written: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def capture(cls, model: torch.nn.Module) -> PreservedState:
@@ -104,6 +106,9 @@ class PreservedState:
 
     def restore(self) -> None:
         self.reset_buffers()
+        with torch.no_grad():
+            for p, after_one in self.written:
+                p.copy_(after_one)
         for p in self.params:
             p.grad = self.grads[id(p)]
             if p.requires_grad != self.requires_grad[id(p)]:
@@ -119,11 +124,22 @@ class PreservedState:
                 m.training = flag
 
     def changed_parameters(self) -> list[str]:
-        """Names of parameters written to since :meth:`capture` (should be none)."""
+        """Names of parameters written to since :meth:`capture` (by the model's own forward:
+        a clamp or a decay inside ``forward``; nbdebug writes none)."""
         ids = {id(p): n for n, p in self.model.named_parameters()}
         return [
             ids[id(p)] for p in self.params if p._version != self.versions[id(p)] and id(p) in ids
         ]
+
+    def keep_written(self) -> list[str]:
+        """After one forward: the parameters it wrote in place, whose values now (as one
+        forward leaves them) :meth:`restore` puts back, so the passes that follow do not
+        leave them written twice. Values before that forward are not kept (that would copy
+        every parameter on every trace); the following passes start from these."""
+        names = self.changed_parameters()
+        by_name = dict(self.model.named_parameters())
+        self.written = [(by_name[n], by_name[n].detach().clone()) for n in names]
+        return names
 
 
 def put_back(owner: torch.nn.Module, key: str, buf: torch.Tensor, saved: torch.Tensor) -> None:

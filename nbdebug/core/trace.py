@@ -130,13 +130,16 @@ def trace(
                 "loading a state dict."
             )
         health = WeightHealth.measure(owned_weights(st.modules))
+        written: list[str] = []
         if not health.bad:
             rec, out = _run(
                 model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
             )
+            written = st.keep_written()
             vectors = rec.host_vectors()
             if all_quick_complete(vectors):
                 events, _ = _events(rec, vectors)
+                out.notes += _written_note(written)
                 return _with_kept(_result(model, inputs, rec, events, None, out, health), rec.kept)
             # something is not finite (or overflowed float32 sums): replay the step exactly
             st.reset_buffers()
@@ -151,9 +154,21 @@ def trace(
                 raise
             raise _rerun_error(e) from e.__cause__
         vectors = rec.host_vectors()
+        if health.bad:  # the exact pass was the step's first forward
+            written = st.keep_written()
+        out.notes += _written_note(written)
         found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
         return _with_kept(_result(model, inputs, rec, events, origin, out, health, found), rec.kept)
+
+
+def _written_note(names: list[str]) -> list[str]:
+    if not names:
+        return []
+    return [
+        f"the model's forward writes {', '.join(names)} in place: left as one forward leaves "
+        "it (the passes after the first started from that value)"
+    ]
 
 
 def _with_kept(tr: Trace, kept: dict[str, torch.Tensor]) -> Trace:
