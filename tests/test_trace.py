@@ -311,6 +311,10 @@ def test_bad_inputs_raise_one_clear_sentence() -> None:
     model.register_forward_hook(lambda *a: calls.append(1))
     with pytest.raises(TypeError, match="loss_fn must be callable or None; got str"):
         nbdebug.trace(model, torch.randn(2, 3), torch.tensor([0, 1]), "cross_entropy")  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"model\(\*\*inputs\), so its keys must be .*key 0 \(int\)"
+    ):
+        nbdebug.trace(model, {0: torch.randn(2, 3)}, loss_fn=lambda o: o.sum())
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the inference_mode"):
         nbdebug.trace(model, torch.randn(2, 3), loss_fn=lambda o: o.sum())
     assert calls == []

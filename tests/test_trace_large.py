@@ -127,9 +127,13 @@ def test_a_pattern_matching_nothing_is_one_clear_sentence(option: str) -> None:
     assert msg.startswith(f"{option}='encoder.*' matches no module of Sequential")
     assert "'0.0'" in msg and msg.count(". ") == 0
     assert_unchanged(before, model)
-    for bad in ([3], 3, b"0"):
-        with pytest.raises(ValueError, match=rf"{option}= expects module name patterns .*got"):
+    for bad, said in (([3], "got int 3 among them"), (3, "got int 3."), (b"0", "got bytes")):
+        with pytest.raises(TypeError, match=rf"{option}= expects module name patterns") as info:
             nbdebug.trace(model, x, loss_fn=_mse, **{option: bad})
+        assert said in str(info.value)
+    with pytest.raises(ValueError, match=rf"{option}= got an empty list: give at least one"):
+        nbdebug.trace(model, x, loss_fn=_mse, **{option: []})
+    assert_unchanged(before, model)
 
 
 def test_keep_keeps_exactly_the_named_activations_with_their_memory() -> None:

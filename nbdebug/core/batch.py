@@ -68,6 +68,14 @@ def check_inputs(inputs: Any) -> Any:
             )
         return inputs
     if isinstance(inputs, (tuple, list, Mapping)):
+        if isinstance(inputs, Mapping):
+            odd = next((k for k in inputs if not isinstance(k, str)), None)
+            if odd is not None:
+                raise TypeError(
+                    "a dict batch is passed as keyword arguments, model(**inputs), so its keys "
+                    f"must be argument names (str); got the key {odd!r} "
+                    f"({type(odd).__name__}). Pass a tuple for positional arguments."
+                )
         if len(inputs) == 0:
             raise ValueError(
                 f"the batch is empty: expected a tensor, or a non-empty "

@@ -517,10 +517,20 @@ def select_modules(
     elif isinstance(patterns, (list, tuple, set, frozenset)):
         pats = list(patterns)
     else:
-        pats = []
-    if not pats or not all(isinstance(p, str) for p in pats):
+        raise TypeError(
+            f"{option}= expects module name patterns (a str or a list of str), got "
+            f"{type(patterns).__name__} {patterns!r}."
+        )
+    if not pats:
         raise ValueError(
-            f"{option}= expects module name patterns (a str or a list of str), got {patterns!r}"
+            f"{option}= got an empty {type(patterns).__name__}: give at least one module name "
+            f"pattern (e.g. {option}='encoder.*'), or leave {option}=None."
+        )
+    bad = [p for p in pats if not isinstance(p, str)]
+    if bad:
+        raise TypeError(
+            f"{option}= expects module name patterns (str), got {type(bad[0]).__name__} "
+            f"{bad[0]!r} among them."
         )
     names = [n for n, _ in hookable_named_modules(model)]
     chosen: set[str] = set()
