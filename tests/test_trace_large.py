@@ -194,3 +194,28 @@ def test_keep_is_honoured_on_the_nan_path(bad: str) -> None:
     with torch.no_grad():
         assert torch.allclose(tr.kept["0.0"], model[0][0](x), rtol=0, atol=0, equal_nan=True)
     assert tr.kept_bytes == 5 * 8 * 4
+
+
+def test_keep_keeps_every_call_of_a_module_and_a_tuple_output_under_its_name() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(3, 3)
+            self.rnn = nn.GRU(3, 3, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.shared(self.shared(x))
+            out, last = self.rnn(h.unsqueeze(1))
+            return out.sum() + last.sum()
+
+    torch.manual_seed(0)
+    model, x = Twice(), torch.randn(4, 3)
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o, keep=["shared", "rnn"])
+    assert set(tr.kept) == {"shared", "shared#2", "rnn", "rnn:output[1]"}
+    with torch.no_grad():
+        once = model.shared(x)
+        twice = model.shared(once)
+        out, last = model.rnn(twice.unsqueeze(1))
+    assert torch.equal(tr.kept["shared"], once) and torch.equal(tr.kept["shared#2"], twice)
+    assert torch.equal(tr.kept["rnn"], out) and torch.equal(tr.kept["rnn:output[1]"], last)
+    assert "kept 4 activation tensors" in " ".join(tr.notes)

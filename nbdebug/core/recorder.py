@@ -475,7 +475,12 @@ class Recorder:
     def keep_output(self, module: str, name: str, t: torch.Tensor) -> None:
         """A detached copy of a module output named by ``keep=`` (later in-place changes
         do not reach it)."""
-        key = module if name == "output" else f"{module}:{name}"
+        key = module if name in ("output", "output[0]") else f"{module}:{name}"
+        if key in self.kept:  # the module's next call: "block#2", "block#3", ...
+            n = 2
+            while f"{key}#{n}" in self.kept:
+                n += 1
+            key = f"{key}#{n}"
         self.kept[key] = t.detach().clone()
 
     # ------------------------------------------------------------------ results

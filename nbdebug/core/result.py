@@ -69,7 +69,8 @@ class Trace:
     kept : dict of str to Tensor
         Detached copies of the module outputs asked for with ``trace(..., keep=...)``,
         keyed by module name (``"module:output[1]"`` for the further outputs of a module
-        returning several); empty by default. Their size: ``kept_bytes``.
+        returning several; ``"module#2"`` for the output of its second call, and so on);
+        empty by default. Their size: ``kept_bytes``.
     """
 
     events: list[Event]
