@@ -69,7 +69,11 @@ class TensorStats:
     norm : float
         L2 norm of the finite elements.
     mean, std : float
-        Mean and population standard deviation of the finite elements.
+        Mean and population standard deviation of the finite elements. ``std`` comes from
+        the sum and the sum of squares (accumulated in float32 for float32 and lower
+        precision tensors), so it carries their rounding: where ``|mean|`` exceeds ``std``
+        by more than about 1,000 times it is approximate (0 exactly when all elements are
+        equal).
     min, max, absmax : float
         Extremes of the finite elements (NaN when there is none).
     zero_frac : float
