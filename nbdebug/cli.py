@@ -209,7 +209,7 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
     _print_rows(snapshot_facts(snap), out, "  ")
     print("\norigin (replay of the step)", file=out)
     if trace is not None:
-        _print_rows(origin_facts(trace), out, "  ")
+        _print_rows(origin_facts(trace, snap), out, "  ")
     if note:
         print(f"  {note}", file=out)
     print(f"\nlast {min(args.rows, len(snap.history))} history rows", file=out)

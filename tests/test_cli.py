@@ -3,6 +3,7 @@ written by a real NaNGuard."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ from torch import nn
 
 from nbdebug.cli import main
 from nbdebug.core.guard import NaNGuard
-from nbdebug.core.snapshot import load_snapshot
+from nbdebug.core.snapshot import load_snapshot, save_snapshot
 from nbdebug.figures.report import report_html
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,6 +136,33 @@ def test_inspect_without_model_and_with_recipe(workdir, capsys):
 
     code, out, _ = _run(["inspect", path, "--no-replay", "--model", f"{mod}:make"], capsys)
     assert code == 0 and "Not replayed (--no-replay)." in out
+
+
+def test_a_failure_that_does_not_reproduce_is_not_called_healthy(workdir, capsys):
+    """The snapshot records a NaN loss, but its replay is finite: the terminal and the page
+    say the failure did not reproduce, not "healthy" under the recorded reason."""
+    tmp, mod, _ = workdir
+    sys.path.insert(0, str(tmp))
+    try:
+        model = importlib.import_module(mod).make()
+    finally:
+        sys.path.remove(str(tmp))
+    path = save_snapshot(
+        "other",
+        model,
+        torch.randn(8, 6),
+        torch.randint(0, 3, (8,)),
+        step=7,
+        loss_fn=nn.functional.cross_entropy,
+        reason={"kind": "loss", "message": "non-finite loss at step 7: nan"},
+    )
+    code, out, _ = _run(["inspect", path, "--model", f"{mod}:make"], capsys)
+    assert code == 0
+    said = "the replay is finite, although the run recorded a non-finite loss at step 7"
+    assert said in out and "healthy" not in out
+    code, _, _ = _run(["report", path, "-o", "r.html", "--model", f"{mod}:make"], capsys)
+    page = (tmp / "r.html").read_text(encoding="utf-8")
+    assert code == 0 and said in page and "<td>healthy</td>" not in page
 
 
 def test_report_is_one_offline_page(workdir, capsys):

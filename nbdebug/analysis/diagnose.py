@@ -727,9 +727,7 @@ def _resolve(
                 caller.restore()
         device = next((p.device for p in m.parameters()), torch.device("cpu"))
         hist = _history_rows(history) if history is not None else list(snap.history)
-        reason = _RECORDED.get(snap.kind) if snap.kind not in ("", "manual") else None
-        if reason is not None and snap.step is not None:
-            reason += f" at step {snap.step}"
+        reason = snap.recorded_failure
         return _Source(
             model=m,
             inputs=to_device(snap.inputs, device),
@@ -784,14 +782,6 @@ def _resolve(
         "batch; "
         f"got {type(source).__qualname__}."
     )
-
-
-_RECORDED = {
-    "loss": "a non-finite loss",
-    "grad": "non-finite gradients",
-    "weights": "non-finite weights",
-    "scale": "a collapsed GradScaler scale",
-}
 
 
 def _history_rows(history: Any) -> list[dict[str, Any]]:

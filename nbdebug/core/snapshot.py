@@ -419,6 +419,16 @@ def history_frame(rows: list[dict[str, Any]]) -> Any:
     return df[first + [c for c in df.columns if c not in first]].reset_index(drop=True)
 
 
+#: The failures a snapshot's kind records, in words (:attr:`Snapshot.recorded_failure`).
+_RECORDED = {
+    "loss": "a non-finite loss",
+    "grad": "non-finite gradients",
+    "weights": "non-finite weights",
+    "scale": "a collapsed GradScaler scale",
+    "rank": "a non-finite value on another rank",
+}
+
+
 class Snapshot:
     """One training step saved by :func:`save_snapshot`; see :func:`load_snapshot`.
 
@@ -544,6 +554,15 @@ class Snapshot:
     @property
     def message(self) -> str:
         return str(self.reason.get("message", ""))
+
+    @property
+    def recorded_failure(self) -> str | None:
+        """What the run recorded at this step, in words ("a non-finite loss at step 7");
+        ``None`` for a snapshot written by hand (kind ``"manual"``) or of an unknown kind."""
+        what = _RECORDED.get(self.kind)
+        if what is None:
+            return None
+        return what if self.step is None else f"{what} at step {self.step}"
 
     @property
     def datetime(self) -> _dt.datetime:

@@ -45,11 +45,21 @@ def grad_norms(snap: Snapshot) -> dict[str, float]:
     )
 
 
-def origin_facts(trace: Trace | None) -> list[tuple[str, str]]:
-    """(label, value) rows describing where the replay found the first NaN/Inf."""
+def origin_facts(trace: Trace | None, snap: Snapshot | None = None) -> list[tuple[str, str]]:
+    """(label, value) rows describing where the replay found the first NaN/Inf; a finite
+    replay of a snapshot that recorded a failure says the failure did not reproduce (it
+    is not called "healthy" under the recorded reason)."""
     if trace is None:
         return []
-    rows = [("summary", trace.summary())]
+    summary = trace.summary()
+    failure = snap.recorded_failure if snap is not None else None
+    if trace.healthy and failure is not None:
+        summary = (
+            f"the replay is finite, although the run recorded {failure}: the failure did not "
+            "reproduce (non-determinism, a module with state between calls, the autocast "
+            "state, or hardware; nbdebug.diagnose says which)"
+        )
+    rows = [("summary", summary)]
     o = trace.origin
     if o is not None:
         rows += [
@@ -297,7 +307,7 @@ def report_html(
         "<h2>Where the first NaN/Inf was produced (replay)</h2>",
     ]
     if trace is not None:
-        parts.append(_table(origin_facts(trace)))
+        parts.append(_table(origin_facts(trace, snap)))
     if note:
         parts.append(f'<p class="note">{html.escape(note)}</p>')
     if diagnosis is not None:
