@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import nbdebug
 from nbdebug.cli import main
 from nbdebug.core.guard import NaNGuard
 from nbdebug.core.snapshot import load_snapshot, save_snapshot
@@ -307,3 +308,31 @@ def test_real_process(workdir):
 def test_console_script_is_declared():
     text = (REPO / "pyproject.toml").read_text()
     assert 'nbdebug = "nbdebug.cli:main"' in text
+
+
+def test_history_checks_column_shows_finding_codes(tmp_path):
+    """The guard's ``checks`` column holds finding records: the table gives their codes,
+    not a Python repr several hundred characters long."""
+    from nbdebug.figures.report import history_table
+
+    finding = {"code": "nonfinite_gradient", "severity": "error", "evidence": {"0.weight": 16}}
+    rows = [
+        {"step": 0, "loss": 1.0, "grad_norm": 2.0, "skipped": False, "checks": []},
+        {"step": 1, "loss": 1.0, "grad_norm": float("nan"), "skipped": True, "checks": [finding]},
+    ]
+    path = save_snapshot(tmp_path, nn.Linear(2, 1), torch.randn(3, 2), step=1, history=rows)
+    table = history_table(load_snapshot(path))
+    assert list(table["checks"]) == ["-", "nonfinite_gradient"]
+    assert "{" not in table.to_string()
+
+
+def test_origin_facts_name_the_tensor_without_a_stutter():
+    from nbdebug.figures.report import origin_facts
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        m[1].weight[0, 0] = float("nan")
+    tr = nbdebug.trace(m, torch.randn(8, 4), loss_fn=lambda o: o.sum())
+    facts = dict(origin_facts(tr))
+    assert tr.origin is not None and (tr.origin.kind, tr.origin.name) == ("output", "output")
+    assert facts["tensor"] == "output (8, 1) float32"

@@ -70,7 +70,12 @@ def origin_facts(trace: Trace | None, snap: Snapshot | None = None) -> list[tupl
                 if o.phase in ("input", "loss")
                 else (o.module or "<model>") + (f" ({o.module_type})" if o.module_type else ""),
             ),
-            ("tensor", f"{o.kind} {o.name} {tuple(o.shape)} {o.dtype}"),
+            (
+                "tensor",
+                # "output output (8, 1)" reads as a stutter: the kind once when it is the name
+                f"{o.kind if o.name == o.kind else f'{o.kind} {o.name}'} {tuple(o.shape)} "
+                f"{o.dtype}",
+            ),
             ("op", o.op or "-"),
             ("source", o.source or "-"),
             ("samples", row_numbers(o.samples, 16) or "-"),
@@ -149,11 +154,19 @@ def history_table(snap: Snapshot, rows: int = 10) -> Any:
         if c in ("loss", "grad_norm"):
             out[c] = [fmt_num(float(v)) for v in df[c]]
         else:
-            out[c] = [
-                "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt_num(v)
-                for v in df[c]
-            ]
+            out[c] = [_history_cell(v) for v in df[c]]
     return out
+
+
+def _history_cell(v: Any) -> str:
+    """A history value as text: ``-`` where nothing was recorded; the codes of a list of
+    findings (the guard's ``checks`` column), not their Python repr."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, (list, tuple)):
+        codes = [str(x.get("code", "?")) if isinstance(x, dict) else str(x) for x in v]
+        return ", ".join(codes) or "-"
+    return fmt_num(v)
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
