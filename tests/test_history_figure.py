@@ -65,6 +65,12 @@ def test_panels_values_and_marks():
     # the failing step: one vertical line per panel at x=109
     vlines = [s for s in fig.layout.shapes if s.type == "line" and s.x0 == s.x1]
     assert len(vlines) == 4 and {s.x0 for s in vlines} == {109}
+    # its label sits inside the top panel, below the panel titles (above the panel, a
+    # failing step mid-history wrote it over the "loss" title)
+    (label,) = [a for a in fig.layout.annotations if a.text == "failing step 109"]
+    assert (label.yref, label.y, label.yanchor, label.xanchor) == ("y domain", 1.0, "top", "left")
+    titles = [a for a in fig.layout.annotations if a.text != "failing step 109"]
+    assert all(a.yref == "paper" and a.yanchor == "bottom" for a in titles)
 
 
 def test_scale_panel_and_no_marks_when_healthy():

@@ -178,15 +178,20 @@ def history_figure(history: Any, *, failing_step: int | None = None) -> go.Figur
             row="all",
             col=1,
         )
+        # inside the top panel, beside the line: above it the label would collide with the
+        # panel's title whenever the failing step is mid-history
         fig.add_annotation(
             x=int(failing_step),
             y=1.0,
             xref="x",
-            yref="paper",
-            yanchor="bottom",
+            yref="y domain",
+            xanchor="left",
+            yanchor="top",
+            xshift=4,
             text=f"failing step {int(failing_step)}",
             showarrow=False,
             font={"color": _BAD},
+            bgcolor="rgba(255,255,255,0.85)",
         )
     fig.update_xaxes(title_text="step", row=len(panels), col=1)
     fig.update_layout(
