@@ -524,3 +524,27 @@ def test_a_nan_made_by_a_user_hook_belongs_to_the_hooked_call(kind: str) -> None
     assert (o.phase, o.module, o.samples) == ("forward", "2" if kind == "pre" else "1", [2, 3])
     assert o.op == "Tensor.div" and o.source == line_of(_standardise, "/ h.std")
     assert len(m[2]._forward_pre_hooks) == (1 if kind == "pre" else 0)
+
+
+def test_a_loss_fn_reading_a_model_output_attribute_is_replayed(hf) -> None:
+    """The model returns a Hugging Face ModelOutput and loss_fn reads ``out.logits``: the
+    loss replay gets the same kind of object (it got a plain dict, so the op and the
+    source were lost behind an AttributeError)."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> SequenceClassifierOutput:
+            return SequenceClassifierOutput(logits=self.fc(x))
+
+    def loss_fn(out: SequenceClassifierOutput, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.logits, y)  # every label -100: 0/0
+
+    tr = nbdebug.trace(Head(), torch.randn(5, 4), torch.full((5,), -100), loss_fn)
+    o = tr.origin
+    assert o is not None and o.phase == "loss"
+    assert o.op == "cross_entropy_loss" and o.source == line_of(loss_fn, "cross_entropy(")
+    assert "replay failed" not in (o.note or "")

@@ -32,7 +32,7 @@ from .batch import (
     describe,
     named_tensors,
 )
-from .capture import CallCapture, clone_structure, copy_arguments
+from .capture import CallCapture, copy_arguments
 from .events import Chain, Event, ParamInfo
 from .hooks import HookSet, hookable_modules
 from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
@@ -240,7 +240,9 @@ def _run(
                 rec.record_loss(loss)
                 outcome.loss = float(loss.detach().float().cpu())
                 if exact:
-                    outcome.output = clone_structure(output)
+                    # the object the model returned (a ModelOutput stays one: loss_fn may
+                    # read out.logits), its tensors copied
+                    outcome.output = copy_arguments(output)
                 # the output is not needed past the loss: holding it through the backward
                 # would keep what autograd frees as it goes (logits, a key/value cache)
                 output = None
