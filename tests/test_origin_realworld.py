@@ -548,3 +548,20 @@ def test_a_loss_fn_reading_a_model_output_attribute_is_replayed(hf) -> None:
     assert o is not None and o.phase == "loss"
     assert o.op == "cross_entropy_loss" and o.source == line_of(loss_fn, "cross_entropy(")
     assert "replay failed" not in (o.note or "")
+
+
+class _WriteNaN(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(h).clone()
+        out[[1, 3]] = float("nan")  # an index assignment writes the NaN
+        return out
+
+
+def test_a_nan_written_by_index_assignment_is_named_with_its_line() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), _WriteNaN(), nn.Linear(4, 2))
+    tr = nbdebug.trace(m, torch.randn(6, 4), loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None and (o.phase, o.module, o.samples) == ("forward", "1", [1, 3])
+    assert o.op == "Tensor.__setitem__"
+    assert o.source == line_of(_WriteNaN.forward, 'out[[1, 3]] = float("nan")')

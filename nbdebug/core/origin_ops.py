@@ -313,6 +313,8 @@ class _Spy(TorchFunctionMode):
         if out is None:
             out = func(*args, **kwargs)
         outs = _tensors(out)
+        if not outs and func is torch.Tensor.__setitem__ and isinstance(args[0], torch.Tensor):
+            outs = [args[0]]  # ``t[rows] = value`` returns nothing: it writes ``t``
         if not outs:
             return out
         if self.graph is not None:
