@@ -193,7 +193,7 @@ def _print_rows(rows: list[tuple[str, str]], out: Any, indent: str = "") -> None
 
 
 def _inspect(args: argparse.Namespace, out: Any) -> None:
-    from .core.text import fmt_num
+    from .core.text import count_text, fmt_num
     from .figures.report import (
         grad_norms,
         history_table,
@@ -202,8 +202,9 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
         snapshot_facts,
     )
 
-    if args.rows < 0 or args.top < 0:
-        raise UsageError("--rows and --top must be >= 0.")
+    for option, value in (("--rows", args.rows), ("--top", args.top)):
+        if value < 0:
+            raise UsageError(f"{option} must be >= 0; got {value}.")
     snap, trace, note = _load(args)
     print(f"nbdebug snapshot: step {fmt_num(snap.step)}", file=out)
     _print_rows(snapshot_facts(snap), out, "  ")
@@ -212,13 +213,16 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
         _print_rows(origin_facts(trace, snap), out, "  ")
     if note:
         print(f"  {note}", file=out)
-    print(f"\nlast {min(args.rows, len(snap.history))} history rows", file=out)
+    shown = min(args.rows, len(snap.history))
+    print(f"\nlast {count_text(shown, 'history row')}" if shown else "\nhistory", file=out)
     if snap.history and args.rows:
         table = history_table(snap, args.rows).to_string(index=False)
         for line in table.splitlines():
             print(f"  {line}", file=out)
     elif not snap.history:
         print("  (none recorded)", file=out)
+    else:
+        print(f"  ({count_text(len(snap.history), 'row')}, not shown: --rows 0)", file=out)
     for title, items in (
         ("largest gradient norms at the failing step", largest(grad_norms(snap), args.top)),
         ("largest parameter norms", largest(snap.param_norms(), args.top)),

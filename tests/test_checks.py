@@ -315,6 +315,14 @@ def test_constant_feature() -> None:
     f = nbdebug.check((_mlp(5), x), target=y, loss_fn=F.cross_entropy).of("constant_feature")
     assert len(f) == 1 and f[0].severity == "warning"
     assert f[0].evidence["features"] == [2] and f[0].evidence["values"] == [3.0]
+    assert "1 of 5 features does not vary across the 16 rows: a standardisation divides it" in (
+        f[0].message
+    )
+    x[:, 4] = 1.0
+    two = nbdebug.check((_mlp(5), x), target=y, loss_fn=F.cross_entropy).of("constant_feature")
+    assert "2 of 5 features do not vary across the 16 rows: a standardisation divides them" in (
+        two[0].message
+    )
     assert (
         nbdebug.check((_mlp(5), torch.randn(16, 5)), target=y, loss_fn=F.cross_entropy).of(
             "constant_feature"

@@ -118,6 +118,9 @@ def test_inspect_with_model(workdir, capsys):
     acts = out.split("largest activation norms in the replay\n")[1].split("\n\n")[0]
     assert [line.split()[-1] for line in acts.splitlines()] == ["nan", "nan"], acts
     assert path.read_bytes() == before  # the file is not touched
+    code, out, _ = _run(["inspect", path, "--model", f"{mod}:make", "--rows", "0"], capsys)
+    assert code == 0 and "\nhistory\n  (6 rows, not shown: --rows 0)\n" in out
+    assert "last 0" not in out
 
 
 def test_inspect_without_model_and_with_recipe(workdir, capsys):
@@ -237,7 +240,8 @@ def test_list(workdir, capsys):
             "shape mismatches: 0.weight: snapshot (12, 6) vs model (5, 6)",
         ),
         (["inspect", "{snap}", "--loss", "nope"], "--loss: expected an import path"),
-        (["inspect", "{snap}", "--rows", "-1"], "--rows and --top must be >= 0."),
+        (["inspect", "{snap}", "--rows", "-1"], "--rows must be >= 0; got -1."),
+        (["inspect", "{snap}", "--top", "-3"], "--top must be >= 0; got -3."),
         (["list", "nowhere"], "nowhere is not a directory."),
         (["report", "{snap}"], "the following arguments are required: -o/--output"),
         (["report", "{snap}", "-o", "snaps"], "is a directory; give a file name"),

@@ -130,11 +130,15 @@ def constant_feature_findings(inputs: Any) -> list[Finding]:
                     "values": [float(mean[i]) for i in const[:10]],
                     "threshold": CONSTANT_STD,
                 },
-                f"{len(const)} of {x.shape[dim]} {which} do not vary across the "
-                f"{x.shape[0]} rows: a "
-                "standardisation divides them by a zero std (0/0), and they carry no "
-                "signal; drop them "
-                "or add an epsilon to the std.",
+                (
+                    f"{len(const)} of {x.shape[dim]} {which} does not vary across the "
+                    f"{x.shape[0]} rows: a standardisation divides it by a zero std (0/0), "
+                    "and it carries no signal; drop it or add an epsilon to the std."
+                    if len(const) == 1
+                    else f"{len(const)} of {x.shape[dim]} {which} do not vary across the "
+                    f"{x.shape[0]} rows: a standardisation divides them by a zero std (0/0), "
+                    "and they carry no signal; drop them or add an epsilon to the std."
+                ),
                 fix="x = (x - mu) / (sigma + 1e-8)",
                 position=position(Band.TRACE, 0.5),  # after the batch, before the model
             )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..core.batch import check_model
-from ..core.text import dtype_name
+from ..core.text import count_text, dtype_name
 from .checks_base import Finding, Findings, sort_findings
 
 _PREFIXES = ("module.", "_orig_mod.", "model.")
@@ -163,10 +163,14 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                 ev,
                 f"these {ev['model_dtype']} weights come from a "
                 f"{ev['checkpoint_dtype']} checkpoint: up to "
-                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative) and "
-                f"{ev['n_subnormal']} values "
-                "near 0 lost their precision; save full-precision checkpoints (master "
-                "weights) for training.",
+                f"{ev['max_roundoff']:.3g} round-off ({ulp_half:.2g} relative)"
+                + (
+                    f" and {count_text(ev['n_subnormal'], 'value')} near 0 lost "
+                    f"{'its' if ev['n_subnormal'] == 1 else 'their'} precision"
+                    if ev["n_subnormal"]
+                    else ""
+                )
+                + "; save full-precision checkpoints (master weights) for training.",
                 param=k,
             )
         )

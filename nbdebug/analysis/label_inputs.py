@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.text import count_text
+
 # mean self-confidence above which supplied probabilities look in-sample
 IN_SAMPLE_CONFIDENCE = 0.98
 
@@ -97,7 +99,7 @@ def check_pred_probs(
         i = int(np.flatnonzero(~finite.all(axis=1))[0])
         raise ValueError(
             f"{name} must be finite; row {i} holds {arr[i][~finite[i]][0]} "
-            f"({int((~finite).any(axis=1).sum())} such rows)."
+            f"({count_text(int((~finite).any(axis=1).sum()), 'such row')})."
         )
     if arr.min() < 0:
         i = int(np.flatnonzero((arr < 0).any(axis=1))[0])

@@ -56,7 +56,7 @@ from .snapshot_format import (
     validate_payload,
 )
 from .state import RngState
-from .text import first_line, shorten
+from .text import count_text, first_line, shorten
 
 # --------------------------------------------------------------------------- saving
 
@@ -720,7 +720,7 @@ class Snapshot:
         return (
             f"Snapshot({name}: step {self.step}, {self.kind}: {shorten(self.message)}; "
             f"model {model}, "
-            f"batch {describe(self.inputs)}, history {len(self.history)} rows)"
+            f"batch {describe(self.inputs)}, history {count_text(len(self.history), 'row')})"
         )
 
 

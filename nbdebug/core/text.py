@@ -32,6 +32,11 @@ def fmt_num(v: Any, spec: str = ".4g", *, nan: str = "nan", none: str = "-") -> 
     return format(f, spec)
 
 
+def count_text(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 row"``, ``"3 rows"`` (``plural``: the noun's plural when not ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def row_numbers(rows: Sequence[int], most: int | None = 8) -> str:
     """``"3, 5, 9"``; past ``most`` rows ``"3, 5, ... (12 rows)"`` (``most=None``: all)."""
     rows = list(rows)
