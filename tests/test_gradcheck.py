@@ -753,3 +753,22 @@ def test_public_names():
     res = gradcheck(Square.apply, torch.randn(2, dtype=f64, requires_grad=True))
     assert isinstance(res.pairs[0], PairCheck) and res.fn_name == "Square.apply"
     assert copy.deepcopy(res).pairs[0].verdict == "ok"
+
+
+def test_module_sweep_names_modules_and_skips_those_fed_nan():
+    """A module making NaN is named as "module 1 (Nan)"; the module after it, fed that NaN,
+    is not blamed for it: it is skipped, saying its input already held NaN."""
+
+    class Nan(nn.Module):
+        def forward(self, x):
+            return x * float("nan")
+
+    model = nn.Sequential(nn.Linear(3, 3), Nan(), nn.Linear(3, 2)).double()
+    df = gradcheck_modules(model, torch.randn(4, 3, dtype=f64), rows=2).set_index("module")
+    assert df.loc["0", "passed"]
+    assert df.loc["1", "reason"].startswith("could not be checked: module 1 (Nan) returned 6")
+    assert "non-finite values in output" in df.loc["1", "reason"]
+    assert df.loc["2", "reason"] == (
+        "not checked: its inputs already hold 6 NaN (made before it, by an earlier module or "
+        "the batch)"
+    )

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..core.state import RngState
-from ..core.text import dtype_name, first_line
+from ..core.text import count_text, dtype_name, first_line
 from .gradcheck_inputs import GradcheckOptions, check_gradcheck_inputs, resolve_fn
 from .gradcheck_layout import Layout
 from .gradcheck_problem import (
@@ -286,7 +286,8 @@ def check_pairs(
         bad = int((~torch.isfinite(a)).sum())
         if bad:
             raise ValueError(
-                f"{problem.fn_name} returned {bad} non-finite value(s) in {name} at the given "
+                f"{problem.fn_name} returned {count_text(bad, 'non-finite value')} in {name} "
+                "at the given "
                 "inputs; gradients cannot be checked at a point where the function is not finite."
             )
     layout = Layout.build(

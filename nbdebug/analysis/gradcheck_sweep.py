@@ -15,7 +15,7 @@ from ..core.batch import batch_size, call_model, check_inputs, check_model
 from ..core.capture import clone_structure
 from ..core.hooks import HookSet, hookable_named_modules
 from ..core.state import RngState, preserved
-from ..core.text import first_line
+from ..core.text import count_text, first_line
 from .gradcheck import run_gradcheck
 from .gradcheck_inputs import GradcheckOptions
 from .gradcheck_problem import leaf_tensors
@@ -127,8 +127,16 @@ def iter_module_checks(
                     for p in module.parameters(recurse=False)
                     if p.is_floating_point() and p.requires_grad
                 ]
+                # (NaN only: an -inf attention mask is a constant input, and is checked)
+                bad_in = sum(int(torch.isnan(t).sum()) for t in floats)
                 if not floats and not own:
                     row["reason"] = "no floating-point input or parameter to differentiate"
+                elif bad_in:
+                    # the NaN/Inf was made before this module: checking it says nothing
+                    row["reason"] = (
+                        f"not checked: its inputs already hold {bad_in} NaN (made before "
+                        "it, by an earlier module or the batch)"
+                    )
                 else:
                     try:
                         result = run_gradcheck(
@@ -136,7 +144,9 @@ def iter_module_checks(
                             module,
                             (args, kwargs),
                             options,
-                            fn_name=name or type(module).__name__,
+                            fn_name=f"module {name} ({type(module).__name__})"
+                            if name
+                            else type(module).__name__,
                         )
                     except (TypeError, ValueError) as e:
                         row["reason"] = f"could not be checked: {e}"
