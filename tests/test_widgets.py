@@ -197,7 +197,7 @@ def test_norm_figure():
     fig = norm_figure(tr, current=2)
     names = [d.name for d in fig.data]
     assert names[-1] == CURRENT_TRACE and NONFINITE_TRACE in names
-    assert fig.layout.yaxis.type == "log"
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.exponentformat == "e"
     pts = norm_points(tr)
     assert list(fig.data[-1].x) == [pts.x[2]]
     # the module called twice has two categories
@@ -252,7 +252,7 @@ def test_histogram_and_ratio_figures(bad_dbg):
     f = ratio_figure(ok)
     assert list(f.data[0].x) == [p.name for p in ok.params]
     assert list(f.data[0].y) == pytest.approx([p.ratio for p in ok.params])
-    assert f.layout.yaxis.type == "log"
+    assert f.layout.yaxis.type == "log" and f.layout.yaxis.exponentformat == "e"  # not "10μ"
     bands = sorted((s.y0, s.y1) for s in f.layout.shapes)
     assert bands[0][1] == VANISHING and bands[1][0] == EXPLODING
 

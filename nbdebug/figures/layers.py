@@ -102,7 +102,13 @@ def ratio_figure(trace: Trace) -> go.Figure:
         )
     fig.update_layout(
         title={"text": "Gradient / weight norm per parameter", "x": 0.01},
-        yaxis={"type": "log", "title": "grad norm / weight norm", "range": [llo, lhi]},
+        # ticks as 1e-05, like the band labels (plotly's default reads "10μ")
+        yaxis={
+            "type": "log",
+            "title": "grad norm / weight norm",
+            "range": [llo, lhi],
+            "exponentformat": "e",
+        },
         xaxis={"tickangle": -45},
         height=380,
         margin={"l": 60, "r": 90, "t": 40, "b": 110},

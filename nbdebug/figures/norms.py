@@ -247,7 +247,7 @@ def norm_figure(
     fig.update_layout(
         # the title on its own line above the legend (they used to collide at the top)
         title={"text": f"Per-layer norms: {trace.model_name}", "x": 0.01, "y": 0.98},
-        yaxis={"type": "log", "title": "L2 norm"},
+        yaxis={"type": "log", "title": "L2 norm", "exponentformat": "e"},
         xaxis={"categoryorder": "array", "categoryarray": pts.categories, "tickangle": -45},
         margin={"l": 60, "r": 20, "t": 70, "b": 100},
         height=400,
