@@ -15,7 +15,7 @@ from ..core.batch import batch_size, call_model, check_inputs, check_model
 from ..core.capture import clone_structure
 from ..core.hooks import HookSet, hookable_named_modules
 from ..core.state import RngState, preserved
-from ..core.text import count_text, first_line
+from ..core.text import first_line
 from .gradcheck import run_gradcheck
 from .gradcheck_inputs import GradcheckOptions
 from .gradcheck_problem import leaf_tensors
