@@ -34,6 +34,7 @@ BF16_SPREAD = 2.0**-8
 def precision_findings(view: TraceView) -> list[Finding]:
     """``bf16_precision_loss`` findings of one trace (see the module doc)."""
     out: list[Finding] = []
+    reported: set[tuple[float, ...]] = set()
     for e in view.events:
         if e.dtype != "bfloat16" or e.stats is None:
             continue
@@ -55,7 +56,11 @@ def precision_findings(view: TraceView) -> list[Finding]:
         if e.phase != "forward" or e.kind != "output" or s.numel < 2 or not s.mean:
             continue
         ratio = s.std / abs(s.mean)
-        if ratio < BF16_SPREAD:
+        # a container whose output is its last child's (the same tensor, the same numbers)
+        # is not a second finding
+        key = (s.numel, s.mean, s.std, s.min, s.max)
+        if ratio < BF16_SPREAD and key not in reported:
+            reported.add(key)
             where = module_label(e.module, view.types.get(e.module, ""))
             out.append(
                 Finding(

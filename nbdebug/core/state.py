@@ -136,6 +136,8 @@ class PreservedState:
         forward leaves them) :meth:`restore` puts back, so the passes that follow do not
         leave them written twice. Values before that forward are not kept (that would copy
         every parameter on every trace); the following passes start from these."""
+        if all(p._version == self.versions[id(p)] for p in self.params):
+            return []  # the common case, without a walk over the modules for names
         names = self.changed_parameters()
         by_name = dict(self.model.named_parameters())
         self.written = [(by_name[n], by_name[n].detach().clone()) for n in names]
