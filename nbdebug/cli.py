@@ -262,7 +262,9 @@ def _list(args: argparse.Namespace, out: Any) -> None:
         print(f"no snapshots in {args.directory}", file=out)
         return
     df = df.assign(time=df["time"].dt.strftime("%Y-%m-%d %H:%M:%S"))
-    print(df.to_string(index=False, na_rep="-", max_colwidth=80), file=out)
+    # "nothing" reads "-" in every column: pandas prints a None among strings as "None"
+    df = df.astype(object).where(df.notna(), "-")
+    print(df.to_string(index=False, max_colwidth=80), file=out)
 
 
 def _build_kernels(args: argparse.Namespace, out: Any) -> None:

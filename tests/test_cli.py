@@ -214,6 +214,10 @@ def test_list(workdir, capsys):
     assert code == 0 and err == "" and len(lines) == 3
     assert lines[1].split()[:3] == [f"snaps/{path.name}", "105", "loss"]
     assert "broken.nbsnap" in lines[2] and "truncated or corrupt" in lines[2]
+    assert lines[1].rstrip().endswith(" -")  # no error: "-", as in every other column
+    (tmp / "snaps" / "broken.nbsnap").unlink()
+    code, out, _ = _run(["list", "snaps"], capsys)
+    assert code == 0 and "None" not in out and out.splitlines()[1].rstrip().endswith(" -")
     (tmp / "empty").mkdir()
     assert _run(["list", "empty"], capsys)[1] == "no snapshots in empty\n"
 
