@@ -572,3 +572,17 @@ def test_a_backward_origin_gets_its_line_rewritten_and_the_paste_works() -> None
     model[1].forward = env["pasted"]
     F.cross_entropy(model(x), y).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_table_text_shows_a_replay_that_never_ran_as_dash_and_a_nan_loss_as_nan() -> None:
+    """Every row of a batch holds Inf: dropping them all leaves nothing to replay (no cost,
+    no loss: "-"), the plain replay's loss is NaN ("nan", as in every view): pandas'
+    "NaN" for a missing value appears nowhere."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.full((4, 8), float("inf"))
+    d = nbdebug.diagnose(model, x, torch.randn(4, 3), F.mse_loss, progress=False)
+    lines = {line.split()[1]: line.split() for line in d.table().splitlines()[1:]}
+    assert "NaN" not in d.table()
+    assert lines["drop_rows"][5:8] == ["-", "-", "-"]  # loss, grad_norm, cost
+    assert lines["not_reproducible"][5] == "nan"

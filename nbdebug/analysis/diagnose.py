@@ -256,16 +256,16 @@ class Diagnosis:
         show = df[
             ["rank", "kind", "module", "rows", "finite", "loss", "grad_norm", "cost", "change"]
         ]
-        return show.to_string(
-            index=False,
-            max_colwidth=70,
-            formatters={
-                "rows": lambda v: ",".join(map(str, v)) if v else "-",
-                "loss": fmt_num,
-                "grad_norm": fmt_num,
-                "cost": cost_text,
-            },
+        # formatted here, not by to_string's formatters (pandas skips them for NaN): a fix
+        # whose replay never ran (no cost) reads "-", a replay's NaN loss reads "nan"
+        ran = show["cost"].notna().tolist()
+        shown = show.assign(
+            rows=[",".join(map(str, v)) if v else "-" for v in show["rows"]],
+            loss=[fmt_num(v) if r else "-" for v, r in zip(show["loss"], ran)],
+            grad_norm=[fmt_num(v) if r else "-" for v, r in zip(show["grad_norm"], ran)],
+            cost=[cost_text(v) for v in show["cost"]],
         )
+        return shown.to_string(index=False, max_colwidth=70)
 
     def fix(self, which: int | str) -> Fix:
         """The fix of rank ``which`` (1 = top) or the first of kind ``which``."""
