@@ -565,3 +565,25 @@ def test_a_nan_written_by_index_assignment_is_named_with_its_line() -> None:
     assert o is not None and (o.phase, o.module, o.samples) == ("forward", "1", [1, 3])
     assert o.op == "Tensor.__setitem__"
     assert o.source == line_of(_WriteNaN.forward, 'out[[1, 3]] = float("nan")')
+
+
+def _normalise_grad(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+    g = grad_input[0]
+    return (g / g.norm(dim=1, keepdim=True),)  # 0/0 for a row whose gradient is zero
+
+
+def test_a_nan_made_by_a_full_backward_hook_is_named_by_the_hook() -> None:
+    """torch runs a module's full backward hooks through its BackwardHookFunction: the
+    origin names the user's hook and its definition, not torch's _functions.py, and does
+    not call it a hidden NaN."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        m[0].bias.fill_(-10.0)  # every ReLU unit dead: zero gradients reach the hook
+    m[1].register_full_backward_hook(_normalise_grad)
+    tr = nbdebug.trace(m, torch.randn(6, 4), loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None and (o.phase, o.module) == ("backward", "1")
+    assert o.op == "_normalise_grad"
+    assert o.source == line_of(_normalise_grad, "def _normalise_grad")
+    assert "full backward hook _normalise_grad" in o.note and "hidden NaN" not in o.note

@@ -526,9 +526,19 @@ def replay_backward(
         src = _run_backward_source(root_node, watch.grad_outs.get(root_node), batch_size)
         if src:
             chain = Chain([ChainLink(chain[0].op, src, chain[0].value, chain[0].rows), *chain[1:]])
+    hooked = _user_backward_hook(module) if chain[0].op == _HOOK_FUNCTION else None
+    if hooked is not None:
+        # torch's BackwardHookFunction carries the module's full backward hooks: the value
+        # was made in the user's hook, not in torch's identity backward
+        chain = Chain([ChainLink(hooked[0], hooked[1], chain[0].value, chain[0].rows), *chain[1:]])
     finding.chain = chain
     finding.op, finding.source, finding.rows = chain[0].op, chain[0].source, list(chain[0].rows)
-    if watch.hidden_nan is not None and watch.hidden_nan is root:
+    if hooked is not None:
+        finding.note = (
+            f"made by the module's full backward hook {hooked[0]} (register_full_backward_hook) "
+            "from a finite gradient: the line is the hook's definition."
+        )
+    elif watch.hidden_nan is not None and watch.hidden_nan is root:
         finding.note = (
             f"the backward of {finding.op} multiplied a zero gradient by a non-finite local "
             "derivative (a hidden NaN, e.g. behind torch.where or a mask)."
@@ -562,6 +572,19 @@ def _graph_names(outs: list[torch.Tensor], graph: dict[Any, tuple[str, str | Non
         for nxt, _ in node.next_functions:
             stack.append((nxt, name))
     return names
+
+
+#: the autograd Function through which torch runs a module's full backward hooks
+_HOOK_FUNCTION = "BackwardHookFunction.backward"
+
+
+def _user_backward_hook(module: torch.nn.Module) -> tuple[str, str | None] | None:
+    """(name, definition line) of ``module``'s first full backward hook, if it has one."""
+    for hook in getattr(module, "_backward_hooks", {}).values():
+        code = getattr(hook, "__code__", None)
+        if code is not None:
+            return code_name(hook), source_text(code.co_filename, code.co_firstlineno)
+    return None
 
 
 def _def_line(cls: Any) -> str | None:
