@@ -27,7 +27,6 @@ __all__ = [
     "clone_structure",
     "copy_arguments",
     "frame_kind",
-    "has_state",
     "source_text",
 ]
 
@@ -61,18 +60,6 @@ def clone_structure(obj: Any) -> Any:
             return type(obj)(*items)
         return type(obj)(items)
     return obj
-
-
-def has_state(obj: Any, depth: int = 0) -> bool:
-    """Whether a batch or argument structure holds anything besides tensors, plain values
-    and tuples/lists/dicts of them (an object a call could mutate, e.g. a cache)."""
-    if isinstance(obj, (torch.Tensor, *_ATOMS, *_SHARED)) or depth > _MAX_DEPTH:
-        return False
-    if type(obj) in (tuple, list):
-        return any(has_state(v, depth + 1) for v in obj)
-    if type(obj) is dict:
-        return any(has_state(v, depth + 1) for v in obj.values())
-    return not callable(obj) or hasattr(obj, "__dict__")
 
 
 def copy_arguments(obj: Any, *, clone_tensors: bool = True, leaves: bool = False) -> Any:
