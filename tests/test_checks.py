@@ -762,8 +762,11 @@ def test_dtype_downcast_and_nonfinite_checkpoint() -> None:
     assert 0 < g.evidence["max_abs_error_vs_model"] <= g.evidence["max_roundoff"] * 1.01
     same = {k: v.clone() for k, v in model.state_dict().items()}
     same["2.weight"][0, 0] = float("nan")
+    same["2.weight"][0, 1] = float("inf")
     f = nbdebug.check_state_dict(model, same)
     assert [(x.code, x.param) for x in f] == [("nonfinite_weight", "2.weight")]
+    # the evidence keys of a live weight's finding: NaN and Inf counted apart
+    assert {k: f[0].evidence[k] for k in ("n_nan", "n_inf")} == {"n_nan": 1, "n_inf": 1}
 
 
 # --------------------------------------------------------------------------- odd models, bad input

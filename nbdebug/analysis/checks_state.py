@@ -115,9 +115,10 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> F
                         "nonfinite_weight",
                         "error",
                         f"checkpoint tensor {k}",
+                        # the keys a live weight's finding has (checks_forward)
                         {
-                            "n_nan": int(torch.isnan(v.detach()).sum()),
-                            "n_nonfinite": n_bad,
+                            "n_nan": (n_nan := int(torch.isnan(v.detach()).sum())),
+                            "n_inf": n_bad - n_nan,
                             "numel": v.numel(),
                             "threshold": 0,
                         },
