@@ -179,6 +179,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
         return snap, None, f"Not replayed: no model. Give --model package.module:factory{hint}."
     try:
         with _cwd_importable():  # a recorded loss function may live next to the model
+            # resolved here so that a missing one names this command's option
+            loss_fn = snap.replay_loss_fn(loss_fn, "--loss package.module:function")
             return snap, snap.trace(loss_fn=loss_fn), None
     except SnapshotError as e:
         return snap, None, f"Not replayed: {e}"

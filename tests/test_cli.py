@@ -344,3 +344,20 @@ def test_origin_facts_name_the_tensor_without_a_stutter():
     facts = dict(origin_facts(tr))
     assert tr.origin is not None and (tr.origin.kind, tr.origin.name) == ("output", "output")
     assert facts["tensor"] == "output (8, 1) float32"
+
+
+def test_a_snapshot_without_a_loss_function_names_the_option(workdir, capsys):
+    tmp, mod, _ = workdir
+    sys.path.insert(0, str(tmp))
+    try:
+        model = importlib.import_module(mod).make()
+    finally:
+        sys.path.remove(str(tmp))
+    path = save_snapshot("other", model, torch.randn(4, 6), torch.randint(0, 3, (4,)), step=3)
+    code, out, _ = _run(["inspect", path, "--model", f"{mod}:make"], capsys)
+    assert code == 0
+    assert (
+        "Not replayed: this snapshot recorded no loss function but has a target: pass --loss "
+        "package.module:function." in out
+    )
+    assert "snap.trace" not in out
