@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nbdebug.core.capture import CallCapture, copy_arguments, frame_kind, has_state
+from nbdebug.core.capture import CallCapture, copy_arguments, frame_kind
 
 
 class Layer:
@@ -43,8 +43,14 @@ def test_modules_functions_and_plain_batches_are_not_copied() -> None:
     x = torch.randn(3, 2)
     out = copy_arguments({"m": lin, "f": torch.relu, "x": x, "n": 3}, clone_tensors=False)
     assert out["m"] is lin and out["f"] is torch.relu and out["x"] is x and out["n"] == 3
-    assert not has_state({"x": x, "mask": [x, None, 2.0], "name": "a"})
-    assert has_state({"x": x, "cache": Cache(1)})
+    # leaves=True: clones that require grad where the originals do, leaves of their own
+    w = torch.randn(3, 2, requires_grad=True)
+    made = w * 2  # a tensor with a graph behind it
+    got = copy_arguments({"w": w, "made": made, "x": x}, leaves=True)
+    assert got["w"].requires_grad and got["w"].is_leaf and got["w"] is not w
+    assert got["made"].requires_grad and got["made"].is_leaf and got["made"].grad_fn is None
+    assert not got["x"].requires_grad
+    assert torch.equal(got["made"], made.detach())
 
 
 def test_clone_tensors_detaches_and_copies_once_per_tensor() -> None:

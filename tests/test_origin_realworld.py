@@ -587,3 +587,31 @@ def test_a_nan_made_by_a_full_backward_hook_is_named_by_the_hook() -> None:
     assert o.op == "_normalise_grad"
     assert o.source == line_of(_normalise_grad, "def _normalise_grad")
     assert "full backward hook _normalise_grad" in o.note and "hidden NaN" not in o.note
+
+
+class _Sqrt(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(h)
+
+
+class _Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.j = torch.jit.script(_Sqrt())
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.j(self.a(x)))
+
+
+def test_a_nan_made_inside_torchscript_names_no_op_rather_than_a_wrong_one() -> None:
+    """A TorchScript submodule takes no Python hooks and runs no Python torch calls: the
+    NaN it makes first shows in the parent's next call (the Linear), which did not make
+    it. The origin names no op, with a note, never the Linear."""
+    torch.manual_seed(0)
+    tr = nbdebug.trace(_Scripted(), torch.randn(6, 4), loss_fn=lambda o: o.sum())
+    o = tr.origin
+    assert o is not None and (o.phase, o.module) == ("forward", "")
+    assert o.op is None and o.source is None
+    assert "code the op-level replay cannot see (a TorchScript module" in o.note

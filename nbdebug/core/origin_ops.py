@@ -260,10 +260,15 @@ class _Spy(TorchFunctionMode):
         call_site: str | None = None,
         *,
         graph: bool = False,
+        known: set[int] | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.call_site = call_site
+        # ids of the tensors the replay starts from (its inputs, the module's weights): a
+        # NaN in any other tensor the spy did not see made came out of code it cannot see
+        # (a TorchScript module, a C++ extension); None: no such judgement
+        self.known = known
         self.roots: list[_Node] = []
         self.first_nan: _Node | None = None
         self._nodes: dict[int, tuple[Any, _Node]] = {}
@@ -330,7 +335,7 @@ class _Spy(TorchFunctionMode):
             return out
         same = {id(t) for t in outs}
         parent: _Node | None = None
-        mask_in = in_nan = False
+        mask_in = in_nan = unseen = False
         for t in _tensors((args, kwargs)):
             node = self.node_of(t)
             if node is not None:
@@ -342,9 +347,14 @@ class _Spy(TorchFunctionMode):
                 continue  # written in place / a weight: finite before as far as we know
             elif _nonfinite(t):
                 if _has_nan(t):
+                    if self.known is not None and id(t) not in self.known:
+                        unseen = True  # made by code the spy cannot see
                     continue  # a NaN from outside the replay (a buffer): this op is the root
                 mask_in = True  # an -inf from outside (a mask buffer, a mask input)
         value = "NaN" if any(_has_nan(t) for t in bad) else "inf"
+        if unseen and parent is None:
+            parent = _Node(UNSEEN, None, "NaN", None, _rows(bad[0], self.batch_size))
+            self._root(parent)
         if parent is not None:
             node = _Node(op_name(func), user_source(self.call_site), value, parent, [])
             if value == "NaN" and not in_nan and self.first_nan is None:
@@ -424,9 +434,22 @@ def _rng_state() -> Any:
     return RngState.capture()
 
 
+#: the root of a chain whose first NaN came out of code the spy cannot see
+UNSEEN = "<unseen code>"
+
+
 def _finding(spy: _Spy, kind: str) -> OpFinding:
     chain = spy.chain(kind == "nan")
     f = OpFinding(chain=chain, reproduced=bool(chain))
+    if chain and chain[0].op == UNSEEN:
+        # no op, never a wrong one: the first NaN came out of a call the replay cannot see
+        f.chain = Chain()
+        f.note = (
+            "the NaN first appears in a tensor made by code the op-level replay cannot see "
+            "(a TorchScript module, a C++ extension, or an unregistered tensor attribute): "
+            "no op is named."
+        )
+        return f
     if chain:
         root = chain[0]
         f.op, f.source, f.rows = root.op, root.source, list(root.rows)
@@ -442,6 +465,15 @@ def _finding(spy: _Spy, kind: str) -> OpFinding:
 
 
 # ---------------------------------------------------------------------- replays
+def _known(module: torch.nn.Module, arguments: Any) -> set[int]:
+    """Ids of the tensors a replay of ``module`` starts from: its arguments, its
+    parameters and its buffers."""
+    known = {id(t) for t in _tensors(arguments)}
+    known.update(id(p) for p in module.parameters())
+    known.update(id(b) for b in module.buffers())
+    return known
+
+
 def replay_forward(
     module: torch.nn.Module,
     capture: CallCapture,
@@ -453,7 +485,7 @@ def replay_forward(
     positions (in ``named_tensors((args, kwargs))`` order) of inputs that are intended
     masks."""
     args, kwargs = capture.fresh()
-    spy = _Spy(batch_size, capture.call_site)
+    spy = _Spy(batch_size, capture.call_site, known=_known(module, (args, kwargs)))
     for i, t in enumerate(_tensors((args, kwargs))):
         if i in masks:
             spy.tag_mask(t)
@@ -497,7 +529,7 @@ def replay_backward(
             t.requires_grad_(True)
             leaves.append(t)
     leaves += [p for p in module.parameters() if p.requires_grad]
-    spy = _Spy(batch_size, capture.call_site, graph=True)
+    spy = _Spy(batch_size, capture.call_site, graph=True, known=_known(module, (args, kwargs)))
     with torch.enable_grad(), spy:
         out = module(*args, **kwargs)
     outs, grads = [], []
