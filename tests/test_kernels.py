@@ -275,11 +275,22 @@ def test_the_compiled_histogram_bins_every_magnitude_as_defined(compiled, dtype)
 def test_the_kernel_refuses_a_bin_table_that_points_outside_its_bins(compiled):
     fused = kernels.compiled()
     assert fused is not None
-    sample, bins, lo, hi, table = stats.kernel_args()
+    sample, bins, lo, hi, table, underflow = stats.kernel_args()
     bad = table.clone()
     bad[100, 0] = bins  # a bin past the last one
     with pytest.raises(RuntimeError, match="bin table names a bin out of range"):
-        fused.quick_stats(torch.ones(4), sample, bins, lo, hi, bad)
+        fused.quick_stats(torch.ones(4), sample, bins, lo, hi, bad, underflow)
     with pytest.raises(RuntimeError, match=r"int32 \[256, 2\] bin table"):
-        fused.quick_stats(torch.ones(4), sample, bins, lo, hi, table[:10])
+        fused.quick_stats(torch.ones(4), sample, bins, lo, hi, table[:10], underflow)
     assert torch.equal(table, stats.kernel_args()[4])  # the shared table is untouched
+
+
+@pytest.mark.parametrize("scale", [1e-25, 1e-40])
+def test_the_kernel_squares_tiny_tensors_in_float64(compiled, scale):
+    """Float squares of values below stats.UNDERFLOW round to 0: the kernel sums them
+    again in float64, so a vanishing tensor's norm is exact, not 0."""
+    a = (np.random.default_rng(1).normal(size=70_000) * scale).astype(np.float32)
+    row = kernels.compiled().quick_stats(torch.from_numpy(a), *stats.kernel_args()).numpy()
+    assert row[1] == pytest.approx(float((a.astype(np.float64) ** 2).sum()), rel=1e-9)
+    ordinary = kernels.compiled().quick_stats(torch.ones(8), *stats.kernel_args()).numpy()
+    assert ordinary[1] == 8.0

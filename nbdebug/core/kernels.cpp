@@ -81,7 +81,7 @@ Partial<acc_t> reduce_range(const scalar_t* p, int64_t begin, int64_t end) {
 }
 
 template <typename scalar_t, typename acc_t>
-void moments(const scalar_t* p, int64_t n, double* o) {
+void moments(const scalar_t* p, int64_t n, double underflow, double* o) {
   const int64_t tasks = (n + TASK - 1) / TASK;
   std::vector<Partial<acc_t>> parts(tasks);
   at::parallel_for(0, tasks, 1, [&](int64_t b, int64_t e) {
@@ -102,6 +102,17 @@ void moments(const scalar_t* p, int64_t n, double* o) {
   const bool bad = std::isnan(all.sum);
   o[2] = bad ? nan : static_cast<double>(all.lo);
   o[3] = bad ? nan : static_cast<double>(all.hi);
+  // every element below `underflow` in magnitude: its float squares rounded to 0 (or lost
+  // their precision); square them again in float64 (rare, so a second pass costs little)
+  const double amax = std::max(std::abs(o[2]), std::abs(o[3]));
+  if (!bad && amax > 0.0 && amax < underflow) {
+    double sq = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = static_cast<double>(static_cast<acc_t>(p[i]));
+      sq += v * v;
+    }
+    o[1] = sq;
+  }
 }
 
 // The bins of log10|v| over [lo, hi), clamped at both ends. A float magnitude is binned
@@ -151,11 +162,12 @@ void histogram(const scalar_t* p, int64_t step, int64_t k, const Bins& b, double
 // One float64 row [sum, sum of squares, min, max, histogram counts (bins), zeros, NaN/Inf,
 // sample size] of x. The histogram is of every ceil(n / max_sample)-th element (at most
 // max_sample), in float64 for a float64 tensor and float32 otherwise, into `bins` bins of
-// log10|v| over [lo, hi) (clamped at both ends); `table` is int32 [256, 2], see Bins.
+// log10|v| over [lo, hi) (clamped at both ends); `table` is int32 [256, 2], see Bins. A
+// tensor whose largest magnitude is below `underflow` has its squares summed in float64.
 // x: a non-empty contiguous CPU tensor of a floating dtype (it may require grad: it is
 // only read).
 torch::Tensor quick_stats(const torch::Tensor& x, int64_t max_sample, int64_t bins, double lo,
-                          double hi, const torch::Tensor& table) {
+                          double hi, const torch::Tensor& table, double underflow) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.numel() > 0,
               "quick_stats expects a non-empty contiguous CPU tensor");
   TORCH_CHECK(max_sample >= 1, "quick_stats expects max_sample >= 1, got ", max_sample);
@@ -176,7 +188,7 @@ torch::Tensor quick_stats(const torch::Tensor& x, int64_t max_sample, int64_t bi
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quick_stats", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* p = x.const_data_ptr<scalar_t>();
-    moments<scalar_t, acc_t>(p, n, o);
+    moments<scalar_t, acc_t>(p, n, underflow, o);
     histogram<scalar_t, acc_t>(p, step, k, {bins, lo, static_cast<double>(bins) / (hi - lo), tab},
                                o + 4);
   });

@@ -39,9 +39,10 @@ HIST_EDGES = np.linspace(HIST_LO, HIST_HI, HIST_BINS + 1)
 HIST_SAMPLE = 1024
 
 #: Below this magnitude a float32 square underflows (or loses its precision: float32's
-#: smallest normal number is 1.2e-38), so a quick sum of squares of a tensor whose largest
-#: element is this small reads 0, the norm of a vanishing gradient as that of a zero one:
-#: such a tensor is re-measured by the exact, float64 kernel.
+#: smallest normal number is 1.2e-38), so a float32 sum of squares of a tensor whose
+#: largest element is this small reads 0, the norm of a vanishing gradient as that of a
+#: zero one: such a tensor's squares are summed in float64 instead (from the sample in
+#: the eager quick pass, over every element in the exact kernel and the compiled one).
 UNDERFLOW = 1e-18
 
 # Layout of a statistics vector: the index of each entry (public: the recorder and the
@@ -306,12 +307,13 @@ def quick_parts(t: torch.Tensor, kernel: Any = LOOKUP) -> QuickParts:
 
 
 _FLOATING = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
-_KERNEL_ARGS: list[tuple[int, int, float, float, torch.Tensor]] = []
+_KERNEL_ARGS: list[tuple[int, int, float, float, torch.Tensor, float]] = []
 
 
-def kernel_args() -> tuple[int, int, float, float, torch.Tensor]:
+def kernel_args() -> tuple[int, int, float, float, torch.Tensor, float]:
     """The compiled kernel's arguments after the tensor: ``HIST_SAMPLE``, ``HIST_BINS``,
-    ``HIST_LO``, ``HIST_HI`` and its bin table, int32 ``[256, 2]``: for each biased float32
+    ``HIST_LO``, ``HIST_HI``, its bin table and :data:`UNDERFLOW` (below which it sums a
+    tensor's squares in float64). The bin table, int32 ``[256, 2]``: for each biased float32
     exponent ``e``, the bin of the magnitude ``2**(e - 127)`` and the mantissa bits from
     which magnitudes of that exponent fall into the next bin (``2**23``: none). Bins are
     wider than an octave, so an octave holds at most one edge. The kernel bins float
@@ -336,7 +338,14 @@ def kernel_args() -> tuple[int, int, float, float, torch.Tensor]:
                 if float(f) < 2 * low:
                     table[e, 1] = int(np.asarray(f).view(np.int32)) & 0x7FFFFF
         _KERNEL_ARGS.append(
-            (HIST_SAMPLE, HIST_BINS, HIST_LO, HIST_HI, torch.from_numpy(table).contiguous())
+            (
+                HIST_SAMPLE,
+                HIST_BINS,
+                HIST_LO,
+                HIST_HI,
+                torch.from_numpy(table).contiguous(),
+                UNDERFLOW,
+            )
         )
     return _KERNEL_ARGS[0]
 
@@ -387,10 +396,27 @@ def _assemble_group(parts: list[QuickParts], live: list[int], out: np.ndarray) -
         out[rows, IDX_NORM] = np.sqrt(sc[:, 1])
     out[rows, IDX_MIN] = sc[:, 2]
     out[rows, IDX_MAX] = sc[:, 3]
+    if len(parts[live[0]]) > 1:
+        _rescue_tiny_norms(parts, live, out)
     out[rows, IDX_HIST0:] = hs
     # zeros: scaled up from the sample
     zero_share = hs[:, HIST_BINS] / np.maximum(hs[:, HIST_BINS + 2], 1)
     out[rows, IDX_NNZ] = out[rows, IDX_NUMEL] * (1.0 - zero_share)
+
+
+def _rescue_tiny_norms(parts: list[QuickParts], live: list[int], out: np.ndarray) -> None:
+    """Eager rows whose largest element is below :data:`UNDERFLOW`: their float32 sum of
+    squares rounded to 0 (or lost its precision), so their norm comes from their sample,
+    squared in float64 (exact up to ``HIST_SAMPLE`` elements, scaled up past it). The
+    compiled kernel squares such a tensor again in float64 itself."""
+    rows = np.asarray(live)
+    with np.errstate(invalid="ignore"):
+        absmax = np.maximum(np.abs(out[rows, IDX_MIN]), np.abs(out[rows, IDX_MAX]))
+    for j in np.flatnonzero((absmax > 0) & (absmax < UNDERFLOW)):
+        i = live[j]
+        sample = parts[i][-1].detach().to(torch.float64)
+        share = out[i, IDX_NUMEL] / max(sample.numel(), 1)
+        out[i, IDX_NORM] = math.sqrt(float(sample.square().sum()) * share)
 
 
 #: samples binned per kernel call in :func:`sample_hist` (bounds its temporaries to a few
@@ -526,8 +552,7 @@ def row_flags(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def quick_is_complete(v: np.ndarray) -> bool:
     """Whether a quick vector can stand as it is: the tensor was finite and its float32
-    sum and norm did not overflow or underflow (else the exact, float64 kernel must
-    measure it)."""
+    sum and norm did not overflow (else the exact, float64 kernel must measure it)."""
     return all_quick_complete([v])
 
 
@@ -544,9 +569,6 @@ def all_quick_complete(vectors: np.ndarray | Sequence[np.ndarray]) -> bool:
         return True
     m = _matrix(vectors)
     complete = _finite_rows(m) & np.isfinite(m[:, IDX_SUM]) & np.isfinite(m[:, IDX_NORM])
-    with np.errstate(invalid="ignore"):
-        absmax = np.maximum(np.abs(m[:, IDX_MIN]), np.abs(m[:, IDX_MAX]))
-        complete &= ~((absmax > 0) & (absmax < UNDERFLOW))
     return bool(np.all(complete))
 
 
