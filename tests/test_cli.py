@@ -72,6 +72,15 @@ def workdir(tmp_path, monkeypatch, request):
     return tmp_path, mod, path
 
 
+def _model_of(tmp: Path, mod: str) -> nn.Module:
+    """A fresh model from the workdir's factory module."""
+    sys.path.insert(0, str(tmp))
+    try:
+        return importlib.import_module(mod).make()
+    finally:
+        sys.path.remove(str(tmp))
+
+
 def _run(argv, capsys) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -146,11 +155,7 @@ def test_a_failure_that_does_not_reproduce_is_not_called_healthy(workdir, capsys
     """The snapshot records a NaN loss, but its replay is finite: the terminal and the page
     say the failure did not reproduce, not "healthy" under the recorded reason."""
     tmp, mod, _ = workdir
-    sys.path.insert(0, str(tmp))
-    try:
-        model = importlib.import_module(mod).make()
-    finally:
-        sys.path.remove(str(tmp))
+    model = _model_of(tmp, mod)
     path = save_snapshot(
         "other",
         model,
@@ -348,11 +353,7 @@ def test_origin_facts_name_the_tensor_without_a_stutter():
 
 def test_a_snapshot_without_a_loss_function_names_the_option(workdir, capsys):
     tmp, mod, _ = workdir
-    sys.path.insert(0, str(tmp))
-    try:
-        model = importlib.import_module(mod).make()
-    finally:
-        sys.path.remove(str(tmp))
+    model = _model_of(tmp, mod)
     path = save_snapshot("other", model, torch.randn(4, 6), torch.randint(0, 3, (4,)), step=3)
     code, out, _ = _run(["inspect", path, "--model", f"{mod}:make"], capsys)
     assert code == 0

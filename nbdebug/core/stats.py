@@ -501,8 +501,9 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
     if bool(torch.isfinite(total)):
         sq = _sum_squares(x, flat).to(f64)
         mn, mx = (v.to(f64) for v in torch.aminmax(x))
-        absmax = float(torch.maximum(mn.abs(), mx.abs()))
-        if not bool(torch.isfinite(sq)) or 0 < absmax < UNDERFLOW:
+        absmax = torch.maximum(mn.abs(), mx.abs())
+        tiny = (absmax > 0) & (absmax < UNDERFLOW)
+        if bool(tiny | ~torch.isfinite(sq)):  # one host read for both
             sq = torch.linalg.vector_norm(x, dtype=f64).square()
         norm = sq.sqrt()
         total = total.to(f64)
