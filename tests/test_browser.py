@@ -19,7 +19,9 @@ every panel the test asserts
 
 and saves ``test-artifacts/<front end>-<panel>.png`` of the whole panel. On the Step panel it
 also clicks "jump to origin" and "next" and follows the detail pane and the norm plot's
-marker. Adding a panel is one :class:`Panel` entry (and a :class:`Cell` for a new debugger).
+marker; on the Labels panel it asks for the keyboard shortcuts, clicks the strip and
+presses k, and the sample is kept. Adding a panel is one :class:`Panel` entry (and a
+:class:`Cell` for a new debugger).
 Chromium missing is a failure, not a skip (``make browser-deps`` installs it).
 """
 
@@ -268,7 +270,13 @@ PANELS = (
         ("failing step 11", "last steps", "grad_norm", "loss"),
         plots=1,
     ),
-    Panel("labels", "labels", None, ("keep", "relabel", "exclude", "given"), plots=1),
+    Panel(
+        "labels",
+        "labels",
+        None,
+        ("keep", "relabel", "exclude", "given", "then press k keep", "kept the label of sample"),
+        plots=1,
+    ),
     Panel("drift", "drift", None, ("x0", "feature"), plots=4),
 )
 
@@ -537,6 +545,18 @@ def _step_clicks(page) -> None:
     assert badge.inner_text() == status
 
 
+def _label_keys(page) -> None:
+    """Ask for the keyboard shortcuts, click the strip, press k: the sample is kept."""
+    root = ".panel-labels"
+    page.locator(f"{root} button", has_text="Keyboard shortcuts").click()
+    strip = page.locator(f"{root} [tabindex='0']", has_text="then press k keep").first
+    strip.click()
+    page.keyboard.press("k")
+    page.wait_for_function(
+        f"() => document.querySelector('{root}').innerText.includes('kept the label of sample')"
+    )
+
+
 def _quietly(page, js: str, arg=None, timeout: float = 60_000) -> bool:
     """Wait for ``js`` to hold; on a timeout return False and let the assertions that
     follow say what is wrong."""
@@ -626,8 +646,10 @@ def test_every_panel_reads_right(server, front_end):
                 try:
                     if panel.name == "step":
                         _step_clicks(page)
+                    if panel.name == "labels":
+                        _label_keys(page)
                 except (AssertionError, PlaywrightTimeout) as e:
-                    failures.append(f"step clicks: {e}"[:3000])
+                    failures.append(f"{panel.name} clicks: {e}"[:3000])
                 finally:
                     _shoot(page, root, ARTIFACTS / f"{front_end}-{panel.name}.png")
                 try:

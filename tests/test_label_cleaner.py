@@ -348,7 +348,15 @@ def test_cleaner_buttons_keys_and_results(tmp_path, case):
     c.undo_button.click()
     assert c.current == queue[4] and len(c.decisions) == 4
     assert "undid skip" in c.message.value
-    # keyboard: the anywidget strip sends {"key": ...}
+    # keyboard: the strip is made on demand, in place of its button (an anywidget made
+    # with the panel can miss anywidget's 2 s limit while a front end draws a debugger),
+    # and sends {"key": ...}
+    assert c.keys is None and c.keys_box.children == (c.keys_button,)
+    c.keys_button.click()
+    strip = c.keys
+    assert strip is not None and c.keys_box.children == (strip,)
+    c.enable_keys()
+    assert c.keys is strip and c.keys_box.children == (strip,)
     c._on_key(c.keys, {"key": "x"}, [])
     assert c.decisions["action"].iloc[-1] == "exclude" and c.current == queue[5]
     c._on_key(c.keys, {"key": "u"}, [])

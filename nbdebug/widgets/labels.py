@@ -33,6 +33,8 @@ _KEYS_ESM = """
 function render({ model, el }) {
   const box = document.createElement("div");
   box.tabIndex = 0;
+  // the front end's own shortcuts (Notebook 7's command-mode k, j, x...) skip this element
+  box.setAttribute("data-lm-suppress-shortcuts", "true");
   box.textContent = "\u2328 click here, then press k keep \u00b7 r relabel to suggestion"
     + " \u00b7 x exclude \u00b7 s skip \u00b7 u undo";
   box.style.cssText = "padding:4px 8px;border:1px dashed #999;border-radius:4px;font-size:12px;"
@@ -55,7 +57,10 @@ export default { render };
 
 
 def _key_widget() -> Any:
-    """A focusable strip that sends key presses to Python (anywidget); None without anywidget."""
+    """A focusable strip that sends key presses to Python (anywidget); None without
+    anywidget. Made on demand (:meth:`LabelCleaner.enable_keys`), not with the panel:
+    anywidget gives up on a model whose module is not loaded within 2 s, which a front end
+    busy drawing a whole debugger can miss, and the shortcuts were then dead."""
     try:
         import anywidget
     except ImportError:  # pragma: no cover - anywidget is a dependency
@@ -204,9 +209,13 @@ class LabelCleaner:
         self.exclude_button.on_click(lambda _: self._act("exclude"))
         self.skip_button.on_click(lambda _: self._act("skip"))
         self.undo_button.on_click(lambda _: self._act("undo"))
-        self.keys = _key_widget()
-        if self.keys is not None:
-            self.keys.on_msg(self._on_key)
+        # the key strip is made when asked for (see _key_widget), in keys_box
+        self.keys: Any = None
+        self.keys_button = widgets.Button(
+            description="Keyboard shortcuts", icon="keyboard-o", layout=btn
+        )
+        self.keys_button.on_click(lambda _: self.enable_keys())
+        self.keys_box = widgets.HBox([self.keys_button])
 
         self.threshold = widgets.BoundedFloatText(
             value=0.95,
@@ -259,7 +268,7 @@ class LabelCleaner:
                 self.status,
                 widgets.HBox([sample_box, self.info]),
                 widgets.HBox(actions, layout=widgets.Layout(flex_flow="row wrap")),
-                *([self.keys] if self.keys is not None else []),
+                self.keys_box,
                 widgets.HBox([widgets.HTML("<b>Bulk</b>&nbsp;"), self.threshold, self.bulk_button]),
                 widgets.HBox(
                     [
@@ -337,6 +346,18 @@ class LabelCleaner:
         if not points.point_inds:
             return
         self.set_filter(int(points.ys[0]), int(points.xs[0]))
+
+    def enable_keys(self) -> None:
+        """Show the strip that takes the keyboard shortcuts (k keep, r relabel to the
+        suggestion, x exclude, s skip, u undo) in place of its button; once."""
+        if self.keys is not None:
+            return
+        self.keys = _key_widget()
+        if self.keys is None:  # pragma: no cover - anywidget is a dependency
+            self.message.value = "keyboard shortcuts need the anywidget package"
+            return
+        self.keys.on_msg(self._on_key)
+        self.keys_box.children = (self.keys,)
 
     def _on_key(self, _widget: Any, content: Any, _buffers: Any) -> None:
         action = KEYS.get(content.get("key", "") if isinstance(content, dict) else "")
