@@ -742,3 +742,16 @@ def test_buffer_copies_follow_a_model_moved_to_another_dtype():
     assert again.written(model) == ["1.running_mean"]
     again.restore()
     assert torch.equal(model[1].running_mean, torch.zeros(16, dtype=torch.float64))
+
+
+def test_nan_gradients_with_no_loss_given_are_not_called_a_finite_loss(tmp_path) -> None:
+    # a trainer callback that cannot see the loss (computed outside the model) passes None
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path, on_nonfinite="continue")
+    x = torch.randn(4, 8)
+    x[1, 2] = float("nan")
+    mse(model(x), torch.zeros(4, 1)).backward()
+    assert guard.check(None, inputs=x, target=torch.zeros(4, 1), step=2) is False
+    text = nbdebug.load_snapshot(guard.snapshots[0], model=_mlp).reason["message"]
+    assert text.startswith("non-finite gradients at step 2 with no loss given to the guard: ")
+    assert "finite loss" not in text

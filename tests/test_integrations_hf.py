@@ -92,6 +92,8 @@ def test_the_nan_step_is_a_no_op(run: dict[str, Any]) -> None:
     assert all(bool(torch.isfinite(p).all()) for p in run["model"].parameters())
     logged = [row for row in run["trainer"].state.log_history if "nbdebug/skipped" in row]
     assert [row["nbdebug/skipped"] for row in logged] == [1.0]
+    # the Trainer logs an update under the count after it; skipped_step is the snapshot's
+    assert [(row["step"], row["nbdebug/skipped_step"]) for row in logged] == [(k + 1, float(k))]
     assert run["model"]._forward_hooks_with_kwargs == {}  # the batch hook is gone
     assert all(not m._forward_pre_hooks for m in run["model"].modules())  # the autocast one too
 

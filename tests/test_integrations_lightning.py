@@ -303,3 +303,87 @@ def test_float16_with_a_gradscaler_on_cpu_through_the_mixed_precision_plugin(
     dtypes = {e.module: e.dtype for e in tr.events if e.phase == "forward"}
     assert dtypes["a"] == "float16" and dtypes["b"] == "float16"
     assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_a_skipped_step_under_gradient_clipping_goes_on(tmp_path: Path, algorithm: str) -> None:
+    # Lightning clips after on_before_optimizer_step: torch's clip_grad_value_ fails on a
+    # step with no gradient at all, so the skip leaves clipping out of that step
+    cb, watch, module = NaNGuardCallback(directory=tmp_path), WeightWatch(), TinyModule()
+    t = L.Trainer(
+        max_steps=STEPS,
+        callbacks=[cb, watch],
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm=algorithm,
+        logger=False,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    t.fit(module, data())
+    assert cb.skipped == [K] and t.global_step == STEPS
+    assert watch.changed[K] is False and all(watch.changed[i] for i in range(STEPS) if i != K)
+    assert t.gradient_clip_val == 0.5  # the trainer's setting is back
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization, GAN style: two optimizers stepped one after the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.g = nn.Linear(4, 1)
+        self.log_in = Log()
+        self.d = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.log_in(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_g, opt_d = self.optimizers()
+        opt_g.zero_grad()
+        self.manual_backward(F.mse_loss(self.g(x), y))
+        opt_g.step()
+        opt_d.zero_grad()
+        self.manual_backward(F.mse_loss(self(x), y))  # NaN in batch K
+        opt_d.step()
+
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.SGD(self.g.parameters(), lr=0.1),
+            torch.optim.SGD(self.d.parameters(), lr=0.1),
+        ]
+
+
+def test_the_second_optimizer_of_a_manual_step_gets_the_batch(tmp_path: Path) -> None:
+    cb = NaNGuardCallback(directory=tmp_path, loss_fn=F.mse_loss)
+    trainer([cb], steps=2 * STEPS).fit(TwoOptimizers(), data())
+    assert cb.skipped == [2 * K + 1]  # global_step counts both optimizers' steps
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TwoOptimizers)
+    x, y = data().dataset[K * BATCH : (K + 1) * BATCH]
+    assert torch.equal(snap.inputs.nan_to_num(), x) and torch.equal(snap.target, y)
+    tr = snap.trace()
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+
+
+class PartDictModule(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch["x"]), batch["y"])
+
+
+def test_a_dict_batch_whose_keys_forward_takes_in_part_replays_those_keys(
+    tmp_path: Path,
+) -> None:
+    rows = [{"x": x, "y": y} for x, y in data().dataset]
+    loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False)
+    cb = NaNGuardCallback(directory=tmp_path)
+    trainer([cb]).fit(PartDictModule(), loader)
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=PartDictModule)
+    assert set(snap.inputs) == {"x"} and snap.target is not None  # the key left over
+    assert float(snap.inputs["x"][BAD_ROW, 2]) == -1.0
+    tr = snap.trace(loss_fn=F.mse_loss)
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])

@@ -741,9 +741,13 @@ class NaNGuard:
             tail = f"; non-finite gradients in {listing(grads)}" if grads else ""
             return f"non-finite loss ({fmt_num(loss, none='None')}) at step {step}{tail}"
         if kind == "grad":
+            with_loss = (
+                "with no loss given to the guard"
+                if loss is None
+                else f"with a finite loss ({fmt_num(loss)})"
+            )
             return (
-                f"non-finite gradients at step {step} with a finite loss "
-                f"({fmt_num(loss, none='None')}): "
+                f"non-finite gradients at step {step} {with_loss}: "
                 f"{listing(detail['nonfinite_grads'])}"
             )
         if kind == REMOTE_KIND:

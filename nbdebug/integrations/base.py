@@ -84,20 +84,37 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     return batch, None
 
 
-def replay_inputs(module: Any, inputs: Any) -> Any:
-    """The inputs as a snapshot's replay passes them (a dict is the model's keyword
-    arguments): a dict batch whose keys ``module.forward`` does not take as keywords (a
+def replay_inputs(module: Any, inputs: Any, target: Any = None) -> tuple[Any, Any]:
+    """``(inputs, target)`` as a snapshot's replay passes them (a dict is the model's
+    keyword arguments). A dict batch whose keys ``module.forward`` takes as keywords stays
+    as it is; one whose keys it takes in part (``{"x": ..., "y": ...}`` for
+    ``forward(self, x)``, as ``training_step`` calls ``self(batch["x"])``) gives those keys,
+    and the one key left over is the target (several stay in the inputs' place: the batch is
+    then the one positional argument); one whose keys it does not take at all (a
     LightningModule whose ``forward(batch)`` reads ``batch["input_ids"]``) becomes the one
     positional argument, ``(batch,)``."""
     if not isinstance(inputs, Mapping):
-        return inputs
+        return inputs, target
     try:
-        inspect.signature(module.forward).bind(**inputs)
-    except TypeError:
-        return (inputs,)
+        signature = inspect.signature(module.forward)
     except ValueError:  # no signature to read: the convention stands
-        return inputs
-    return inputs
+        return inputs, target
+    try:
+        signature.bind(**inputs)
+    except TypeError:
+        pass
+    else:
+        return inputs, target
+    taken = {k: v for k, v in inputs.items() if k in signature.parameters}
+    rest = [k for k in inputs if k not in taken]
+    if taken and len(rest) == 1 and target is None:
+        try:
+            signature.bind(**taken)
+        except TypeError:
+            pass
+        else:
+            return taken, inputs[rest[0]]
+    return (inputs,), target
 
 
 def _finite(loss: Any) -> bool:

@@ -57,10 +57,22 @@ else:
         no AdamW moment or weight-decay change), so the step is a no-op for the weights.
         The learning-rate scheduler still steps and ``state.global_step`` still counts it.
         The skip is logged to the ``"nbdebug"`` Python logger, and the Trainer logs that
-        step (``control.should_log``) with ``nbdebug/skipped`` (1.0) added: in
-        ``state.log_history`` and for the callbacks after this one (the console printer,
-        and reporters added after it; those of ``report_to``, which the Trainer puts first,
-        see that row without it).
+        step (``control.should_log``) with ``nbdebug/skipped`` (1.0) and
+        ``nbdebug/skipped_step`` added: in ``state.log_history`` and for the callbacks
+        after this one (the console printer, and reporters added after it; those of
+        ``report_to``, which the Trainer puts first, see that row without it). The Trainer
+        logs an update under the step count after it (``global_step + 1``); the snapshot,
+        :attr:`skipped` and ``nbdebug/skipped_step`` number it by the updates before it, as
+        the scheduler's ``last_epoch`` and Lightning's ``global_step`` do.
+
+        With ``max_grad_norm`` (1.0 by default) the Trainer clips before this check, and
+        clipping spreads one NaN gradient element to every gradient: the reason then lists
+        every parameter. The snapshot's replay (``snap.trace()``) names where it was made.
+        The loss is read from the model's output (``outputs.loss``); a loss computed outside
+        the model (a custom ``compute_loss``, a model returning a tuple) is not seen: the
+        guard checks the gradients alone, the history has no loss, and the replay needs
+        ``snap.trace(loss_fn=...)`` (and the labels, when ``compute_loss`` took them out of
+        the batch before calling the model).
 
         The snapshot holds the batch the Trainer fed the model (read by a forward hook
         on the model while it trains, removed at the end of training; the keyword
@@ -230,8 +242,14 @@ else:
             self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
         ) -> None:
             if isinstance(logs, dict) and self._unlogged:
-                logs["nbdebug/skipped"] = float(self._unlogged)
+                # the Trainer logs an update under its step count after it (global_step + 1
+                # of the guard's step): skipped_step is the snapshot's number
+                added = {
+                    "nbdebug/skipped": float(self._unlogged),
+                    "nbdebug/skipped_step": float(self.skipped[-1]),
+                }
+                logs.update(added)
                 history = getattr(state, "log_history", None)
                 if history and history[-1].get("step") == state.global_step:
-                    history[-1]["nbdebug/skipped"] = float(self._unlogged)
+                    history[-1].update(added)
                 self._unlogged = 0

@@ -43,15 +43,21 @@ else:
         gradients, before the optimizer updates the weights. On a bad step it writes a
         snapshot with the step's batch (the one ``training_step`` received; under
         gradient accumulation the first micro-batch whose loss was not finite, else the
-        last), and, with ``on_nonfinite="skip"`` (the default), sets every gradient to
-        ``None``: Lightning then still calls ``optimizer.step()``, and a torch optimizer
-        skips each parameter whose ``.grad`` is ``None`` (no update, no momentum or Adam
-        moment change, no weight decay), so the step is a no-op for the weights. The skip
+        last: a NaN made in the gradients alone, with a finite loss, by an earlier
+        micro-batch is then not in the snapshot, and its replay finds no origin), and,
+        with ``on_nonfinite="skip"`` (the default), sets every gradient to ``None``:
+        Lightning then still calls ``optimizer.step()``, and a torch optimizer skips each
+        parameter whose ``.grad`` is ``None`` (no update, no momentum or Adam moment
+        change, no weight decay), so the step is a no-op for the weights. The skip
         is logged to the trainer's loggers as ``nbdebug/skipped`` (1.0) at the step, and
         to the ``"nbdebug"`` Python logger.
 
         The optimizer's learning-rate scheduler still steps (Lightning steps it after the
-        optimizer). With several optimizers, the first one is guarded.
+        optimizer). Lightning's gradient clipping (``gradient_clip_val``) is left out of a
+        skipped step: there is no gradient to clip (torch's ``clip_grad_value_`` fails on
+        none), and the trainer's setting is back for the next step. Every optimizer step is
+        checked (under manual optimization with several optimizers, each one's, with the
+        batch ``training_step`` received); the snapshot holds the first optimizer's state.
 
         Mixed precision: the autocast dtype the trainer ran (``trainer.precision``) goes
         into the snapshot. On CPU, Lightning 2.x itself runs ``precision="16-mixed"`` as
@@ -91,6 +97,8 @@ else:
                 version=lightning.__version__,
                 supported=SUPPORTED,
             )
+            self._stepped = False  # an optimizer step ran during this training_step
+            self._clip_val: Any = None  # the trainer's gradient_clip_val, off for a skip
 
         def __repr__(self) -> str:
             return (
@@ -105,11 +113,6 @@ else:
                 "it was attached to a transformers.Trainer: use "
                 "nbdebug.integrations.hf.NaNGuardCallback there."
             )
-
-        def on_exception(self, *args: Any, **kwargs: Any) -> None:
-            # nothing to do; it takes any arguments so that, given the class instead of an
-            # instance, Lightning's call of it unbound leaves setup()'s error standing
-            return None
 
         def setup(self, trainer: Any, pl_module: Any = None, stage: str | None = None) -> None:
             # (defaults: given the class, Lightning's call binds its trainer to self)
@@ -166,19 +169,43 @@ else:
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
             self.step_batch.set_loss(loss)
 
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            self._restore_clipping(trainer)
+            if self._stepped:  # an optimizer step ended with this batch
+                self.step_batch.reset()
+                self._stepped = False
+
+        def on_exception(self, trainer: Any = None, *args: Any, **kwargs: Any) -> None:
+            # it takes any arguments so that, given the class instead of an instance,
+            # Lightning's call of it unbound leaves setup()'s error standing
+            if isinstance(self, NaNGuardCallback):
+                self._restore_clipping(trainer)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self._restore_clipping(trainer)
+
+        def _restore_clipping(self, trainer: Any) -> None:
+            if self._clip_val is not None and trainer is not None:
+                trainer.gradient_clip_val = self._clip_val
+                self._clip_val = None
+
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if self.guard is None:
                 return
             step = int(trainer.global_step)
-            inputs, target = split_batch(self.step_batch.batch)
-            inputs = replay_inputs(pl_module, inputs)
+            inputs, target = replay_inputs(pl_module, *split_batch(self.step_batch.batch))
             loss = self.step_batch.loss
-            self.step_batch.reset()
+            # the batch is kept to the end of training_step (on_train_batch_end): under
+            # manual optimization a second optimizer steps on the same batch
+            self._stepped = True
             self.guard.writer.fields["trainer"]["global_step"] = step
             if self.guard.check(loss, inputs=inputs, target=target, step=step):
                 return
             if self.guard.on_nonfinite == "continue":
                 return
+            if trainer.gradient_clip_val is not None:  # Lightning clips next: nothing to clip
+                self._clip_val = trainer.gradient_clip_val
+                trainer.gradient_clip_val = None
             self.skipped.append(step)
             reason = self.guard.history[-1].get("nonfinite")
             _log.warning(
