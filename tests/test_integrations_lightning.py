@@ -179,6 +179,13 @@ def test_a_bad_guard_option_is_refused_when_the_callback_is_made() -> None:
         NaNGuardCallback(directory="x", optimizer=None)
     with pytest.raises(TypeError, match="takes 'autocast' from the trainer"):
         NaNGuardCallback(directory="x", autocast="float16")  # from its precision setting
+    # a wrong value too, not at train start
+    with pytest.raises(ValueError, match=r"on_nonfinite must be one of .*; got 'skipp'"):
+        NaNGuardCallback(directory="x", on_nonfinite="skipp")
+    with pytest.raises(ValueError, match=r"max_snapshots must be a positive int or None; got 0"):
+        NaNGuardCallback(directory="x", max_snapshots=0)
+    with pytest.raises(TypeError, match="loss_fn"):
+        NaNGuardCallback(directory="x", loss_fn="mse")
 
 
 def test_a_bad_directory_or_the_class_itself_is_named() -> None:

@@ -3,6 +3,7 @@ of the step, and the stub that stands in for a callback whose framework is missi
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from ..analysis.checks_guard import NaNGuard
+from ..core.batch import check_loss_fn
+from ..core.guard_step import GuardOptions
 
 __all__ = [
     "StepBatch",
@@ -56,6 +59,11 @@ def check_options(callback: str, options: dict[str, Any]) -> dict[str, Any]:
         if key not in accepted:
             allowed = ", ".join(k for k in accepted if k not in (*FROM_TRAINER, "directory"))
             raise TypeError(f"{callback} got an unknown guard option {key!r}; expected {allowed}.")
+    # and the values the guard checks without a model: wrong ones fail here too
+    rules = {f.name for f in dataclasses.fields(GuardOptions)}
+    GuardOptions(**{k: v for k, v in options.items() if k in rules})
+    if "loss_fn" in options:
+        check_loss_fn(options["loss_fn"])
     return dict(options)
 
 
