@@ -5,6 +5,7 @@ a fresh process."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -394,3 +395,36 @@ def test_a_dict_batch_whose_keys_forward_takes_in_part_replays_those_keys(
     assert float(snap.inputs["x"][BAD_ROW, 2]) == -1.0
     tr = snap.trace(loss_fn=F.mse_loss)
     assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+
+
+class LossLog(TinyModule):
+    """Keeps what training_step returned, batch by batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss))
+        return loss
+
+
+def test_under_accumulation_the_history_has_training_steps_loss(tmp_path: Path) -> None:
+    # Lightning divides the loss by accumulate_grad_batches before the backward
+    cb, module = NaNGuardCallback(directory=tmp_path), LossLog()
+    t = L.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=2,
+        callbacks=[cb],
+        logger=False,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    t.fit(module, data())
+    # step 0 is batches 0 and 1 (the last one's loss); step 1 batches 2 and K=3 (NaN)
+    losses = [h["loss"] for h in cb.guard.history]
+    assert losses == pytest.approx([module.losses[1], module.losses[3]], rel=1e-6, nan_ok=True)
+    assert cb.skipped == [1] and math.isnan(losses[1])

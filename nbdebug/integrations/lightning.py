@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from .base import (
     CallbackState,
     make_guard,
@@ -167,6 +169,11 @@ else:
             self.step_batch.add(batch)
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            # under automatic optimization Lightning divides the loss by
+            # accumulate_grad_batches before the backward: the history gets training_step's
+            n = int(trainer.accumulate_grad_batches)
+            if pl_module.automatic_optimization and n > 1 and isinstance(loss, torch.Tensor):
+                loss = loss.detach() * n
             self.step_batch.set_loss(loss)
 
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
