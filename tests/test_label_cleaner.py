@@ -21,6 +21,7 @@ import nbdebug
 from nbdebug.analysis.journal import Journal, fingerprint
 from nbdebug.analysis.labels import find_label_issues
 from nbdebug.analysis.review import LabelReview, SplitGuardError
+from nbdebug.core.text import fmt_num
 from nbdebug.widgets.labels import LabelCleaner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -454,6 +455,18 @@ def test_sample_rendering_kinds(tmp_path):
     t = LabelCleaner(table, noisy, issues, journal=tmp_path / "c.jsonl")
     assert t.kind == "table" and t.current is not None
     assert "height" in t.sample_html.value and f"{t.current * 1.5:.4g}" in t.sample_html.value
+    # many features: short columns side by side, every value shown up to 96, then a count
+    # (101 features, not 100: a square number reads as a flat image)
+    wide = np.arange(120 * 30, dtype=float).reshape(120, 30)
+    w = LabelCleaner(wide, noisy, issues, journal=tmp_path / "w.jsonl")
+    assert w.kind == "table"
+    body = w.sample_html.value
+    assert body.count("<tr>") == 12 and body.count("x[") == 30  # 3 columns of 12, 12, 6
+    assert f"<td>{fmt_num(wide[w.current, 29])}</td>" in body and "more" not in body
+    huge = LabelCleaner(np.zeros((120, 101)), noisy, issues, journal=tmp_path / "h.jsonl")
+    assert huge.sample_html.value.count("x[") == 96 and "… 5 more features" in (
+        huge.sample_html.value
+    )
     texts = [f"review <{i}> text" for i in range(120)]
     tx = LabelCleaner(texts, noisy, issues, journal=tmp_path / "d.jsonl")
     assert tx.kind == "text" and f"review &lt;{tx.current}&gt; text" in tx.sample_html.value

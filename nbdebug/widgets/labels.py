@@ -20,7 +20,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ..analysis.review import LabelReview
-from ..core.text import fmt_num
+from ..core.text import count_text, fmt_num
 from ..figures import labels as figs
 from ..figures.palette import BLUE, GREEN, MUTED_TEXT, RED
 from .output import object_output, show_outputs
@@ -529,20 +529,36 @@ class LabelCleaner:
         )
 
 
-def _table_html(sample: Any, most: int = 24) -> str:
-    """A sample's features as a compact two-column table."""
+def _table_html(sample: Any, per_column: int = 12, most: int = 96) -> str:
+    """A sample's features as a compact table: name/value pairs in columns of
+    ``per_column`` rows, side by side (30 features read as 3 short columns, not one tall
+    one), at most ``most`` of them, then how many more."""
     if isinstance(sample, pd.Series):
         items = list(sample.items())
     else:
         arr = np.asarray(sample.detach().cpu() if hasattr(sample, "detach") else sample).ravel()
         items = [(f"x[{i}]", v) for i, v in enumerate(arr)]
-    rows = "".join(
-        f"<tr><td style='padding:0 "
-        f"8px'>{html.escape(str(k))}</td><td>{html.escape(fmt_num(v))}</td></tr>"
-        for k, v in items[:most]
-    )
+    shown = items[:most]
+    columns = [shown[i : i + per_column] for i in range(0, len(shown), per_column)] or [[]]
+    pad = "padding:0 6px 0 12px"
+
+    def cells(r: int) -> str:
+        out = []
+        for col in columns:
+            if r < len(col):
+                k, v = col[r]
+                out.append(
+                    f"<td style='{pad};color:{MUTED_TEXT}'>{html.escape(str(k))}</td>"
+                    f"<td>{html.escape(fmt_num(v))}</td>"
+                )
+            else:
+                out.append("<td></td><td></td>")
+        return "<tr>" + "".join(out) + "</tr>"
+
+    rows = "".join(cells(r) for r in range(len(columns[0])))
     more = (
-        f"<tr><td colspan=2><i>… {len(items) - most} more</i></td></tr>"
+        f"<tr><td colspan={2 * len(columns)} style='{pad}'>"
+        f"<i>… {count_text(len(items) - most, 'more feature')}</i></td></tr>"
         if len(items) > most
         else ""
     )
