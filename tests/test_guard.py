@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import random
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -755,3 +757,65 @@ def test_nan_gradients_with_no_loss_given_are_not_called_a_finite_loss(tmp_path)
     text = nbdebug.load_snapshot(guard.snapshots[0], model=_mlp).reason["message"]
     assert text.startswith("non-finite gradients at step 2 with no loss given to the guard: ")
     assert "finite loss" not in text
+
+
+class PyRandomNet(nn.Module):
+    """Draws from Python's and numpy's RNGs in its forward (LayerDrop style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 1)
+        self.draws: list[tuple[float, float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        u, v = random.random(), float(np.random.rand())
+        self.draws.append((u, v))
+        return self.b(torch.log(h) if u < 0.5 else h)
+
+
+def test_the_replay_draws_the_failing_steps_python_and_numpy_numbers(tmp_path) -> None:
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(0)
+    m = PyRandomNet()
+    guard = NaNGuard(m, directory=tmp_path, loss_fn=mse)
+    x, y = torch.randn(8, 2), torch.randn(8, 1)
+    for step in range(20):
+        loss = mse(m(x), y)
+        loss.backward()
+        if not guard.check(loss, inputs=x, target=y, step=step):
+            break
+        m.zero_grad()
+    failing = m.draws[-1]
+    assert failing[0] < 0.5  # the log branch made the NaN
+    snap = nbdebug.load_snapshot(guard.snapshots[0], model=PyRandomNet)
+    tr = snap.trace()
+    assert snap.model.draws[0] == failing and tr.origin is not None
+
+
+def test_a_snapshot_that_cannot_be_written_still_skips_the_step(tmp_path) -> None:
+    model, snaps = _mlp(), tmp_path / "snaps"
+    guard = NaNGuard(model, directory=snaps, patience=None)
+    if snaps.is_dir():
+        snaps.rmdir()
+    snaps.write_text("a file took the directory's place")  # the disk fails at the bad step
+    with pytest.warns(RuntimeWarning, match=r"snapshot of step 1 could not be written .*skip"):
+        assert _bad_step(model, guard, 1) is False
+    assert all(p.grad is None for p in model.parameters()) and guard.ok is False
+    assert guard.snapshots == [] and guard.history[-1]["skipped"] is True
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("scaler_patience", "abc", r"scaler_patience must be a positive int; got 'abc'"),
+        ("scaler_patience", -3, r"scaler_patience must be a positive int; got -3"),
+        ("min_scale", "low", r"min_scale must be a finite number >= 0; got 'low'"),
+        ("min_scale", float("nan"), r"min_scale must be a finite number >= 0; got nan"),
+    ],
+)
+def test_scaler_options_name_themselves(tmp_path, option, value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        NaNGuard(_mlp(), directory=tmp_path, **{option: value})

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from state import assert_unchanged, fingerprint
@@ -677,3 +678,68 @@ def test_fuzz_only_snapshot_error(small_snapshot, tmp_path, mutation):
         history_table(snap)
     except SnapshotError:
         pass
+
+
+def test_two_background_writes_of_one_name_keep_both_files(tmp_path: Path) -> None:
+    # a background write creates its file later: the name is reserved when handed out
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    guards = [
+        nbdebug.NaNGuard(m, directory=tmp_path, async_save=True, on_nonfinite="continue")
+        for m in (gen, disc)
+    ]
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    for g, m in zip(guards, (gen, disc)):
+        m(x).sum().backward()
+        assert g.check(m(x).sum(), inputs=x, step=3) is False
+    for g in guards:
+        g.close()
+    (a,), (b,) = guards[0].snapshots, guards[1].snapshots
+    assert a != b and sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, b.name])
+    assert load_snapshot(a).model_state["weight"].shape == (4, 4)
+    assert load_snapshot(b).model_state["weight"].shape == (1, 4)
+
+
+class FrozenNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.log(self.bn(self.fc(x))))
+
+
+def test_a_submodule_frozen_in_eval_replays_in_eval(tmp_path: Path) -> None:
+    # fine-tuning: model.train(); model.bn.eval(); the replay uses the running statistics
+    torch.manual_seed(0)
+    model = FrozenNorm()
+    with torch.no_grad():
+        model.bn.running_mean.fill_(-10.0)
+    model.train()
+    model.bn.eval()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    x[5] = -1000.0  # only this row goes negative through the frozen statistics
+    live = nbdebug.trace(model, x, y, loss_fn=F.mse_loss)
+    path = save_snapshot(tmp_path / "s.nbsnap", model, x, y, loss_fn=F.mse_loss)
+    snap = load_snapshot(path, model=FrozenNorm)
+    assert snap.model_training is True and snap.module_training == {"bn": False}
+    rep = snap.trace()
+    assert snap.model.bn.training is False and snap.model.fc.training is True
+    assert live.origin is not None and rep.origin is not None
+    assert (rep.origin.module, rep.origin.samples) == (live.origin.module, live.origin.samples)
+    assert live.origin.samples == [5]
+
+
+def test_a_torchscript_archive_is_named_and_a_bad_path_or_flag_too(tmp_path: Path) -> None:
+    scripted = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.script(nn.Linear(2, 1)), str(scripted))
+    with pytest.raises(SnapshotError, match=r"not a snapshot: it is a TorchScript archive"):
+        load_snapshot(scripted)
+    with pytest.raises(TypeError, match=r"^path must be a str or os\.PathLike; got int\.$"):
+        load_snapshot(3)  # type: ignore[arg-type]
+    path = save_snapshot(tmp_path / "s.nbsnap", nn.Linear(2, 1), torch.zeros(1, 2))
+    with pytest.raises(TypeError, match=r"trust_recipe must be True or False; got 'yes'"):
+        load_snapshot(path, trust_recipe="yes")  # type: ignore[arg-type]

@@ -61,6 +61,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -412,12 +413,6 @@ class NaNGuard:
     param_norm_every = _option("options", "param_norm_every")
 
     # ------------------------------------------------------------------ checking
-    @staticmethod
-    def _cuda_rng() -> list[torch.Tensor] | None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch.cuda.get_rng_state_all()
-        return None
-
     def _exact_norm(self, tensors: Sequence[torch.Tensor]) -> float:
         """The norm in float64: finite elements whose float32 sum of squares overflowed
         (a diverging run, |x| ~ 1e19) still give a finite norm. Only when float32 said inf."""
@@ -611,8 +606,6 @@ class NaNGuard:
                 reading.step, list(self.model.named_parameters())
             )
             if outcome.replicas is not None:
-                import warnings
-
                 warnings.warn(outcome.replicas.message, RuntimeWarning, stacklevel=3)
         return dataclasses.replace(reading, ranks=outcome)
 
@@ -791,9 +784,9 @@ class NaNGuard:
         }
         row["nonfinite"] = kind
         row["skipped"] = action != "continue"
-        rng = RngState.capture()
-        rng.torch_cpu = self._rng_torch  # the state at the start of the failing step
-        rng.cuda = self._rng_cuda if self._rng_cuda is not None else rng.cuda
+        rng = self._rng  # the states at the start of the failing step (torch, numpy, Python)
+        if rng.cuda is None:  # CUDA was first used during the step
+            rng = dataclasses.replace(rng, cuda=RngState.capture().cuda)
         buffers = self._buffers
         assert buffers is not None
         written = buffers.written(self.model)
@@ -808,9 +801,19 @@ class NaNGuard:
                 as_at_start = buffers.swapped_in()
             else:
                 buffers.restore()
-        with as_at_start:
-            path = self.writer.write(
-                self, step, reason, inputs, target, rng=rng, distributed=distributed
+        try:
+            with as_at_start:
+                path = self.writer.write(
+                    self, step, reason, inputs, target, rng=rng, distributed=distributed
+                )
+        except OSError as e:  # a full or unwritable disk: the step is still handled
+            path = None
+            warnings.warn(
+                f"nbdebug: the snapshot of step {step} could not be written to "
+                f"{self.writer.directory} ({type(e).__name__}: {e}); the guard goes on "
+                f"without it ({action}).",
+                RuntimeWarning,
+                stacklevel=3,
             )
         self.bad_streak += 1
         if self._streak_first is None:
@@ -847,8 +850,7 @@ class NaNGuard:
         buffers). :meth:`check` records them after each step by itself; call this when the
         loop draws random numbers or writes buffers between steps (data loading, a trainer
         callback's ``on_train_batch_start``)."""
-        self._rng_torch = torch.get_rng_state()
-        self._rng_cuda = self._cuda_rng()
+        self._rng = RngState.capture()
         self._buffers = BufferCopies.capture(self.model, self._buffers)
 
     def clear_grads(self) -> None:

@@ -146,8 +146,15 @@ class GuardOptions:
             raise ValueError(
                 f"param_norm_every must be a positive int; got {self.param_norm_every!r}."
             )
-        object.__setattr__(self, "min_scale", float(self.min_scale))
-        object.__setattr__(self, "scaler_patience", int(self.scaler_patience))
+        ms = self.min_scale
+        number = isinstance(ms, (int, float)) and not isinstance(ms, bool)
+        if not number or not 0 <= ms < math.inf:
+            raise ValueError(f"min_scale must be a finite number >= 0; got {ms!r}.")
+        if not _positive_int(self.scaler_patience):
+            raise ValueError(
+                f"scaler_patience must be a positive int; got {self.scaler_patience!r}."
+            )
+        object.__setattr__(self, "min_scale", float(ms))
 
 
 def _positive_int(v: Any) -> bool:

@@ -165,6 +165,9 @@ def save_snapshot(
         "model_class": object_name(type(model))
         or f"{type(model).__module__}:{type(model).__qualname__}",
         "model_training": bool(model.training),
+        "module_training": {
+            name: m.training for name, m in model.named_modules() if m.training != model.training
+        },
         "inputs": to_plain(inputs, "inputs", dropped, clone=True),
         "target": to_plain(target, "target", dropped, clone=True),
         "optimizer": to_plain(
@@ -346,10 +349,14 @@ def load_snapshot(
         not fit the model (missing/unexpected keys and shape mismatches listed).
     """
     _check_map_location(map_location)
+    if not isinstance(trust_recipe, bool):
+        raise TypeError(
+            f"trust_recipe must be True or False; got {trust_recipe!r} "
+            f"({type(trust_recipe).__qualname__})."
+        )
+    payload = read_archive(path, map_location=map_location)  # checks the path's type first
     where = Path(path)
-    snap = Snapshot.from_payload(
-        read_archive(path, map_location=map_location), where, trust_recipe=trust_recipe
-    )
+    snap = Snapshot.from_payload(payload, where, trust_recipe=trust_recipe)
     caller_rng = RngState.capture()  # building a model draws initial weights
     try:
         built = _build_model(model, snap.recipe, where, trust_recipe=trust_recipe)
@@ -469,6 +476,7 @@ class Snapshot:
     model_state: dict[str, torch.Tensor]
     model_class: str | None
     model_training: bool
+    module_training: dict[str, bool]
     inputs: Any
     target: Any
     optimizer_state: dict[str, Any] | None
@@ -585,10 +593,16 @@ class Snapshot:
 
     # ----------------------------------------------------------------- replay
     def reset_model(self) -> torch.nn.Module:
-        """Load the stored state into :attr:`model` again and set its train flag."""
+        """Load the stored state into :attr:`model` again and set its train flags: the
+        model's, and those of the submodules whose flag differed (:attr:`module_training`,
+        a BatchNorm frozen in eval)."""
         model = self._need_model()
         model.load_state_dict(self.model_state)
         model.train(self.model_training)
+        modules = dict(model.named_modules())
+        for name, flag in self.module_training.items():
+            if name in modules:
+                modules[name].training = flag
         return model
 
     def _need_model(self) -> torch.nn.Module:

@@ -54,6 +54,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import warnings
 import zipfile
 import zlib
@@ -251,6 +252,12 @@ def _check_autocast(value: dict[str, Any] | None) -> None:
         raise ValueError("its autocast state is not {'device_type': str, 'dtype': str}")
 
 
+def _check_module_training(value: dict[Any, Any]) -> None:
+    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, bool)]
+    if bad:
+        raise ValueError(f"maps submodule names to bools; got {bad[0]!r}: {value[bad[0]]!r}")
+
+
 #: The snapshot's fields, in the order they are written. Add a field: see the module doc.
 FIELDS: tuple[Field, ...] = (
     Field("step", (int, NoneType), "the training step (None: not known)", default=None),
@@ -406,6 +413,15 @@ FIELDS: tuple[Field, ...] = (
         since=3,
         default=None,
         check=_check_autocast,
+    ),
+    Field(
+        "module_training",
+        (dict,),
+        "the submodules whose train flag differs from the model's, {name: bool} (a "
+        "BatchNorm frozen in eval inside a model in train mode)",
+        since=4,
+        default_factory=dict,
+        check=_check_module_training,
     ),
 )
 
@@ -575,6 +591,11 @@ def read_archive(
             raise SnapshotError(
                 f"{p} holds Python objects other than tensors and plain containers{what}: it is "
                 "corrupt or was not written by nbdebug, and is refused (loading it could run code)."
+            ) from e
+        if "TorchScript" in msg:
+            raise SnapshotError(
+                f"{p} is not a snapshot: it is a TorchScript archive (torch.jit.save); load "
+                "it with torch.jit.load."
             ) from e
         if "central directory" in msg or "failed reading zip archive" in msg:
             raise SnapshotError(
@@ -761,14 +782,23 @@ def unique_path(
     directory: str | os.PathLike[str], step: int | None, *, rank: int | None = None
 ) -> Path:
     """A path in ``directory`` for the snapshot of ``step`` (of ``rank``) that no file
-    holds yet."""
+    holds yet and no write of this process is about to take: the name is reserved until
+    :func:`atomic_save` of it ends (a background write creates its file later, and two
+    guards of one directory, or two bad steps of one number, would otherwise share it)."""
     d = Path(directory)
     base = d / snapshot_name(step, rank)
     path, n = base, 1
-    while path.exists():
-        path = base.with_name(f"{base.stem}-{n}{SUFFIX}")
-        n += 1
+    with _RESERVED_LOCK:
+        while path.exists() or path.absolute() in _RESERVED:
+            path = base.with_name(f"{base.stem}-{n}{SUFFIX}")
+            n += 1
+        _RESERVED.add(path.absolute())
     return path
+
+
+#: the snapshot paths handed out by unique_path whose write has not ended yet
+_RESERVED: set[Path] = set()
+_RESERVED_LOCK = threading.Lock()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -800,5 +830,8 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    finally:
+        with _RESERVED_LOCK:
+            _RESERVED.discard(path.absolute())
     _fsync_dir(directory)
     return path
