@@ -6,6 +6,7 @@ process."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -230,3 +231,42 @@ def test_fp16_on_cpu_runs_in_float32_and_the_snapshot_says_so(tmp_path: Path) ->
     assert {
         e.dtype for e in snap.trace().events if (e.module_type, e.phase) == ("Conv1D", "forward")
     } == {"float32"}
+
+
+class TupleNet(torch.nn.Module):
+    """Returns ``(loss, logits)``: the Trainer takes ``outputs[0]`` as the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.lin(torch.log(x))  # log(-1) = NaN in dataset row 5
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+class TupleRows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.rand(4, generator=torch.Generator().manual_seed(i)) + 0.5
+        if i == 5:
+            x[0] = -1.0
+        return {"x": x, "labels": torch.tensor(i % 3)}
+
+
+def test_a_tuple_output_gives_the_guard_its_first_element_as_the_loss(tmp_path: Path) -> None:
+    cb = NaNGuardCallback(directory=tmp_path / "snaps")
+    args = arguments(tmp_path / "out", max_grad_norm=0.0, remove_unused_columns=False)
+    args.max_steps = 4
+    transformers.Trainer(
+        model=TupleNet(), args=args, train_dataset=TupleRows(), callbacks=[cb]
+    ).train()
+    losses = [row["loss"] for row in cb.guard.history]
+    (k,) = cb.skipped  # the step that drew row 5 (the Trainer shuffles)
+    assert math.isnan(losses[k]) and len(losses) == 4
+    assert all(isinstance(v, float) and math.isfinite(v) for i, v in enumerate(losses) if i != k)
+    reason = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TupleNet).reason
+    assert reason["kind"] == "loss" and reason["message"].startswith("non-finite loss (nan)")

@@ -34,9 +34,15 @@ def _unwrap(obj: Any) -> Any:
 
 
 def _loss_of(output: Any) -> Any:
+    """The loss in a model's output as the Trainer reads it: ``output["loss"]`` (a
+    ``ModelOutput`` or dict), else a tuple's first element when it is a scalar tensor."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
+    if loss is None and isinstance(output, tuple) and output:
+        first = output[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 0:
+            loss = first
     return loss
 
 
@@ -68,11 +74,11 @@ else:
         With ``max_grad_norm`` (1.0 by default) the Trainer clips before this check, and
         clipping spreads one NaN gradient element to every gradient: the reason then lists
         every parameter. The snapshot's replay (``snap.trace()``) names where it was made.
-        The loss is read from the model's output (``outputs.loss``); a loss computed outside
-        the model (a custom ``compute_loss``, a model returning a tuple) is not seen: the
-        guard checks the gradients alone, the history has no loss, and the replay needs
-        ``snap.trace(loss_fn=...)`` (and the labels, when ``compute_loss`` took them out of
-        the batch before calling the model).
+        The loss is read from the model's output as the Trainer reads it (``outputs.loss``,
+        or a tuple's first element when it is a scalar); a loss computed outside the model
+        (a custom ``compute_loss``) is not seen: the guard checks the gradients alone, the
+        history has no loss, and the replay needs ``snap.trace(loss_fn=...)`` (and the
+        labels, when ``compute_loss`` took them out of the batch before calling the model).
 
         The snapshot holds the batch the Trainer fed the model (read by a forward hook
         on the model while it trains, removed at the end of training; the keyword
