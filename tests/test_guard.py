@@ -819,3 +819,16 @@ def test_a_snapshot_that_cannot_be_written_still_skips_the_step(tmp_path) -> Non
 def test_scaler_options_name_themselves(tmp_path, option, value, message) -> None:
     with pytest.raises(ValueError, match=message):
         NaNGuard(_mlp(), directory=tmp_path, **{option: value})
+
+
+def test_an_error_after_the_snapshot_limit_says_no_snapshot_was_written(tmp_path) -> None:
+    model = _mlp()
+    guard = NaNGuard(model, directory=tmp_path, on_nonfinite="raise", max_snapshots=1)
+    with pytest.raises(NonFiniteError, match=r"Snapshot: .*step-000000001\.nbsnap$"):
+        _bad_step(model, guard, 1)
+    model.zero_grad()
+    assert _bad_step(model, guard, 2, bad=False) is True  # ends the streak
+    model.zero_grad()
+    with pytest.raises(NonFiniteError, match=r"No snapshot was written \(max_snapshots") as e:
+        _bad_step(model, guard, 3)
+    assert e.value.path is None and "Snapshot: None" not in str(e.value)

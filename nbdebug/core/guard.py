@@ -825,13 +825,18 @@ class NaNGuard:
         too_many = self.patience is not None and self.bad_streak > self.patience
         if action == "raise" or too_many:
             first_path, first_step, first_reason = self._streak_first
+            saved = (
+                f"Snapshot: {first_path}"
+                if first_path is not None
+                else "No snapshot was written (max_snapshots reached, or the write failed)"
+            )
             if action == "raise":
-                text = f"{message}. Snapshot: {first_path}"
+                text = f"{message}. {saved}"
             else:
                 text = (
                     f"{self.bad_streak} non-finite steps in a row "
                     f"(patience={self.patience}); the first, "
-                    f"step {first_step}: {first_reason['message']}. Snapshot: {first_path}"
+                    f"step {first_step}: {first_reason['message']}. {saved}"
                 )
             err = NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)
             global _last

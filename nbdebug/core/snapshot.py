@@ -349,11 +349,7 @@ def load_snapshot(
         not fit the model (missing/unexpected keys and shape mismatches listed).
     """
     _check_map_location(map_location)
-    if not isinstance(trust_recipe, bool):
-        raise TypeError(
-            f"trust_recipe must be True or False; got {trust_recipe!r} "
-            f"({type(trust_recipe).__qualname__})."
-        )
+    check_flag(trust_recipe, "trust_recipe")
     payload = read_archive(path, map_location=map_location)  # checks the path's type first
     where = Path(path)
     snap = Snapshot.from_payload(payload, where, trust_recipe=trust_recipe)
