@@ -105,7 +105,9 @@ def trainer(
     steps: int = STEPS,
     precision: str | None = "32-true",
     plugins: Any = None,
+    **options: Any,
 ) -> Any:
+    """A quiet CPU Trainer; ``options`` are further Trainer arguments."""
     return L.Trainer(
         max_steps=steps,
         precision=precision,
@@ -116,6 +118,7 @@ def trainer(
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
+        **options,
     )
 
 
@@ -318,17 +321,7 @@ def test_a_skipped_step_under_gradient_clipping_goes_on(tmp_path: Path, algorith
     # Lightning clips after on_before_optimizer_step: torch's clip_grad_value_ fails on a
     # step with no gradient at all, so the skip leaves clipping out of that step
     cb, watch, module = NaNGuardCallback(directory=tmp_path), WeightWatch(), TinyModule()
-    t = L.Trainer(
-        max_steps=STEPS,
-        callbacks=[cb, watch],
-        gradient_clip_val=0.5,
-        gradient_clip_algorithm=algorithm,
-        logger=False,
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    t = trainer([cb, watch], gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
     t.fit(module, data())
     assert cb.skipped == [K] and t.global_step == STEPS
     assert watch.changed[K] is False and all(watch.changed[i] for i in range(STEPS) if i != K)
@@ -413,16 +406,7 @@ class LossLog(TinyModule):
 def test_under_accumulation_the_history_has_training_steps_loss(tmp_path: Path) -> None:
     # Lightning divides the loss by accumulate_grad_batches before the backward
     cb, module = NaNGuardCallback(directory=tmp_path), LossLog()
-    t = L.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=2,
-        callbacks=[cb],
-        logger=False,
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    t = trainer([cb], steps=2, accumulate_grad_batches=2)
     t.fit(module, data())
     # step 0 is batches 0 and 1 (the last one's loss); step 1 batches 2 and K=3 (NaN)
     losses = [h["loss"] for h in cb.guard.history]

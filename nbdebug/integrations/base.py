@@ -107,22 +107,21 @@ def replay_inputs(module: Any, inputs: Any, target: Any = None) -> tuple[Any, An
         signature = inspect.signature(module.forward)
     except ValueError:  # no signature to read: the convention stands
         return inputs, target
-    try:
-        signature.bind(**inputs)
-    except TypeError:
-        pass
-    else:
+    if _binds(signature, inputs):
         return inputs, target
     taken = {k: v for k, v in inputs.items() if k in signature.parameters}
     rest = [k for k in inputs if k not in taken]
-    if taken and len(rest) == 1 and target is None:
-        try:
-            signature.bind(**taken)
-        except TypeError:
-            pass
-        else:
-            return taken, inputs[rest[0]]
+    if taken and len(rest) == 1 and target is None and _binds(signature, taken):
+        return taken, inputs[rest[0]]
     return (inputs,), target
+
+
+def _binds(signature: inspect.Signature, keywords: Mapping[str, Any]) -> bool:
+    try:
+        signature.bind(**keywords)
+    except TypeError:
+        return False
+    return True
 
 
 def _finite(loss: Any) -> bool:
