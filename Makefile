@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PORT   ?= 8888
 STAMP  := $(VENV)/.nbdebug-installed
 
-.PHONY: setup lab test lint unit browser-deps bench clean
+.PHONY: setup kernels lab test lint unit browser-deps bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev,lightning,hf,kernels]"
 	touch $(STAMP)
 
-setup: $(STAMP)
+## the compiled statistics kernel traces use on CPU (README "Faster statistics on CPU"):
+## built once per machine and torch version into ~/.cache/nbdebug (a later call returns
+## at once); without a C++ compiler, traces keep the eager statistics (same numbers)
+kernels: $(STAMP)
+	@$(VENV)/bin/nbdebug build-kernels || echo "nbdebug: no compiled kernel (above); traces use eager statistics" >&2
+
+setup: $(STAMP) kernels
 
 ## main job: JupyterLab on notebooks/01_quickstart.ipynb, server root = the repository;
 ## prints the quickstart's URL (works headless); lessons are saved without outputs

@@ -4,10 +4,11 @@ used by every trace on this machine.
 The eager statistics of a tensor take three passes over its memory (``sum``, ``dot``,
 ``aminmax``) and five dispatches with the histogram sample; the compiled kernel takes one
 pass and one call, for dense CPU tensors of floating dtypes. Nothing is compiled unless
-asked: ``nbdebug build-kernels`` (or :func:`build`) compiles it with the C++ compiler
-PyTorch uses for extensions into nbdebug's cache directory, one build per PyTorch version
-and kernel source. Without a build, or with ``NBDEBUG_KERNELS=eager``, statistics are
-computed with eager PyTorch ops (same numbers; see :func:`nbdebug.core.stats.quick_parts`).
+asked: ``nbdebug build-kernels`` (or :func:`build`; the project's ``make setup`` runs it)
+compiles it with the C++ compiler PyTorch uses for extensions into nbdebug's cache
+directory, one build per PyTorch version and kernel source. Without a build, or with
+``NBDEBUG_KERNELS=eager``, statistics are computed with eager PyTorch ops (same numbers;
+see :func:`nbdebug.core.stats.quick_parts`).
 
 >>> from nbdebug.core import kernels
 >>> kernels.build()          # once per machine and PyTorch version (about a minute)
