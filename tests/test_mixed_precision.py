@@ -71,7 +71,7 @@ def test_a_float16_overflow_replays_under_float16_only(tmp_path: Path) -> None:
     x[1] = 3e4  # finite in float16 itself; its Linear output passes 65504
     path = guarded_step(tmp_path, torch.float16, x)
     snap = nbdebug.load_snapshot(path, model=wide_model)
-    assert snap.autocast == {"device_type": "cpu", "dtype": "float16"}
+    assert snap.autocast == {"device_type": "cpu", "dtype": "float16", "backward": True}
     origin = snap.trace().origin
     assert origin is not None and origin.phase == "forward" and origin.module == "0"
     assert origin.dtype == "float16" and origin.samples == [1]
@@ -102,6 +102,13 @@ def test_a_bf16_snapshot_where_bf16_is_unsupported_says_so(
         r"bfloat16 autocast, found one that does not",
     ):
         snap.trace(loss_fn=lambda o: o.sum())
+    # each entry point names its own way out: check and debug take the float32 trace
+    with pytest.raises(nbdebug.SnapshotError, match=r"or replay it in float32 with "):
+        nbdebug.check(snap, loss_fn=lambda o: o.sum())
+    with pytest.raises(
+        nbdebug.SnapshotError, match=r"or call nbdebug\.diagnose\(\.\.\., autocast=False\)\.$"
+    ):
+        nbdebug.diagnose(path, model=model, loss_fn=lambda o: o.sum())
     assert snap.trace(loss_fn=lambda o: o.sum(), autocast=False).origin is None
 
 
@@ -306,3 +313,39 @@ def test_diagnose_replays_a_float16_only_overflow_under_float16(tmp_path: Path) 
     said = plain32.cause.statement
     assert "autocast=False" in said and "float16 autocast" in said
     assert "non-determinism" not in said and "hardware" not in said
+
+
+class HalfHead(nn.Module):
+    """fc2 made float16 after construction (a half-precision head): its input cast
+    overflows when fc1's outputs pass 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x).to(self.fc2.weight.dtype)).float()
+
+
+def test_a_snapshot_of_half_weights_replays_them_in_half_in_a_float32_built_model(
+    tmp_path: Path,
+) -> None:
+    m = HalfHead()
+    m.fc2.half()
+    with torch.no_grad():
+        m.fc1.weight.mul_(1e5)
+    guard = nbdebug.NaNGuard(m, torch.optim.SGD(m.parameters(), lr=0.1), directory=tmp_path)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    loss = F.mse_loss(m(x), y)
+    loss.backward()
+    assert not guard.check(loss, inputs=x, target=y, step=0)
+    snap = nbdebug.load_snapshot(guard.snapshots[0], model=HalfHead)  # built in float32
+    tr = snap.trace(loss_fn=F.mse_loss)
+    assert snap.model.fc2.weight.dtype == torch.float16 and snap.model.fc1.weight.dtype == (
+        torch.float32
+    )
+    assert tr.origin is not None and tr.origin.op == "Tensor.to"  # the cast, as it ran
+    assert not math.isfinite(tr.loss)
+    assert m.fc2.weight.dtype == torch.float16  # the trained model as it was

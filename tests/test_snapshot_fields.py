@@ -157,7 +157,11 @@ def test_the_writer_checks_fields_against_the_table(tmp_path, monkeypatch):
         save_snapshot(tmp_path / "a.nbsnap", model, node=True)
     monkeypatch.undo()
     # the reader's field checks run on the way in too: no file the reader would call corrupt
-    for bad in ({"dtype": "bfloat16"}, {"device_type": "cpu", "dtype": 3}):
+    for bad in (
+        {"dtype": "bfloat16"},
+        {"device_type": "cpu", "dtype": 3},
+        {"device_type": "cpu", "dtype": "bfloat16", "backward": "yes"},
+    ):
         with pytest.raises(ValueError, match=r"cannot write the snapshot: its autocast state"):
             save_snapshot(tmp_path / "a.nbsnap", model, autocast=bad)
     assert list(tmp_path.iterdir()) == []  # nothing written by a refused call

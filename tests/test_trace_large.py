@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from state import assert_unchanged, fingerprint
 from torch import nn
 
@@ -219,3 +220,30 @@ def test_keep_keeps_every_call_of_a_module_and_a_tuple_output_under_its_name() -
     assert torch.equal(tr.kept["shared"], once) and torch.equal(tr.kept["shared#2"], twice)
     assert torch.equal(tr.kept["rnn"], out) and torch.equal(tr.kept["rnn:output[1]"], last)
     assert "kept 4 activation tensors" in " ".join(tr.notes)
+
+
+class _Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+
+@pytest.mark.parametrize("modules", [None, "0", "3"])
+def test_a_forward_error_names_the_module_that_raised_whatever_modules_records(
+    modules: str | None,
+) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), _Boom(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    with pytest.raises(nbdebug.TraceError, match=r"^ValueError in 2 \(_Boom\) during the forward"):
+        nbdebug.trace(m, x, y, F.cross_entropy, modules=modules)
+    try:
+        nbdebug.trace(m, x, y, F.cross_entropy, modules=modules)
+    except nbdebug.TraceError as e:
+        assert e.module == "2"
+        text = str(e)
+    tail = {
+        None: "Executed modules up to: 1.",
+        "0": "Recorded modules (modules=) executed up to: 0.",
+        "3": "No recorded module (modules=) had finished.",  # 0 and 1 did, unrecorded
+    }[modules]
+    assert text.endswith(tail)

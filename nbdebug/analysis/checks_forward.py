@@ -45,6 +45,41 @@ DIV_OPS = frozenset(
         "remainder",
     }
 )
+#: ops that float16 autocast runs in float16, casting float32 inputs first (inside the op,
+#: so a finite input over 65504 shows as the op itself making Inf, or NaN as inf*w - inf*w)
+AUTOCAST_FP16_OPS = frozenset(
+    {
+        "linear",
+        "matmul",
+        "mm",
+        "bmm",
+        "mv",
+        "addmm",
+        "addmv",
+        "addr",
+        "addbmm",
+        "baddbmm",
+        "einsum",
+        "chain_matmul",
+        "multi_dot",
+        "vecdot",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_tbc",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "convolution",
+        "prelu",
+        "lstm_cell",
+        "gru_cell",
+        "rnn_tanh_cell",
+        "rnn_relu_cell",
+    }
+)
+#: dtype casts: an Inf one of them makes from finite values overflowed the target dtype
+CAST_OPS = frozenset({"to", "half", "type", "copy", "to_copy"})
 SOFTMAX_TYPES = frozenset({"Softmax", "LogSoftmax", "Softmin", "Softmax2d"})
 RELU_TYPES = frozenset({"ReLU", "ReLU6"})
 _MADE_BY = re.compile(r"made by ([\w.]+)")
@@ -167,23 +202,18 @@ def origin_findings(view: TraceView) -> list[Finding]:
     # a backward origin ran in the dtype of its module's forward (an fp16 matmul's weight
     # gradient overflows in float16, then lands in the float32 .grad)
     ran = o.dtype if o.phase != "backward" or o.dtype == "float16" else view.ran_in(o.module)
-    if ran == "float16" and o.stats.n_inf:
+    if fp16_overflow(view, o, ran):
         inp = view.input_of(o) if o.phase == "forward" else None
         if inp is not None and inp.finite:
             ev["input_absmax"] = inp.stats.absmax
+        largest = largest_reaching(view, o) if o.phase == "forward" else None
+        value = largest if largest is not None and largest > FP16_MAX else None
+        if value is not None:
+            ev["reached_absmax"] = value
         ev["threshold"] = FP16_MAX
         return [
-            Finding(
-                "fp16_overflow_risk",
-                "error",
-                where,
-                ev,
-                f"{made_by or 'this module'} overflowed float16 (largest finite value "
-                f"65504){rows}: run it "
-                "in float32 (autocast keeps reductions in float32), or scale its "
-                "inputs or weights down.",
-                fix="with torch.autocast('cuda', dtype=torch.bfloat16): ...  # or module.float()",
-                **common,
+            fp16_overflow_finding(
+                where, ev, made_by, rows, value, to_nan=bool(o.stats.n_nan), **common
             )
         ]
     note = f" ({o.note})" if o.note else ""
@@ -198,6 +228,107 @@ def origin_findings(view: TraceView) -> list[Finding]:
             **common,
         )
     ]
+
+
+def fp16_overflow(view: TraceView, o: Any, ran: str | None) -> bool:
+    """Whether float16 made the first non-finite value of the origin ``o`` (``ran``: the
+    dtype its module ran in). The evidence, any of:
+
+    * an Inf in the origin's tensor, and its module ran in float16;
+    * the root of its chain made an Inf, and the module ran in float16 (the Inf then
+      became NaN within it, ``inf - inf``);
+    * the root is a cast (``Tensor.to``, ``.half()``) that made an Inf from finite values
+      and float16 came out of the call (``.half()`` itself, a submodule's output);
+    * the module ran in float16, its root is an op that float16 autocast runs in float16
+      (``linear``, ``matmul``, ``conv2d``...) and made NaN from finite inputs, and a
+      finite value over 65504 reached the module (the cast inside the op made the Inf,
+      ``inf*w + (-inf)*w`` the NaN).
+
+    A NaN made by any other op (``acos`` of 2, a log of a negative value) is not.
+    """
+    if ran == "float16" and o.stats.n_inf:
+        return True
+    root = o.chain[0] if o.chain else None
+    if o.phase != "forward" or root is None:
+        return False
+    kind = op_kind(root.op)
+    if root.value == "inf":
+        return ran == "float16" or (
+            kind in CAST_OPS and (kind == "half" or _float16_within(view, o))
+        )
+    largest = largest_reaching(view, o)
+    return (
+        ran == "float16"
+        and kind in AUTOCAST_FP16_OPS
+        and largest is not None
+        and largest > FP16_MAX
+    )
+
+
+def fp16_overflow_finding(
+    where: str,
+    evidence: dict[str, Any],
+    made_by: str | None,
+    in_rows: str,
+    value: float | None = None,
+    *,
+    to_nan: bool = False,
+    **common: Any,
+) -> Finding:
+    """The ``fp16_overflow_risk`` error: what overflowed (``value``, the largest finite
+    value that reached it, against 65504, where it is known; ``to_nan``: the Inf it made
+    became NaN; ``in_rows``: " (rows 1, 2)" or "") and the fix."""
+    if value is not None:
+        limit = f" ({fmt_num(value)} reached it, over 65504, the largest finite float16)"
+    else:
+        limit = " (largest finite value 65504)"
+    nan = ", and the Inf became NaN" if to_nan else ""
+    return Finding(
+        "fp16_overflow_risk",
+        "error",
+        where,
+        evidence,
+        f"{made_by or 'this module'} overflowed float16{limit}{in_rows}{nan}: run it "
+        "in float32 (autocast keeps reductions in float32), or scale its "
+        "inputs or weights down.",
+        fix="with torch.autocast('cuda', dtype=torch.bfloat16): ...  # or module.float()",
+        **common,
+    )
+
+
+def _call_span(view: TraceView, o: Any) -> tuple[list[Any], Any]:
+    """The outputs of a forward origin's submodules in its call (they complete just before
+    it), and the event completed before that call, as :meth:`TraceView.input_of` has it (a
+    module output or a batch tensor; ``None`` if neither)."""
+    prefix = o.module + "." if o.module else ""
+    inner: list[Any] = []
+    for e in reversed(view.events[: o.index]):
+        if e.phase == "forward" and e.kind == "output":
+            if e.call == o.call:
+                continue  # another output of the same call
+            if e.module != o.module and e.module.startswith(prefix):
+                inner.append(e)
+                continue
+            return inner, e
+        return inner, e if e.phase == "input" else None
+    return inner, None
+
+
+def largest_reaching(view: TraceView, o: Any) -> float | None:
+    """The largest finite absolute value among the tensors that reached a forward origin
+    (its input, the batch for the model itself, and its submodules' outputs in that call);
+    ``None`` when none is known."""
+    inner, before = _call_span(view, o)
+    if o.module == "":
+        inner += [e for e in view.events if e.phase == "input" and e.kind == "input"]
+    elif before is not None:
+        inner.append(before)
+    return max((e.stats.absmax for e in inner if e.finite and is_floating(e.dtype)), default=None)
+
+
+def _float16_within(view: TraceView, o: Any) -> bool:
+    """Whether a submodule of a forward origin returned float16 in the origin's call."""
+    return any(e.dtype == "float16" for e in _call_span(view, o)[0])
 
 
 def _where(view: TraceView, e: Any) -> str:

@@ -46,12 +46,12 @@ from ..core.snapshot import (
     SnapshotError,
     list_snapshots,
     load_snapshot,
-    replay_autocast,
+    replay_contexts,
 )
 from ..core.snapshot_data import to_device
 from ..core.state import PreservedState, RngState, unique_parameters
 from ..core.text import cost_text, first_line, fmt_num, rows_text
-from ..core.trace import trace as run_trace
+from ..core.trace import trace_step
 from .fixes import (
     KINDS,
     EpsilonFix,
@@ -346,7 +346,10 @@ class Workbench:
         self.params = unique_parameters(self.model)
         self.device = next((p.device for p in self.params), torch.device("cpu"))
         self.autocast = autocast
-        self.autocast_context()  # a dtype this machine lacks: one SnapshotError, now
+        # a dtype this machine lacks: one SnapshotError, now
+        self.autocast_context, self.backward_context = replay_contexts(
+            autocast, self.device, instead="call nbdebug.diagnose(..., autocast=False)"
+        )
         self._saved_params = [p.detach().clone() for p in self.params]
         self._opt_saved = _OptimizerState.capture(self.optimizer)
         for p in self.params:
@@ -365,11 +368,6 @@ class Workbench:
         if self._opt_saved is not None:
             self._opt_saved.restore()
 
-    def autocast_context(self) -> Any:
-        """A fresh context manager entering the step's autocast state (a null context
-        without one)."""
-        return replay_autocast(self.autocast, self.device)
-
     def replay(self) -> Replay:
         return Replay(
             model=self.model,
@@ -380,6 +378,13 @@ class Workbench:
             scaler=self._scaler(),
             batch_size=self.batch_size,
         )
+
+    def contexts(self, r: Replay) -> tuple[Any, Any]:
+        """The forward's and the backward's context factories for a replay: the step's
+        autocast state, none when a fix turned it off (``r.autocast``)."""
+        if not r.autocast:
+            return nullcontext, nullcontext
+        return self.autocast_context, self.backward_context
 
     def _scaler(self) -> Any:
         if self.scaler_state is None:
@@ -401,8 +406,9 @@ class Workbench:
                     stack.enter_context(fix.apply(r))
                 if r.lr_factor != 1.0 and r.optimizer is not None:
                     _scale_lr(r.optimizer, r.lr_factor)
+                amp = self.contexts(r)
                 for _ in range(self.steps):
-                    step_out = _step(r, self.autocast_context)
+                    step_out = _step(r, *amp)
                     if out.loss is None:
                         out = step_out
                     else:  # later steps: all must stay finite
@@ -421,8 +427,11 @@ class Workbench:
         self.reset()
         r = self.replay()
         try:
-            with fix.apply(r) if fix is not None else nullcontext(), self.autocast_context():
-                return run_trace(r.model, r.inputs, target=r.target, loss_fn=r.loss_fn)
+            with fix.apply(r) if fix is not None else nullcontext():
+                forward, backward = self.contexts(r)
+                return trace_step(
+                    r.model, r.inputs, r.target, r.loss_fn, forward=forward, backward=backward
+                )
         finally:
             self.reset()
 
@@ -592,9 +601,11 @@ def _scale_lr(opt: Any, factor: float) -> None:
             g["lr"] = lr * factor
 
 
-def _step(r: Replay, autocast: Any = nullcontext) -> StepOutcome:
+def _step(r: Replay, autocast: Any = nullcontext, backward: Any = nullcontext) -> StepOutcome:
     """One training step on the replay's copies; the forward and the loss run inside
-    ``autocast()`` (the step's autocast state), the backward and the update after it."""
+    ``autocast()`` (the step's autocast state), the backward inside ``backward()`` (the
+    same state when the step ran its backward in the block, else none), the update
+    after it."""
     out = StepOutcome()
     params = unique_parameters(r.model)
     for p in params:
@@ -611,7 +622,8 @@ def _step(r: Replay, autocast: Any = nullcontext) -> StepOutcome:
         out.loss = float(loss.detach().float())
         out.loss_finite = math.isfinite(out.loss)
         if loss.requires_grad:
-            (r.scaler.scale(loss) if r.scaler is not None else loss).backward()
+            with backward():
+                (r.scaler.scale(loss) if r.scaler is not None else loss).backward()
     opt = r.optimizer
     if r.scaler is not None and opt is not None:
         r.scaler.unscale_(opt)

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,9 @@ class Replay:
     clip_norm : float or None
         Clip the total gradient norm to this before the update.
     batch_size : int or None
+    autocast : bool
+        Run the step under its recorded autocast state (``False``: the whole step in the
+        model's own dtypes).
     """
 
     model: torch.nn.Module
@@ -115,6 +118,7 @@ class Replay:
     lr_factor: float = 1.0
     clip_norm: float | None = None
     batch_size: int | None = None
+    autocast: bool = True
 
     def module(self, name: str) -> torch.nn.Module:
         """The module of the replay's model with qualified name ``name`` (``""``: the model)."""
@@ -709,8 +713,13 @@ class Float32Fix(Fix):
                 out = inner(*cast_in(args), **cast_in(kwargs))
             return cast_out(out, like)
 
+        # the whole model: autocast off for the whole step (forward, loss, backward),
+        # whatever the caller has around it
+        off = torch.autocast(dev, enabled=False) if whole else nullcontext()
+        if whole:
+            replay.autocast = False
         try:
-            with forward_replaced(m, lambda _inner: forward):
+            with forward_replaced(m, lambda _inner: forward), off:
                 yield
         finally:
             for t, data in saved:

@@ -13,13 +13,13 @@ import copy
 import os
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .state import RngState
+from .state import AutocastState, RngState
 
 __all__ = [
     "CallCapture",
@@ -177,14 +177,15 @@ def cell_name(filename: str) -> str | None:
 
 @dataclass
 class CallCapture:
-    """One module call's inputs as they were at the call (copies), the RNG state and
-    grad mode then, and the user's line that made the call."""
+    """One module call's inputs as they were at the call (copies), the RNG state, grad
+    mode and autocast state then, and the user's line that made the call."""
 
     args: Any
     kwargs: Any
     rng: RngState | None
     grad_enabled: bool = True
     call_site: str | None = None
+    autocast: AutocastState = field(default_factory=AutocastState)
 
     @classmethod
     def take(cls, args: Any, kwargs: Any) -> CallCapture:
@@ -194,6 +195,7 @@ class CallCapture:
             RngState.capture(),
             torch.is_grad_enabled(),
             call_site(),
+            AutocastState.capture(),
         )
 
     def fresh(self) -> tuple[Any, Any]:

@@ -105,7 +105,10 @@ class Event:
     op, source : str or None
         For the origin: the root torch operation, the first that turned finite values
         into a non-finite one (``"torch.log"``, ``"Tensor.div"``, ``"ProdFn.backward"``),
-        and the first ``"file.py:line"`` outside torch's own files that called it.
+        and the first ``"file.py:line"`` outside torch's own files that called it (for a
+        module of torch's own, the line that called the module; where only torch's code
+        called it, a torch module inside ``nn.Sequential`` or a torch loss function, the
+        line in torch that ran it, ``"torch/nn/modules/linear.py:134"``).
     chain : Chain
         For the origin: the operations from the root to the first NaN, each a
         :class:`ChainLink` (``Tensor.div (inf) -> linear (NaN)``).

@@ -477,8 +477,9 @@ class NaNGuard:
         """
         step = self._step_number(step)
         if torch.is_autocast_enabled(self._device.type):
-            # checked inside the autocast block: the snapshots replay under this state
-            self.writer.fields["autocast"] = autocast_state(self._device.type)
+            # checked inside the autocast block: the snapshots replay under this state,
+            # the backward too (it came before this check, so inside the block as well)
+            self.writer.fields["autocast"] = autocast_state(self._device.type, backward=True)
         measure_params = self._checks % self.options.param_norm_every == 0
         self._checks += 1
         reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))

@@ -27,6 +27,7 @@ backward that made the value.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -43,6 +44,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from .batch import compute_loss, named_tensors
 from .capture import CallCapture, frame_kind, source_text
 from .events import Chain, ChainLink
+from .state import AutocastState
 from .stats import row_dim
 from .text import code_name
 
@@ -489,7 +491,7 @@ def replay_forward(
     for i, t in enumerate(_tensors((args, kwargs))):
         if i in masks:
             spy.tag_mask(t)
-    with torch.set_grad_enabled(capture.grad_enabled), spy:
+    with torch.set_grad_enabled(capture.grad_enabled), capture.autocast.applied(), spy:
         out = module(*args, **kwargs)
     f = _finding(spy, kind)
     bad = [t for t in _tensors(out) if _nonfinite(t)]
@@ -502,11 +504,18 @@ def replay_forward(
 
 
 def replay_loss(
-    loss_fn: Any, output: Any, target: Any, kind: str, batch_size: int | None
+    loss_fn: Any,
+    output: Any,
+    target: Any,
+    kind: str,
+    batch_size: int | None,
+    autocast: AutocastState | None = None,
 ) -> OpFinding:
-    """Run the loss computation again on the recorded model output, under the spy."""
+    """Run the loss computation again on the recorded model output, under the spy (and
+    the autocast state the loss ran in)."""
     spy = _Spy(batch_size)
-    with torch.enable_grad(), spy:
+    amp = autocast.applied() if autocast is not None else contextlib.nullcontext()
+    with torch.enable_grad(), amp, spy:
         compute_loss(output, target, loss_fn)
     return _finding(spy, kind)
 
@@ -530,7 +539,7 @@ def replay_backward(
             leaves.append(t)
     leaves += [p for p in module.parameters() if p.requires_grad]
     spy = _Spy(batch_size, capture.call_site, graph=True, known=_known(module, (args, kwargs)))
-    with torch.enable_grad(), spy:
+    with torch.enable_grad(), capture.autocast.applied(), spy:
         out = module(*args, **kwargs)
     outs, grads = [], []
     for name, t in named_tensors(out, "output"):
@@ -541,7 +550,7 @@ def replay_backward(
     if not outs:
         return OpFinding()
     names = _graph_names(outs, spy.graph or {})
-    watch = _BackwardWatch(names, batch_size)
+    watch = _BackwardWatch(names, batch_size, {id(p) for p in module.parameters()})
     handles = [node.register_hook(watch.hook(node)) for node in names]
     try:
         grads_in = torch.autograd.grad(outs, leaves, grads, allow_unused=True, retain_graph=True)
@@ -631,9 +640,15 @@ def _def_line(cls: Any) -> str | None:
 class _BackwardWatch:
     """Node hooks of a backward replay: roots, the first NaN and the links between."""
 
-    def __init__(self, names: dict[Any, tuple[str, str | None]], batch_size: int | None):
+    def __init__(
+        self,
+        names: dict[Any, tuple[str, str | None]],
+        batch_size: int | None,
+        params: set[int] = frozenset(),  # type: ignore[assignment]
+    ):
         self.names = names
         self.batch_size = batch_size
+        self.params = params  # ids of the module's parameters: their gradients have no rows
         self.roots: list[_Node] = []
         self.first_nan: _Node | None = None
         self.hidden_nan: _Node | None = None
@@ -653,7 +668,7 @@ class _BackwardWatch:
             rec = _Node(op, src, value, self.pending.get(node) if out_bad else None, [])
             self.records[id(rec)] = node
             if not out_bad:
-                rec.rows = _rows(bad_in[0], self.batch_size)
+                rec.rows = self._rows(node, grad_inputs)
                 self.roots.append(rec)
                 if hasattr(node, "_forward_cls"):
                     self.grad_outs[node] = tuple(
@@ -663,13 +678,36 @@ class _BackwardWatch:
                 if _zero_where_bad(grad_outputs, bad_in[0]) and self.hidden_nan is None:
                     self.hidden_nan = rec
             if value == "NaN" and not out_nan and self.first_nan is None:
-                rec.rows = rec.rows or _rows(bad_in[0], self.batch_size)
+                rec.rows = rec.rows or self._rows(node, grad_inputs)
                 self.first_nan = rec
             for (nxt, _), g in zip(node.next_functions, grad_inputs):
                 if nxt is not None and _nonfinite(g):
                     self.pending.setdefault(nxt, rec)
 
         return run
+
+    def _rows(self, node: Any, grad_inputs: Any) -> list[int]:
+        """The batch rows of the first non-finite gradient the node sends to something
+        other than a parameter (a weight's gradient has no batch dimension, even where
+        one of its sizes equals the batch size)."""
+        for (nxt, _), g in zip(node.next_functions, grad_inputs):
+            if _nonfinite(g) and not self._to_param(nxt):
+                return _rows(g, self.batch_size)
+        return []
+
+    def _to_param(self, node: Any) -> bool:
+        """Whether ``node`` leads to one of the module's parameters through nodes of one
+        input each (``weight.t()``, autocast's cast of it: its gradient is the weight's)."""
+        for _ in range(8):
+            if node is None:
+                return False
+            if id(getattr(node, "variable", None)) in self.params:
+                return True
+            nexts = [n for n, _ in node.next_functions if n is not None]
+            if len(nexts) != 1:
+                return False
+            node = nexts[0]
+        return False
 
 
 def _zero_where_bad(grads: Any, bad: torch.Tensor) -> bool:

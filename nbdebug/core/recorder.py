@@ -210,7 +210,9 @@ class Recorder:
         slot: int = -1,
     ) -> int:
         if vector is None:
-            vector, samples = self.measure(t)
+            # a parameter's tensor has no batch dimension (a weight dimension equal to the
+            # batch size is not one): no rows
+            vector, samples = self.measure(t, rows=param is None)
         self.raw.append(
             RawEvent(
                 phase,
@@ -230,12 +232,14 @@ class Recorder:
         )
         return len(self.raw) - 1
 
-    def measure(self, t: torch.Tensor) -> tuple[Any, list[int]]:
+    def measure(self, t: torch.Tensor, *, rows: bool = True) -> tuple[Any, list[int]]:
+        """The statistics of ``t``, and in the exact pass the batch rows holding its
+        non-finite values (``rows=False``: none, for a tensor without a batch dimension)."""
         if not self.exact:
             return quick_parts(t, self.kernel), []
         v = exact_vector(t).cpu().numpy()
         samples: list[int] = []
-        if not vector_is_finite(v):
+        if rows and not vector_is_finite(v):
             d = row_dim(t.shape, self.batch_size)
             if d is not None and v[IDX_NNAN] == v[IDX_NUMEL]:
                 samples = list(range(t.shape[d]))  # all NaN: every row

@@ -365,13 +365,17 @@ def load_snapshot(
     return snap
 
 
-def autocast_state(device_type: str) -> dict[str, str] | None:
+def autocast_state(device_type: str, *, backward: bool = False) -> dict[str, Any] | None:
     """The active autocast state of ``device_type`` as the snapshot's ``autocast`` field
-    (``{"device_type": ..., "dtype": "bfloat16"}``), or ``None`` when autocast is off."""
+    (``{"device_type": ..., "dtype": "bfloat16"}``, with ``"backward": True`` when the
+    step's backward ran inside the block too), or ``None`` when autocast is off."""
     if not torch.is_autocast_enabled(device_type):
         return None
     dtype = torch.get_autocast_dtype(device_type)
-    return {"device_type": device_type, "dtype": str(dtype).replace("torch.", "")}
+    state: dict[str, Any] = {"device_type": device_type, "dtype": str(dtype).replace("torch.", "")}
+    if backward:
+        state["backward"] = True
+    return state
 
 
 def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
@@ -386,9 +390,19 @@ def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def replay_autocast(spec: Mapping[str, Any] | None, device: torch.device) -> Any:
+#: what a replay of a step under an autocast dtype this machine lacks can do instead
+IN_FLOAT32 = (
+    "replay it in float32 with snap.trace(autocast=False) (nbdebug.check and nbdebug.debug "
+    "take that trace)"
+)
+
+
+def replay_autocast(
+    spec: Mapping[str, Any] | None, device: torch.device, *, instead: str = IN_FLOAT32
+) -> Any:
     """The autocast context a replay on ``device`` runs in: the recorded dtype (``spec``,
-    the ``autocast`` field) on ``device``'s type; a null context for ``None``."""
+    the ``autocast`` field) on ``device``'s type; a null context for ``None``. A dtype the
+    device lacks is a SnapshotError whose sentence ends with ``instead``."""
     import contextlib
 
     if spec is None:
@@ -399,9 +413,28 @@ def replay_autocast(spec: Mapping[str, Any] | None, device: torch.device) -> Any
         raise SnapshotError(
             f"this snapshot's step ran under {name} autocast ({spec['device_type']}); "
             f"expected a {device.type} device that supports {name} autocast, found one that "
-            "does not: replay on such a machine, or call snap.trace(autocast=False)."
+            f"does not: replay on such a machine, or {instead}."
         )
     return torch.autocast(device.type, dtype=dtype)
+
+
+def replay_contexts(
+    spec: Mapping[str, Any] | None, device: torch.device, *, instead: str = IN_FLOAT32
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The context factories a replay of a step recorded under ``spec`` (the ``autocast``
+    field) runs its forward and loss in, and its backward in: the backward outside
+    autocast, as training loops and trainers run it, unless the step ran it inside the
+    block (``spec["backward"]``). Raises the SnapshotError of :func:`replay_autocast`
+    now, for a dtype this machine lacks."""
+    import contextlib
+
+    replay_autocast(spec, device, instead=instead)
+
+    def forward() -> Any:
+        return replay_autocast(spec, device)
+
+    backward = forward if spec is not None and spec.get("backward") else contextlib.nullcontext
+    return forward, backward
 
 
 HISTORY_COLUMNS = ("step", "loss", "grad_norm", "param_norm", "lr", "scale", "skipped")
@@ -589,11 +622,23 @@ class Snapshot:
 
     # ----------------------------------------------------------------- replay
     def reset_model(self) -> torch.nn.Module:
-        """Load the stored state into :attr:`model` again and set its train flags: the
-        model's, and those of the submodules whose flag differed (:attr:`module_training`,
-        a BatchNorm frozen in eval)."""
+        """Load the stored state into :attr:`model` again, in the stored dtypes, and set
+        its train flags: the model's, and those of the submodules whose flag differed
+        (:attr:`module_training`, a BatchNorm frozen in eval).
+
+        A model built in float32 for a step that ran with half-precision weights
+        (``model.half()``, Lightning's ``precision="16-true"``) gets those weights in
+        their own dtype (``load_state_dict`` alone would cast them to float32 and replay
+        another step). The model is nbdebug's own (a copy or the factory's), never the
+        caller's."""
         model = self._need_model()
         model.load_state_dict(self.model_state)
+        own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        with torch.no_grad():
+            for name, stored in self.model_state.items():
+                t = own.get(name)
+                if t is not None and t.dtype != stored.dtype and stored.is_floating_point():
+                    t.data = stored.to(device=t.device, copy=True)
         model.train(self.model_training)
         modules = dict(model.named_modules())
         for name, flag in self.module_training.items():
@@ -701,7 +746,7 @@ class Snapshot:
         -------
         nbdebug.Trace
         """
-        from .trace import trace as _trace
+        from .trace import trace_step
 
         check_flag(autocast, "autocast")
         model = self.reset_model()
@@ -711,12 +756,11 @@ class Snapshot:
         target = to_device(self.target, device)
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn = loss_fn.to(device)
-        context = replay_autocast(self.autocast if autocast else None, device)
+        forward, backward = replay_contexts(self.autocast if autocast else None, device)
         caller = RngState.capture()
         try:
             self.restore_rng()
-            with context:
-                return _trace(model, inputs, target=target, loss_fn=loss_fn)
+            return trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
         finally:
             caller.restore()
 
@@ -782,5 +826,6 @@ __all__ = [
     "list_snapshots",
     "load_snapshot",
     "replay_autocast",
+    "replay_contexts",
     "save_snapshot",
 ]

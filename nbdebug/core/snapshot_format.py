@@ -248,8 +248,14 @@ def _check_recipe(value: dict[str, Any] | None) -> None:
 def _check_autocast(value: dict[str, Any] | None) -> None:
     if value is None:
         return
-    if not isinstance(value.get("device_type"), str) or not isinstance(value.get("dtype"), str):
-        raise ValueError("its autocast state is not {'device_type': str, 'dtype': str}")
+    if (
+        not isinstance(value.get("device_type"), str)
+        or not isinstance(value.get("dtype"), str)
+        or not isinstance(value.get("backward", False), bool)
+    ):
+        raise ValueError(
+            "its autocast state is not {'device_type': str, 'dtype': str[, 'backward': bool]}"
+        )
 
 
 def _check_module_training(value: dict[Any, Any]) -> None:
@@ -408,7 +414,8 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "autocast",
         (dict, NoneType),
-        "the autocast state of the step's forward: {'device_type': str, 'dtype': str} "
+        "the autocast state of the step's forward: {'device_type': str, 'dtype': str}, "
+        "with 'backward': True when its backward ran inside the autocast block too "
         "(None: no autocast)",
         since=3,
         default=None,

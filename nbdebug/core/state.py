@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,46 @@ import numpy as np
 import torch
 
 from .text import qualified_name
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """Which device types ran under ``torch.autocast`` at a moment, with their dtypes:
+    taken at a module call (or the loss) so that a replay of it runs as it ran, whatever
+    autocast is active around the replay."""
+
+    on: tuple[tuple[str, torch.dtype], ...] = ()
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        return cls(
+            tuple(
+                (d, torch.get_autocast_dtype(d))
+                for d in _autocast_devices()
+                if torch.is_autocast_enabled(d)
+            )
+        )
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Autocast exactly as captured: on with its dtype where it was on, off elsewhere."""
+        now = AutocastState.capture()
+        if now == self:
+            yield
+            return
+        dtypes = dict(self.on)
+        with ExitStack() as stack:
+            for d in _autocast_devices():
+                dtype = dtypes.get(d)
+                if dtype is not None:
+                    stack.enter_context(torch.autocast(d, dtype=dtype))
+                elif torch.is_autocast_enabled(d):
+                    stack.enter_context(torch.autocast(d, enabled=False))
+            yield
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -39,12 +39,15 @@ from .origin import Located, MaskInfo, batch_masks, inf_count, locate, nan_count
 from .origin_ops import OpFinding, replay_backward, replay_forward, replay_loss
 from .recorder import RawEvent, Recorder, select_modules
 from .result import Trace, TraceError
-from .state import PreservedState, preserved
+from .state import AutocastState, PreservedState, preserved
 from .stats import all_quick_complete, finalize_many
 from .text import dtype_name, fmt_bytes, qualified_name
 from .weights import WeightHealth, owned_weights
 
-__all__ = ["Trace", "TraceError", "trace"]
+__all__ = ["Trace", "TraceError", "trace", "trace_step"]
+
+#: a context manager factory a pass's forward and loss run in (a recorded step's autocast)
+Amp = Callable[[], AbstractContextManager[Any]]
 
 
 def trace(
@@ -108,6 +111,36 @@ def trace(
     >>> tr.origin.module, tr.origin.op, tr.origin.source, tr.origin.samples
     ('norm', 'Tensor.__truediv__', 'model.py:12', [3])
     """
+    return _traced(model, inputs, target, loss_fn, modules, keep, nullcontext)
+
+
+def trace_step(
+    model: torch.nn.Module,
+    inputs: Any,
+    target: Any = None,
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    forward: Amp = nullcontext,
+    backward: Amp = nullcontext,
+) -> Trace:
+    """:func:`trace` of a recorded training step: every pass runs its forward and its
+    loss inside ``forward()`` and its backward inside ``backward()`` (a step's autocast
+    state: a training loop runs the backward after the ``torch.autocast`` block, and on
+    CPU a backward inside the block runs its matmuls in the half type too). The op-level
+    replays of the origin take the state their call ran in."""
+    with backward():
+        return _traced(model, inputs, target, loss_fn, None, None, forward)
+
+
+def _traced(
+    model: torch.nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[..., Any] | None,
+    modules: str | Sequence[str] | None,
+    keep: str | Sequence[str] | None,
+    amp: Amp,
+) -> Trace:
     model = check_model(model)
     check_materialized(model.named_modules())
     check_inputs(inputs)
@@ -133,7 +166,15 @@ def trace(
         written: list[str] = []
         if not health.bad:
             rec, out = _run(
-                model, inputs, target, loss_fn, st, exact=False, modules=chosen, keep=kept_names
+                model,
+                inputs,
+                target,
+                loss_fn,
+                st,
+                amp,
+                exact=False,
+                modules=chosen,
+                keep=kept_names,
             )
             written = st.keep_written()
             vectors = rec.host_vectors()
@@ -147,7 +188,7 @@ def trace(
         # pass: the quick one is skipped)
         try:
             rec, out = _run(
-                model, inputs, target, loss_fn, st, exact=True, capture=True, keep=kept_names
+                model, inputs, target, loss_fn, st, amp, exact=True, capture=True, keep=kept_names
             )
         except TraceError as e:
             if health.bad:  # this was the step's first run: the model's own error
@@ -157,7 +198,7 @@ def trace(
         if health.bad:  # the exact pass was the step's first forward
             written = st.keep_written()
         out.notes += _written_note(written)
-        found = _find_origin(model, inputs, target, loss_fn, st, rec, health.bad, out, bs)
+        found = _find_origin(model, inputs, target, loss_fn, st, amp, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
         return _with_kept(_result(model, inputs, rec, events, origin, out, health, found), rec.kept)
 
@@ -201,6 +242,9 @@ class _Outcome:
     loss: float | None
     output: Any = None  # exact pass only: the model output, for the loss replay
     notes: list[str] = dataclasses.field(default_factory=list)
+    autocast: AutocastState = dataclasses.field(
+        default_factory=AutocastState
+    )  # the loss's, for its replay
 
 
 def _run(
@@ -209,6 +253,7 @@ def _run(
     target: Any,
     loss_fn: Any,
     st: PreservedState,
+    amp: Amp,
     *,
     exact: bool,
     capture: bool = False,
@@ -234,9 +279,11 @@ def _run(
             batch = _fresh(inputs)
             rec.record_batch(batch, target)
             with torch.enable_grad():
-                output = call_model(model, batch)
-                stage = "loss"
-                loss = compute_loss(output, target, loss_fn)
+                with amp():
+                    output = call_model(model, batch)
+                    stage = "loss"
+                    loss = compute_loss(output, target, loss_fn)
+                    outcome.autocast = AutocastState.capture()
                 rec.record_loss(loss)
                 outcome.loss = float(loss.detach().float().cpu())
                 if exact:
@@ -296,7 +343,14 @@ def _trace_error(
     output: Any,
 ) -> TraceError:
     done = [c.module or "<model>" for c in rec.calls if c.done]
-    upto = f" Executed modules up to: {done[-1]}." if done else " No module finished."
+    if rec.modules is None:
+        upto = f" Executed modules up to: {done[-1]}." if done else " No module finished."
+    else:  # only the modules= ones were followed
+        upto = (
+            f" Recorded modules (modules=) executed up to: {done[-1]}."
+            if done
+            else " No recorded module (modules=) had finished."
+        )
     try:
         partial = _partial(model, inputs, rec)
     except Exception:  # pragma: no cover - never hide the user's error behind ours
@@ -305,6 +359,8 @@ def _trace_error(
     module: str | None = None
     if stage == "forward":
         module = rec.calls[rec.stack[-1]].module if rec.stack else None
+        if rec.modules is not None:  # the module that raised may not be one recorded
+            module = _raising_module(model, e) or module
         if module == "" and len(rec.calls) == 1 and isinstance(e, TypeError):
             how = (
                 "model(**inputs)"
@@ -334,6 +390,20 @@ def _trace_error(
     if partial is not None:
         partial.error = msg
     return TraceError(msg, trace=partial, module=module)
+
+
+def _raising_module(model: torch.nn.Module, e: BaseException) -> str | None:
+    """The name of the innermost module of ``model`` whose code is in the traceback of
+    ``e`` (found from the frames' ``self``), or None."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
 
 
 def _rerun_error(e: TraceError) -> TraceError:
@@ -392,6 +462,7 @@ def _find_origin(
     target: Any,
     loss_fn: Any,
     st: PreservedState,
+    amp: Amp,
     rec: Recorder,
     bad_params: dict[str, list[str]],
     out: _Outcome,
@@ -424,7 +495,7 @@ def _find_origin(
         event_index = loc.event
         try:
             finding, event_index, loc = _replay(
-                modules, inputs, target, loss_fn, st, rec, loc, masks, out, bs, model
+                modules, inputs, target, loss_fn, st, amp, rec, loc, masks, out, bs, model
             )
         except Exception as e:  # the replay is a diagnosis aid: never fail the trace for it
             finding = OpFinding(note=_failed_note(rec, loc, e))
@@ -446,6 +517,7 @@ def _replay(
     target: Any,
     loss_fn: Any,
     st: PreservedState,
+    amp: Amp,
     rec: Recorder,
     loc: Located,
     masks: MaskInfo,
@@ -466,10 +538,11 @@ def _replay(
         )
         return _checked(f, rec, loc.call), event_index, loc
     if phase == "loss":
-        return replay_loss(loss_fn, out.output, target, loc.kind, bs), event_index, loc
+        f = replay_loss(loss_fn, out.output, target, loc.kind, bs, out.autocast)
+        return f, event_index, loc
     if phase == "backward" and (loc.candidates or loc.call >= 0):
         cands = loc.candidates or [loc.call]
-        caps = _capture(model, inputs, target, loss_fn, st, set(cands))
+        caps = _capture(model, inputs, target, loss_fn, st, amp, set(cands))
         for c in cands:
             if c not in caps:
                 continue
@@ -573,6 +646,7 @@ def _capture(
     target: Any,
     loss_fn: Any,
     st: PreservedState,
+    amp: Amp,
     calls: set[int],
 ) -> dict[int, tuple[CallCapture, dict[str, torch.Tensor]]]:
     """Replay the step once more and copy, for the given module calls, their inputs as
@@ -607,8 +681,9 @@ def _capture(
             # ``module(*args)`` runs again
             hooks.add(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             hooks.add(m.register_forward_hook(post, with_kwargs=True))
-        output = call_model(model, _fresh(inputs))
-        loss = compute_loss(output, target, loss_fn)
+        with amp():
+            output = call_model(model, _fresh(inputs))
+            loss = compute_loss(output, target, loss_fn)
         _backward(loss, st)
     return got
 
