@@ -270,3 +270,149 @@ def test_a_tuple_output_gives_the_guard_its_first_element_as_the_loss(tmp_path: 
     assert all(isinstance(v, float) and math.isfinite(v) for i, v in enumerate(losses) if i != k)
     reason = nbdebug.load_snapshot(cb.guard.snapshots[0], model=TupleNet).reason
     assert reason["kind"] == "loss" and reason["message"].startswith("non-finite loss (nan)")
+
+
+def hook_dicts(model: nn.Module) -> dict[str, dict[str, list[int]]]:
+    """The ids in every hook dictionary of every submodule."""
+    return {
+        name: {k: list(v) for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)}
+        for name, m in model.named_modules()
+    }
+
+
+class FailingNet(TupleNet):
+    """TupleNet whose forward raises ``error`` halfway through its second call (step 1)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.error, self.calls = error, 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.calls += 1
+        out = super().forward(x, labels)  # its child has run
+        if self.calls == 2 and self.error is not None:
+            raise self.error
+        return out
+
+
+class FailingRows(TupleRows):
+    """TupleRows whose ninth read (a later step's batch) raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        if self.reads == 9:
+            raise KeyboardInterrupt
+        return super().__getitem__(i)
+
+
+class RaiseAt(transformers.TrainerCallback):
+    """Raises RuntimeError in ``event`` at step 1 (after the guard's callback)."""
+
+    def __init__(self, event: str) -> None:
+        setattr(self, event, self._raise)
+
+    def _raise(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == 1:
+            raise RuntimeError("a callback failed")
+
+
+def failed_train(tmp: Path, model: nn.Module, error: type[BaseException], **extra: Any) -> Any:
+    cb = NaNGuardCallback(directory=tmp / "snaps")
+    args = arguments(tmp / "out", max_grad_norm=0.0, remove_unused_columns=False)
+    args.max_steps = 4
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=extra.pop("dataset", TupleRows()),
+        callbacks=[cb, *extra.pop("callbacks", [])],
+    )
+    with pytest.raises(error):
+        trainer.train()
+    return cb
+
+
+def forward_of_ones_own(model: nn.Module) -> None:
+    model.train()
+    model(torch.rand(4, 4) + 0.5, torch.zeros(4, dtype=torch.long))  # grad enabled
+
+
+@pytest.mark.parametrize("where", ["forward", "callback", "data"])
+def test_a_train_that_stops_with_an_error_leaves_the_model_s_hooks_as_they_were(
+    tmp_path: Path, where: str
+) -> None:
+    # the Trainer has no exception callback: the hooks must not outlive the failed step
+    model = FailingNet(RuntimeError("a bad batch") if where == "forward" else None)
+    model.lin.register_forward_hook(lambda *a: None)  # one of the user's own stays
+    before = hook_dicts(model)
+    if where == "forward":
+        cb = failed_train(tmp_path, model, RuntimeError)
+    elif where == "callback":
+        cb = failed_train(tmp_path, model, RuntimeError, callbacks=[RaiseAt("on_optimizer_step")])
+    else:
+        cb = failed_train(tmp_path, model, KeyboardInterrupt, dataset=FailingRows())
+    assert hook_dicts(model) == before
+    forward_of_ones_own(model)
+    assert cb.step_batch.batch is None  # nothing recorded, no batch kept
+    assert hook_dicts(model) == before
+
+
+@pytest.mark.parametrize("where", ["KeyboardInterrupt in the forward", "error before it"])
+def test_hooks_left_by_a_stopped_step_take_themselves_off_at_the_next_forward(
+    tmp_path: Path, where: str
+) -> None:
+    # torch runs no hook when a KeyboardInterrupt leaves the forward, and no callback sees an
+    # error between a step's start and its forward: the hooks are on until the model's next
+    # forward, which is not the Trainer's, so they record nothing and take themselves off
+    if where == "KeyboardInterrupt in the forward":
+        model = FailingNet(KeyboardInterrupt())
+        before = hook_dicts(model)
+        cb = failed_train(tmp_path, model, KeyboardInterrupt)
+    else:
+        model = FailingNet()
+        before = hook_dicts(model)
+        cb = failed_train(tmp_path, model, RuntimeError, callbacks=[RaiseAt("on_step_begin")])
+    forward_of_ones_own(model)
+    assert cb.step_batch.batch is None
+    assert hook_dicts(model) == before
+    forward_of_ones_own(model)
+    assert cb.step_batch.batch is None
+
+
+class FlatNet(torch.nn.Module):
+    """No child modules, parameters only: the autocast cannot be read inside its forward by
+    a child's pre-hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = torch.log(x) @ self.w  # log(-1) = NaN in dataset row 5
+        return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels), "logits": logits}
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [("bf16", {"device_type": "cpu", "dtype": "bfloat16"}), ("fp16", None)],
+)
+def test_a_model_without_children_records_the_autocast_its_forward_ran_in(
+    tmp_path: Path, precision: str, expected: Any
+) -> None:
+    # accelerate enters autocast inside the wrapped model.forward (bf16=True), after the
+    # model's own hooks ran; on CPU it runs fp16=True without autocast
+    cb = NaNGuardCallback(directory=tmp_path / "snaps")
+    args = arguments(
+        tmp_path / "out", max_grad_norm=0.0, remove_unused_columns=False, **{precision: True}
+    )
+    args.max_steps = 4
+    model = FlatNet()
+    transformers.Trainer(model=model, args=args, train_dataset=TupleRows(), callbacks=[cb]).train()
+    assert len(cb.skipped) == 1 and hook_dicts(model) == hook_dicts(FlatNet())
+    snap = nbdebug.load_snapshot(cb.guard.snapshots[0], model=FlatNet)
+    assert snap.autocast == expected
+    dtypes = {e.dtype for e in snap.trace().events if e.phase == "forward"}
+    assert dtypes == ({"float32", "bfloat16"} if expected else {"float32"})

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
+from types import FrameType
 from typing import Any
 
 import torch
@@ -46,11 +49,93 @@ def _loss_of(output: Any) -> Any:
     return loss
 
 
+#: "no child of the model has run in this forward yet"
+_UNSEEN: Any = object()
+
+
+def _decorator_autocasts(forward: Any) -> list[Any]:
+    """The ``torch.autocast`` objects that decorators around ``forward`` enter, outermost
+    first: accelerate's mixed-precision wrapper of ``model.forward`` (``bf16=True``) is a
+    ``torch.autocast`` used as a decorator, as is a ``@torch.autocast(...)`` of one's own.
+    Read from the closures along the ``__wrapped__`` chain."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    fn = forward
+    while fn is not None and id(fn) not in seen and len(seen) < 16:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)  # a bound method: its function
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, torch.autocast):
+                found.append(value)
+        fn = getattr(fn, "__wrapped__", None)
+    return found
+
+
+def _forward_autocast(model: torch.nn.Module, device_type: str) -> tuple[bool, Any]:
+    """``(decorated, state)``: whether a decorator around ``model.forward`` sets the autocast
+    of ``device_type`` (on or off), and the autocast state inside it, as
+    :func:`autocast_state` gives it. The innermost such decorator decides."""
+    casts = [c for c in _decorator_autocasts(model.forward) if c.device == device_type]
+    if not casts:
+        return False, None
+    inner = casts[-1]
+    enabled = bool(getattr(inner, "_enabled", True))
+    with torch.autocast(device_type, dtype=inner.fast_dtype, enabled=enabled):
+        return True, autocast_state(device_type)
+
+
+def _called_children(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of ``module`` that its forward can call: a container that has no
+    forward of its own (``ModuleList``, ``ModuleDict``) stands for its children."""
+    found = []
+    for child in module.children():
+        if type(child).forward is torch.nn.Module.forward:
+            found.extend(_called_children(child))
+        else:
+            found.append(child)
+    return found
+
+
+def _on_stack(frame: FrameType | None, codes: frozenset[int]) -> bool:
+    """Whether ``frame`` or a frame that called it runs one of ``codes`` (their ids)."""
+    while frame is not None:
+        if id(frame.f_code) in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
 try:
     import transformers
 except ImportError as _error:  # the extra is not installed
     NaNGuardCallback: Any = missing_framework(__name__, "transformers", "hf", _error)
 else:
+
+    def _training_loop_codes() -> tuple[Any, ...]:
+        """The code of the frames that run the Trainer's training loop, read from the stack
+        of ``on_train_begin``: the frame that called ``CallbackHandler.on_train_begin``
+        (``Trainer._inner_training_loop``, or a subclass's own) and ``Trainer.train``'s.
+        Empty when no Trainer called it."""
+        from transformers.trainer_callback import CallbackHandler
+
+        begin = CallbackHandler.on_train_begin.__code__
+        train = getattr(getattr(transformers.Trainer, "train", None), "__code__", None)
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code is not begin:
+            frame = frame.f_back
+        if frame is None or frame.f_back is None:
+            return ()
+        frame = frame.f_back
+        codes = [frame.f_code]
+        while frame is not None and frame.f_code is not train:
+            frame = frame.f_back
+        if frame is not None:
+            codes.append(frame.f_code)
+        return tuple(codes)
 
     class NaNGuardCallback(CallbackState, transformers.TrainerCallback):  # type: ignore[no-redef]
         """Run :class:`nbdebug.NaNGuard` on every optimizer step of a ``transformers.Trainer``.
@@ -80,19 +165,31 @@ else:
         history has no loss, and the replay needs ``snap.trace(loss_fn=...)`` (and the
         labels, when ``compute_loss`` took them out of the batch before calling the model).
 
-        The snapshot holds the batch the Trainer fed the model (read by a forward hook
-        on the model while it trains, removed at the end of training; the keyword
-        arguments the model was called with: the batch, labels included, and what
-        ``compute_loss`` adds such as ``num_items_in_batch``; under gradient accumulation
-        the first micro-batch whose loss was not finite, else the last), the
-        ``TrainingArguments`` as plain data (``snap.trainer["args"]``), the optimizer and
-        the learning-rate scheduler states, and the autocast state the forward actually
-        ran under (``snap.autocast``, read inside the model's forward by pre-hooks on its
-        children: under ``bf16=True`` bfloat16; under ``fp16=True`` float16 on a
-        GPU, but nothing on CPU, where accelerate trains ``fp16=True`` in float32 without
-        autocast). Under ``fp16=True`` on a GPU the guard gets accelerate's GradScaler: a
-        step whose float16 gradients overflow is the scaler's own skip (no snapshot, not
-        in :attr:`skipped`).
+        The snapshot holds the batch the Trainer fed the model (the keyword arguments the
+        model was called with: the batch, labels included, and what ``compute_loss`` adds
+        such as ``num_items_in_batch``; under gradient accumulation the first micro-batch
+        whose loss was not finite, else the last), the ``TrainingArguments`` as plain data
+        (``snap.trainer["args"]``), the optimizer and the learning-rate scheduler states,
+        and the autocast state the forward actually ran under (``snap.autocast``: under
+        ``bf16=True`` bfloat16; under ``fp16=True`` float16 on a GPU, but nothing on CPU,
+        where accelerate trains ``fp16=True`` in float32 without autocast). It is read
+        inside the model's forward by a pre-hook on the child that runs first; for a model
+        without children, from the autocast that a decorator around its ``forward`` enters
+        (accelerate's wrapper under ``bf16=True``, or a ``@torch.autocast`` of one's own),
+        else the one around the call. Under ``fp16=True`` on a GPU the guard gets
+        accelerate's GradScaler: a step whose float16 gradients overflow is the scaler's
+        own skip (no snapshot, not in :attr:`skipped`).
+
+        The hooks that read them are on the model for one micro-batch at a time: put on in
+        ``on_step_begin`` and ``on_substep_end``, taken off by the forward hook as the
+        model's forward returns or raises (an ``always_call`` hook). The Trainer has no
+        exception callback, but between steps, and after a ``train()`` that stopped with
+        an error (in the forward, the backward, the data, another callback), the model's
+        hook dictionaries are as they were. Two cases leave the hooks on until the model's
+        next forward: a ``KeyboardInterrupt`` inside the forward (torch runs no hook then)
+        and an error between a step's start and its forward. The hooks check that the
+        Trainer's training loop is on the stack, so that next forward, not the Trainer's,
+        records nothing and takes them off (as does the next ``train()``).
 
         Under DDP (the Trainer started by ``torchrun`` or ``accelerate launch``) every
         rank runs its own callback: the guards agree on each step (one ``all_reduce``),
@@ -124,10 +221,20 @@ else:
                 version=transformers.__version__,
                 supported=SUPPORTED,
             )
-            self._hooks: list[Any] = []
             self._unlogged = 0
             self._device_type = "cpu"
             self._autocast_seen: dict[str, str] | None = None
+            # the hooks of one micro-batch (see _arm) and what they need
+            self._model: Any = None
+            self._leave_hook: Any = None
+            self._leave_fn: Any = self._leave
+            self._probes: list[Any] = []
+            self._probe_child: Any = None
+            self._inner_autocast: Any = _UNSEEN
+            self._decorated: tuple[bool, Any] = (False, None)
+            self._loop_codes: tuple[Any, ...] = ()
+            self._loop_ids: frozenset[int] = frozenset()
+            self._loop_thread = 0
 
         def __repr__(self) -> str:
             return (
@@ -154,20 +261,74 @@ else:
         def teardown(self, *args: Any, **kwargs: Any) -> None:
             return None
 
-        def _record(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            if module.training and torch.is_grad_enabled():
-                self.step_batch.add(dict(kwargs) if kwargs and not args else (args or kwargs))
-                loss = _loss_of(output)
-                if loss is not None:
-                    self.step_batch.set_loss(loss)
+        # -- the hooks: on the model for one micro-batch's forward at a time ----------------
 
-        def _watch_autocast(self, module: Any, args: Any) -> None:
-            if module.training and torch.is_grad_enabled():
-                self._autocast_seen = autocast_state(self._device_type)
+        def _arm(self) -> None:
+            """Hook the model for the Trainer's next micro-batch: a forward hook that records
+            the batch and its loss and takes every hook of the callback off again
+            (``always_call``: also when the forward raises), and a pre-hook on the child that
+            ran first in the last forward (on every child until one has run), which reads
+            the autocast state inside the forward (accelerate enters it there)."""
+            model = self._model
+            if model is None or self._leave_hook is not None:
+                return
+            self._leave_hook = model.register_forward_hook(
+                self._leave_fn, with_kwargs=True, always_call=True
+            )
+            self._inner_autocast = _UNSEEN
+            child = self._probe_child
+            children = _called_children(model) if child is None else [child]
+            self._probes = [c.register_forward_pre_hook(self._probe) for c in children]
 
-        def _remove_hook(self) -> None:
-            while self._hooks:
-                self._hooks.pop().remove()
+        def _disarm(self) -> None:
+            if self._leave_hook is not None:
+                self._leave_hook.remove()
+                self._leave_hook = None
+            while self._probes:
+                self._probes.pop().remove()
+
+        def _in_training(self) -> bool:
+            """Whether the forward now running is the Trainer's (its training loop is on this
+            thread's stack). A forward of anyone else's once training has stopped on an
+            error that no callback saw (a ``KeyboardInterrupt`` inside the forward, an error
+            between a step's start and its forward) takes the hooks off."""
+            if not self._loop_ids:
+                return True  # not started by a Trainer's loop: the callbacks alone decide
+            if _on_stack(sys._getframe(1), self._loop_ids):
+                return True
+            if threading.get_ident() == self._loop_thread or not _on_stack(
+                sys._current_frames().get(self._loop_thread), self._loop_ids
+            ):
+                self._disarm()  # training has stopped
+            return False
+
+        def _probe(self, module: Any, args: Any) -> None:
+            # traceable by torch.compile (no graph break inside the model's forward); whose
+            # forward this was, _leave decides
+            if self._inner_autocast is _UNSEEN:  # the first child to run in this forward
+                self._inner_autocast = autocast_state(self._device_type)
+                self._probe_child = module  # the next micro-batches hook this child alone
+
+        def _leave(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            if not self._in_training():
+                return
+            if output is not None and not (module.training and torch.is_grad_enabled()):
+                return  # a forward without gradients inside the step: its own comes next
+            inner = self._inner_autocast
+            if inner is _UNSEEN:  # no child ran (or the model has none)
+                self._probe_child = None
+                decorated, state = self._decorated
+                inner = state if decorated else autocast_state(self._device_type)
+            self._disarm()
+            if output is None:  # the forward raised: training stops with it
+                return
+            self.step_batch.add(dict(kwargs) if kwargs and not args else (args or kwargs))
+            loss = _loss_of(output)
+            if loss is not None:
+                self.step_batch.set_loss(loss)
+            self._autocast_seen = inner
+
+        # -- the Trainer's events -------------------------------------------------------
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             model = kwargs.get("model")
@@ -195,22 +356,37 @@ else:
                 "global_step": int(state.global_step),
                 "args": args.to_dict(),
             }
+            self._disarm()
+            self._model = model
             self._device_type = next((p.device.type for p in model.parameters()), "cpu")
             self._autocast_seen = None
-            self._remove_hook()
-            self._hooks.append(model.register_forward_hook(self._record, with_kwargs=True))
-            # accelerate enters autocast inside the model's forward: its children see it
-            for inner in list(model.children()) or [model]:
-                self._hooks.append(inner.register_forward_pre_hook(self._watch_autocast))
+            self._probe_child = None
+            # accelerate has wrapped model.forward by now (autocast under bf16=True): what a
+            # model without children ran in
+            self._decorated = _forward_autocast(model, self._device_type)
+            self._loop_codes = _training_loop_codes()
+            self._loop_ids = frozenset(id(code) for code in self._loop_codes)
+            self._loop_thread = threading.get_ident()
+            self._leave_fn = self._leave
+            if "torch._dynamo" in sys.modules:  # torch.compile may trace the model's hooks:
+                # one graph break at the forward's end, not one per untraceable call
+                self._leave_fn = torch.compiler.disable(self._leave)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self._remove_hook()
+            self._disarm()
+            self._model = None
+            self._loop_codes, self._loop_ids = (), frozenset()
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.guard is not None:
                 self.guard.mark_step_start()
+                self._arm()
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._arm()  # the next micro-batch of gradient accumulation
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._disarm()  # a step whose forward never reached the model
             if self.guard is None:
                 return
             step = int(state.global_step)
@@ -223,11 +399,7 @@ else:
             else:
                 fields.pop("autocast", None)
             self._autocast_seen = None
-            try:
-                ok = self.guard.check(loss, inputs=inputs, step=step)
-            except BaseException:
-                self._remove_hook()  # on_train_end will not come
-                raise
+            ok = self.guard.check(loss, inputs=inputs, step=step)
             if ok or self.guard.on_nonfinite == "continue":
                 return
             self.skipped.append(step)
