@@ -1231,3 +1231,32 @@ def test_fp16_overflow_made_in_the_backward_is_named_as_such() -> None:
         (f.code, f.module) for f in errors if f.code.endswith("origin") or "fp16" in f.code
     ] == [("fp16_overflow_risk", "2")]
     assert any("overflowed float16" in f.advice for f in errors)
+
+
+class _MaskedAttention(nn.Module):
+    """Additive -inf key mask, as attention takes it: the -inf is intended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(4, 4)
+        self.o = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(1, 2) + mask[:, None, :]
+        return self.o((scores.softmax(-1) @ x).mean(1))
+
+
+def test_an_intended_minus_inf_mask_in_the_batch_is_not_bad_data():
+    model = _MaskedAttention()
+    x, mask = torch.randn(3, 5, 4), torch.zeros(3, 5)
+    mask[:, 4] = float("-inf")
+    y = torch.tensor([0, 1, 0])
+    tr = nbdebug.trace(model, (x, mask), y, F.cross_entropy)
+    assert tr.origin is None and [tr.events[i].name for i in tr.mask_events] == ["inputs[1]"]
+    codes = {f.code for f in nbdebug.check(tr)}
+    assert "nonfinite_input" not in codes
+    # a NaN in the same batch is bad data all the same
+    x[1, 0, 0] = float("nan")
+    bad = nbdebug.check(nbdebug.trace(model, (x, mask), y, F.cross_entropy))
+    assert [f.rows for f in bad if f.code == "nonfinite_input"] == [[1]]

@@ -586,3 +586,123 @@ def test_table_text_shows_a_replay_that_never_ran_as_dash_and_a_nan_loss_as_nan(
     assert "NaN" not in d.table()
     assert lines["drop_rows"][5:8] == ["-", "-", "-"]  # loss, grad_norm, cost
     assert lines["not_reproducible"][5] == "nan"
+
+
+def _diverging_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _diverging_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 8, generator=g) * 3
+    return x, x.sum(1, keepdim=True) * 5
+
+
+def test_with_several_steps_a_row_shows_the_last_update_and_a_fix_that_still_diverges_says_so():
+    model = _diverging_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9, weight_decay=1e-3)
+    x, y = _diverging_batch()
+    x, y = x[:16], y[:16]
+    d = nbdebug.diagnose(model, x, y, F.mse_loss, optimizer=opt, steps=5, progress=False)
+    lower = next(r for r in d.results if r.kind == "lower_lr")
+    # lr x 0.1 by hand, 5 updates: finite, but the loss is huge by the fifth
+    m = _diverging_mlp()
+    o = torch.optim.SGD(m.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3)
+    first = None
+    for _ in range(5):
+        loss = F.mse_loss(m(x), y)
+        first = float(loss) if first is None else first
+        o.zero_grad()
+        loss.backward()
+        o.step()
+    assert lower.finite and lower.outcome.loss == pytest.approx(float(loss), rel=1e-4)
+    assert lower.outcome.loss > 100 * first
+    assert "diverging over the 5 replayed updates" in lower.note
+
+
+def test_a_divergence_over_earlier_steps_that_no_fix_undoes_points_at_the_learning_rate(
+    tmp_path,
+):
+    model = _diverging_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9, weight_decay=1e-3)
+    guard = nbdebug.NaNGuard(model, opt, directory=tmp_path, loss_fn=F.mse_loss)
+    x_all, y_all = _diverging_batch()
+    for step in range(50):
+        i = (step * 16) % 64
+        loss = F.mse_loss(model(x_all[i : i + 16]), y_all[i : i + 16])
+        loss.backward()
+        if not guard.check(loss, inputs=x_all[i : i + 16], target=y_all[i : i + 16], step=step):
+            break
+        opt.step()
+        opt.zero_grad()
+    snap = nbdebug.load_snapshot(guard.snapshots[0], model=_diverging_mlp)
+    d = nbdebug.diagnose(snap, progress=False)
+    assert not d.cause.finite
+    assert "the failure reproduces, and no candidate fix made the step finite" in d.cause.statement
+    assert "lower the learning rate" in d.cause.statement
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.fc(a * b).pow(2).mean()  # the loss itself: no target
+
+
+@pytest.mark.parametrize("form", ["dict", "tuple"])
+def test_the_drop_rows_snippet_runs_on_the_batch_as_the_step_had_it(form: str) -> None:
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    b[2, 1] = float("nan")
+    batch: Any = {"a": a, "b": b} if form == "dict" else (a, b)
+    d = nbdebug.diagnose(_TwoInputs(), batch, progress=False)
+    drop = next(r for r in d.results if r.kind == "drop_rows")
+    assert drop.finite and drop.rows == [2]
+    scope: dict[str, Any] = {"torch": torch, "batch": batch, "inputs": batch}
+    exec(drop.snippet(), scope)
+    kept = scope["batch"] if form == "dict" else scope["inputs"]
+    values = list(kept.values()) if form == "dict" else list(kept)
+    assert [v.shape[0] for v in values] == [5, 5]
+    assert all(bool(torch.isfinite(v).all()) for v in values)
+
+
+class _NormEmb(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(5, 6, bias=False)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.normalize(self.fc(x), dim=1, eps=0.0))
+
+
+class _PaddedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.o = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.o(self.att(x, x, x, key_padding_mask=pad)[0].mean(1))
+
+
+def test_the_epsilon_fix_reaches_the_op_inside_a_composite_torch_function():
+    # F.normalize(eps=0) on a zero row: the division inside it
+    x, y = torch.randn(7, 5), torch.randint(0, 3, (7,))
+    x[4] = 0
+    d = nbdebug.diagnose(_NormEmb(), x, y, F.cross_entropy, progress=False)
+    assert d.cause.kind == "epsilon" and d.cause.finite
+    assert "F.normalize(self.fc(x), dim=1, eps=1e-06)" in d.results[0].snippet()
+    # a fully padded sample in nn.MultiheadAttention: the softmax inside it, backward too
+    xm, pad = torch.randn(3, 4, 8), torch.zeros(3, 4, dtype=torch.bool)
+    pad[2] = True
+    d = nbdebug.diagnose(
+        _PaddedAttention(), (xm, pad), torch.tensor([0, 1, 0]), F.cross_entropy, progress=False
+    )
+    eps = next(r for r in d.results if r.kind == "epsilon")
+    assert eps.finite and eps.outcome.backward and d.cause.kind == "epsilon"

@@ -832,3 +832,20 @@ def test_an_error_after_the_snapshot_limit_says_no_snapshot_was_written(tmp_path
     with pytest.raises(NonFiniteError, match=r"No snapshot was written \(max_snapshots") as e:
         _bad_step(model, guard, 3)
     assert e.value.path is None and "Snapshot: None" not in str(e.value)
+
+
+def test_an_optimizer_over_another_model_is_refused_before_anything_is_made(tmp_path):
+    model, other = nn.Linear(3, 2), nn.Linear(3, 3)
+    hooks = dict(model._forward_hooks)
+    with pytest.raises(ValueError, match=r"^the optimizer holds 2 parameter\(s\), none of them"):
+        nbdebug.NaNGuard(
+            model,
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            directory=tmp_path / "snaps",
+            checks=True,
+        )
+    assert not (tmp_path / "snaps").exists() and dict(model._forward_hooks) == hooks
+    # one parameter outside the model beside the model's own is fine
+    temperature = nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    assert nbdebug.NaNGuard(model, opt, directory=tmp_path / "snaps").optimizer is opt

@@ -505,3 +505,30 @@ def test_compiled_model_is_traced_through_the_module_it_wraps() -> None:
     tr = nbdebug.trace(compiled, torch.randn(3, 4), loss_fn=lambda o: o.sum())
     assert tr.origin is not None and tr.origin.module == "0" and tr.origin.param == "0.weight"
     assert tr.model_name == "Sequential"
+
+
+class _NaNOnThirdCall(nn.Module):
+    """A forward with state outside its inputs: NaN on its third call only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.fc(x)
+        return h * float("nan") if self.calls == 3 else h
+
+
+def test_a_nan_step_whose_exact_pass_replays_finite_is_not_called_healthy():
+    m = _NaNOnThirdCall()
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1])
+    m(x), m(x)
+    tr = nbdebug.trace(m, x, y, F.cross_entropy)  # its first pass is the third call
+    assert tr.origin is None and math.isnan(tr.unreplayed_loss) and not tr.healthy
+    assert tr.summary().startswith("the step's loss was nan but its replay was finite")
+    assert any("depends on state outside its inputs" in n for n in tr.notes)
+    healthy = nbdebug.trace(_NaNOnThirdCall(), x, y, F.cross_entropy)
+    assert healthy.healthy and healthy.unreplayed_loss is None

@@ -41,11 +41,12 @@ _CLASS_LOSSES = (
 def trace_input_findings(view: TraceView) -> list[Finding]:
     """``nonfinite_input`` and ``unscaled_input`` from the batch events of a trace."""
     out = []
+    masks = set(getattr(view.trace, "mask_events", ()))
     for e in view.events:
         if e.phase != "input":
             continue
         s = e.stats
-        if not e.finite:
+        if not e.finite and e.index not in masks:  # an intended -inf mask is not bad data
             rows = f"{rows_text(e.samples)} of " if e.samples else ""
             out.append(
                 Finding(

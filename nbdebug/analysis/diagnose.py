@@ -40,6 +40,7 @@ from ..core.batch import (
     compute_loss,
     named_tensors,
 )
+from ..core.origin_ops import composite_body
 from ..core.result import Trace, TraceError
 from ..core.snapshot import (
     Snapshot,
@@ -89,6 +90,8 @@ class StepOutcome:
     seconds: float = 0.0
     error: str | None = None
     skipped: str | None = None
+    first_loss: float | None = None  # with several steps: the first one's loss
+    steps: int = 1
 
     @property
     def finite(self) -> bool:
@@ -411,12 +414,16 @@ class Workbench:
                     step_out = _step(r, *amp)
                     if out.loss is None:
                         out = step_out
-                    else:  # later steps: all must stay finite
+                    else:  # later steps: all must stay finite; loss and norm are the last's
                         out.forward &= step_out.forward
                         out.loss_finite &= step_out.loss_finite
                         out.backward &= step_out.backward
                         if out.update is not None:
                             out.update = bool(out.update and step_out.update)
+                        if out.first_loss is None:
+                            out.first_loss = out.loss
+                        out.loss, out.grad_norm = step_out.loss, step_out.grad_norm
+                        out.steps += 1
         except Exception as e:
             out.error = first_line(e, 300)
         out.seconds = time.perf_counter() - t0
@@ -530,8 +537,12 @@ class _ProbeMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         fam = func_family(func)
+        body = composite_body(func) if fam is None or fam not in self.families else None
+        if body is not None:  # F.normalize, attention: the ops inside them, as the trace
+            with self:
+                return body(*args, **kwargs)
+        out = func(*args, **kwargs)
         if fam is None or fam not in self.families:
             return out
         outs = [t for _, t in named_tensors(out) if t.is_floating_point()]
@@ -835,6 +846,27 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _diverging(history: list[dict[str, Any]], last: int = 10) -> str:
+    """Why the steps before this one point at the learning rate (the loss grew ``FAR``
+    times over the last healthy rows), or ""."""
+    losses = [
+        (h.get("step"), float(h["loss"]))
+        for h in history[-last:]
+        if isinstance(h.get("loss"), (int, float)) and math.isfinite(h["loss"])
+    ]
+    if len(losses) < 2:
+        return ""
+    low = min(range(len(losses)), key=lambda i: abs(losses[i][1]))
+    (s0, a), (s1, b) = losses[low], losses[-1]
+    if low == len(losses) - 1 or abs(b) <= FAR * (abs(a) + 1e-12):
+        return ""
+    return (
+        f"the loss grew from {fmt_num(a)} (step {s0}) to {fmt_num(b)} (step {s1}) before it: "
+        "the weights diverged over those updates, so lower the learning rate (or warm it up) "
+        "and resume from a checkpoint before the growth"
+    )
+
+
 def _earlier_step(history: list[dict[str, Any]], step: int | None) -> str:
     """Which earlier step to look at when the weights were already corrupted."""
     rows = [h for h in history if step is None or h.get("step") is None or h["step"] < step]
@@ -913,7 +945,9 @@ def diagnose(
         Fix objects (see :mod:`nbdebug.analysis.fixes`) to try, and/or kind names that
         select from the menu (``["epsilon", "drop_rows"]``). Default: the whole menu.
     steps : int
-        Optimizer steps replayed on the batch per fix (all must stay finite).
+        Optimizer steps replayed on the batch per fix (all must stay finite); a row's
+        ``loss`` and ``grad_norm`` are the last step's, so a fix that stays finite but
+        still diverges is ranked after those near the healthy history.
     budget_s : float, optional
         Stop starting replays after this many seconds (the remaining rows say so).
     trust_recipe : bool
@@ -1178,13 +1212,26 @@ FAR = 100.0  # a finite fix whose loss or gradient norm is this many times off t
 
 
 def far_from_history(o: StepOutcome, ref: dict[str, Any]) -> str:
-    """Why a finite replay is far from the healthy history ("loss 952 vs 0.067"), or ""."""
+    """Why a finite replay is far from the healthy history ("loss 952 vs 0.067"), or
+    still diverging over its replayed updates (``steps=``: the loss grew ``FAR`` times),
+    or ""."""
     for key, label, v in (("loss", "loss", o.loss), ("grad_norm", "gradient norm", o.grad_norm)):
         r = ref.get(key)
         if r is None or v is None or not math.isfinite(v):
             continue
         if abs(v - r) > (FAR - 1.0) * (abs(r) + 1e-12):
             return f"finite, but far from the healthy history: {label} {fmt_num(v)} vs {fmt_num(r)}"
+    first, last = o.first_loss, o.loss
+    if (
+        first is not None
+        and last is not None
+        and math.isfinite(last)
+        and abs(last) > FAR * (abs(first) + 1e-12)
+    ):
+        return (
+            f"finite, but diverging over the {o.steps} replayed updates: loss "
+            f"{fmt_num(first)} -> {fmt_num(last)}"
+        )
     return ""
 
 
@@ -1319,7 +1366,13 @@ def _cause(
                 "replayed: raise it to try them."
             )
         else:
-            s = f"{_sentence_start(origin)}; no candidate fix made the step finite end to end."
+            again = " the failure reproduces, and" if kind == "not_reproducible" else ""
+            s = (
+                f"{_sentence_start(origin)};{again} no candidate fix made the step finite "
+                "end to end"
+            )
+            grew = _diverging(src.history)
+            s += f"; {grew}." if grew else "."
     return Cause(
         kind=kind,
         module=top.module,

@@ -34,6 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..core.batch import named_tensors
+from ..core.origin_ops import composite_body
 from ..core.text import rows_text
 
 #: The documented fix kinds.
@@ -330,7 +331,12 @@ class RewriteMode(TorchFunctionMode):
         kwargs = kwargs or {}
         fam = func_family(func)
         if fam != self.family:
-            return func(*args, **kwargs)
+            body = composite_body(func)
+            if body is None:
+                return func(*args, **kwargs)
+            # a composite (F.normalize, attention): its own ops, where the trace's root is
+            with self:
+                return body(*args, **kwargs)
         out = self._rewrite(func, fam, list(args), dict(kwargs))
         return out
 
@@ -392,6 +398,17 @@ class RewriteMode(TorchFunctionMode):
                 made = made & ~torch.isnan(x)
             if bool(made.any()):
                 self._note()
+                if isinstance(x, torch.Tensor) and x.shape == o.shape:
+                    # the masked rows' scores made finite first, so that the backward
+                    # through them is 0, not NaN (softmax's backward reads its output)
+                    a = list(args)
+                    safe = torch.where(made, torch.zeros_like(x), x)
+                    if a:
+                        a[0] = safe
+                    else:
+                        kwargs = {**kwargs, "input": safe}
+                    o = func(*a, **kwargs)
+                    o = o if isinstance(o, torch.Tensor) else next(t for _, t in named_tensors(o))
                 fixed = torch.where(made, torch.zeros_like(o), o)
                 return fixed if isinstance(out, torch.Tensor) else (fixed, *out[1:])
         return out
@@ -452,6 +469,12 @@ def rewrite_line(line: str, family: str, eps: float) -> str | None:
             self.generic_visit(node)
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if family == "div" and name == "normalize":  # F.normalize(x, eps=0): its eps
+                node.keywords = [k for k in node.keywords if k.arg != "eps"]
+                node.args = node.args[:3]  # input, p, dim (eps is the fourth)
+                node.keywords.append(ast.keyword("eps", e))
+                done = True
+                return node
             if family not in _METHODS or name not in (family, family + "_", "rsqrt"):
                 return node
             if family == "exp":
@@ -593,6 +616,9 @@ class DropRowsFix(Fix):
     def __init__(self, rows: list[int]):
         super().__init__()
         self.rows = sorted({int(r) for r in rows})
+        # the batch's form, for the snippet: inputs "tensor", "dict" or "seq", whether a
+        # target tensor goes with them, the batch size
+        self._form: tuple[str, bool, int | None] = ("tensor", True, None)
 
     def applies(self, trace: Any) -> bool:
         bs = getattr(trace, "batch_size", None)
@@ -609,6 +635,14 @@ class DropRowsFix(Fix):
             raise ValueError("the batch has no batch dimension: no rows to drop.")
         keep = torch.tensor([i for i in range(bs) if i not in set(self.rows)], dtype=torch.long)
         old = replay.inputs, replay.target
+        form = (
+            "dict"
+            if isinstance(old[0], dict)
+            else "seq"
+            if isinstance(old[0], (tuple, list))
+            else "tensor"
+        )
+        self._form = (form, isinstance(old[1], torch.Tensor), bs)
         replay.inputs = _select(replay.inputs, keep, bs)
         replay.target = _select(replay.target, keep, bs)
         try:
@@ -620,10 +654,22 @@ class DropRowsFix(Fix):
         return f"drop batch {rows_text(self.rows, None)}"
 
     def snippet(self) -> str:
+        """The code for the batch as the step had it: a tensor ``x`` (and ``y``), a dict
+        ``batch`` (a Hugging Face batch, labels in it) or a tuple ``inputs``."""
+        form, target, bs = self._form
+        row = "isinstance(v, torch.Tensor) and len(v) == len(keep)"
+        take = {
+            "tensor": "x = x[keep]",
+            "dict": f"batch = {{k: v[keep] if {row} else v for k, v in batch.items()}}",
+            "seq": f"inputs = [v[keep] if {row} else v for v in inputs]",
+        }[form]
+        if target:
+            take = "x, y = x[keep], y[keep]" if form == "tensor" else f"{take}\ny = y[keep]"
+        size = "x.shape[0]" if form == "tensor" or bs is None else str(bs)
         return (
             f"bad = torch.tensor({self.rows})\n"
-            "keep = torch.ones(x.shape[0], dtype=torch.bool); keep[bad] = False\n"
-            "x, y = x[keep], y[keep]  # and find out why these rows are bad"
+            f"keep = torch.ones({size}, dtype=torch.bool); keep[bad] = False\n"
+            f"{take}  # and find out why these rows are bad"
         )
 
 

@@ -138,6 +138,20 @@ def last_error() -> NonFiniteError | None:
     return None
 
 
+def _check_optimizer_of(model: torch.nn.Module, optimizer: Any) -> None:
+    """An optimizer over none of the model's parameters is another model's (one over some
+    parameters outside the model, such as a learned temperature, is fine)."""
+    if optimizer is None:
+        return
+    own = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if own and held and not any(id(p) in own for p in held):
+        raise ValueError(
+            f"the optimizer holds {len(held)} parameter(s), none of them the model's: "
+            "expected the optimizer built over this model's parameters (model.parameters())."
+        )
+
+
 def _training_objects(optimizer: Any, scaler: Any, scheduler: Any) -> tuple[Any, Any, Any]:
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -325,6 +339,7 @@ class NaNGuard:
         self.optimizer, self.scaler, self.scheduler = _training_objects(
             optimizer, scaler, scheduler
         )
+        _check_optimizer_of(self.model, self.optimizer)
         self.options = GuardOptions(
             patience=patience,
             on_nonfinite=on_nonfinite,
@@ -363,11 +378,10 @@ class NaNGuard:
         seen = {id(p) for p in self._params}
         self._extra = []  # optimizer parameters outside the model: their gradients are cleared too
         if optimizer is not None:
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        self._extra.append(p)
+            for p in (p for g in optimizer.param_groups for p in g["params"]):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self._extra.append(p)
         devices = {p.device for p in self._params}
         self._device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
         if autocast is not None:

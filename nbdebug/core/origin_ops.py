@@ -48,7 +48,14 @@ from .state import AutocastState
 from .stats import row_dim
 from .text import code_name
 
-__all__ = ["OpFinding", "op_name", "replay_backward", "replay_forward", "replay_loss"]
+__all__ = [
+    "OpFinding",
+    "composite_body",
+    "op_name",
+    "replay_backward",
+    "replay_forward",
+    "replay_loss",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MODULE_PY = os.path.join("nn", "modules", "module.py")
@@ -198,6 +205,14 @@ def _descendable(func: Any) -> bool:
         and getattr(func, "__module__", "") in _COMPOSITE_MODULES
         and any(n.startswith("has_torch_function") for n in func.__code__.co_names)
     )
+
+
+def composite_body(func: Any) -> Any:
+    """For a composite torch function written in Python (``F.normalize``,
+    ``F.multi_head_attention_forward``, ``scaled_dot_product_attention``'s math path): a
+    function running its body with the operations inside it visible to a
+    ``TorchFunctionMode`` (call it inside the mode); ``None`` for any other function."""
+    return _shadow(func) if _descendable(func) else None
 
 
 def _shadow(func: Any) -> Any:

@@ -65,6 +65,13 @@ class Trace:
     masks : list of str
         Intended masks that were not taken for the origin: ``"batch holds -inf in
         `attention_mask`, used as a mask"`` (also in ``notes``).
+    unreplayed_loss : float or None
+        The non-finite loss of the step's first pass when the exact pass, run again on the
+        same batch, buffers and RNG, was finite (a forward with state outside its inputs):
+        the events are the exact pass's, and the trace is not healthy.
+    mask_events : list of int
+        The indices of the batch events (``phase="input"``) taken for intended masks: their
+        -inf is not an origin, and the health checks do not call it bad data.
     notes : list of str
     kept : dict of str to Tensor
         Detached copies of the module outputs asked for with ``trace(..., keep=...)``,
@@ -87,6 +94,8 @@ class Trace:
     notes: list[str] = field(default_factory=list)
     masks: list[str] = field(default_factory=list)
     kept: dict[str, Any] = field(default_factory=dict)
+    mask_events: list[int] = field(default_factory=list)
+    unreplayed_loss: float | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -95,7 +104,7 @@ class Trace:
 
     @property
     def healthy(self) -> bool:
-        return self.first_nonfinite is None and self.error is None
+        return self.first_nonfinite is None and self.error is None and self.unreplayed_loss is None
 
     def events_of(self, module: str, phase: str | None = None) -> list[Event]:
         """Events of one module (optionally of one phase)."""
@@ -200,6 +209,11 @@ class Trace:
                 return (
                     f"non-finite values first seen at {self.first_nonfinite.label} (origin "
                     f"not found)"
+                )
+            if self.unreplayed_loss is not None:
+                return (
+                    f"the step's loss was {self.unreplayed_loss} but its replay was finite: the "
+                    "forward does not replay (see notes), no origin named"
                 )
             if self.loss is not None and not any(e.phase == "backward" for e in self.events):
                 return "no NaN/Inf in the forward; no backward ran (see notes)"

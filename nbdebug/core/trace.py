@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -164,6 +165,7 @@ def _traced(
             )
         health = WeightHealth.measure(owned_weights(st.modules))
         written: list[str] = []
+        first_loss: float | None = None  # the quick pass's, when the exact pass follows
         if not health.bad:
             rec, out = _run(
                 model,
@@ -183,6 +185,7 @@ def _traced(
                 out.notes += _written_note(written)
                 return _with_kept(_result(model, inputs, rec, events, None, out, health), rec.kept)
             # something is not finite (or overflowed float32 sums): replay the step exactly
+            first_loss = out.loss
             st.reset_buffers()
         # (a parameter or buffer that is already non-finite makes the step need the exact
         # pass: the quick one is skipped)
@@ -198,9 +201,28 @@ def _traced(
         if health.bad:  # the exact pass was the step's first forward
             written = st.keep_written()
         out.notes += _written_note(written)
+        unreplayed = _not_replayed_note(first_loss, out.loss)
+        out.notes += unreplayed
         found = _find_origin(model, inputs, target, loss_fn, st, amp, rec, health.bad, out, bs)
         events, origin = _events(rec, vectors, found)
-        return _with_kept(_result(model, inputs, rec, events, origin, out, health, found), rec.kept)
+        tr = _result(model, inputs, rec, events, origin, out, health, found)
+        if unreplayed:
+            tr.unreplayed_loss = first_loss
+        return _with_kept(tr, rec.kept)
+
+
+def _not_replayed_note(first: float | None, exact: float | None) -> list[str]:
+    """A step whose first pass gave a non-finite loss and whose exact pass (run again on
+    the same batch, buffers and RNG) a finite one: its forward does not replay."""
+    if first is None or exact is None or math.isfinite(first) or not math.isfinite(exact):
+        return []
+    return [
+        f"the step's first pass gave a non-finite loss ({first}), but the exact pass that "
+        f"locates the origin, run again on the same batch, buffers and RNG, gave {exact:.6g}: "
+        "the forward depends on state outside its inputs (a call counter, a cache, a "
+        "non-deterministic kernel), so the NaN/Inf is not in these events and no origin is "
+        "named"
+    ]
 
 
 def _written_note(names: list[str]) -> list[str]:
@@ -451,6 +473,7 @@ class _Found:
     param: str | None = None
     rows: list[int] = dataclasses.field(default_factory=list)
     masks: list[str] = dataclasses.field(default_factory=list)
+    mask_events: list[int] = dataclasses.field(default_factory=list)  # batch tensors
 
 
 _MAX_MASK_ROUNDS = 8
@@ -507,8 +530,10 @@ def _find_origin(
             continue
         found = _found(rec, loc, event_index, finding, texts)
         found.note = "; ".join(x for x in (unmasked, found.note) if x)
+        found.mask_events = [i for i in masks.batch if i in batch_texts]
         return found
-    return _Found(event=-1, masks=texts) if texts else None
+    batch = [i for i in masks.batch if i in batch_texts]
+    return _Found(event=-1, masks=texts, mask_events=batch) if texts else None
 
 
 def _replay(
@@ -801,4 +826,5 @@ def _result(
         module_types=dict(rec.types),
         notes=out.notes + (found.masks if found is not None else []),
         masks=list(found.masks) if found is not None else [],
+        mask_events=list(found.mask_events) if found is not None else [],
     )
