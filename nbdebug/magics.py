@@ -199,7 +199,7 @@ def _loss(name: str, ns: dict[str, Any]) -> Any:
     else:
         raise MagicUsageError(f"--loss must be a name; got {name!r}.")
     if not callable(fn):
-        raise MagicUsageError(f"--loss {name} is a {type(fn).__qualname__}, not a function.")
+        raise MagicUsageError(f"--loss {name} is of type {type(fn).__qualname__}, not a function.")
     return fn
 
 
@@ -271,7 +271,7 @@ def _open(line: str) -> Any:
 
     if not isinstance(value, (Snapshot, str, os.PathLike)):
         raise MagicUsageError(
-            f"{first} is a {type(value).__qualname__}: expected a torch.nn.Module, a "
+            f"{first} is of type {type(value).__qualname__}: expected a torch.nn.Module, a "
             f"Snapshot or a snapshot path. {USAGE}"
         )
     if len(args) > 1:
@@ -296,6 +296,12 @@ def _snapshot(path: Any, model: Any, loss_fn: Any = None) -> Any:
     try:
         return debug(p, model=model, loss_fn=loss_fn)
     except SnapshotError as e:
-        raise MagicUsageError(f"{p}: {e}") from None
+        if e.needs_model:
+            raise MagicUsageError(
+                f"{p} was loaded without a model: give --model NAME (a module, or a "
+                "zero-argument factory, in the notebook's namespace)."
+            ) from None
+        msg = str(e)  # most name the file already
+        raise MagicUsageError(msg if p in msg else f"{p}: {msg}") from None
     except (TypeError, ValueError) as e:
         raise MagicUsageError(str(e)) from None

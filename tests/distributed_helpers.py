@@ -277,6 +277,12 @@ def bad_setups(rank: int, world: int, directory: str) -> dict[str, Any]:
     attempt("member", lambda: nbdebug.NaNGuard(model, process_group=only0))
     other = make_model(16 if rank == 0 else 32)
     attempt("models", lambda: nbdebug.NaNGuard(other, process_group=dist.group.WORLD, timeout=10))
+    choice = "raise" if rank == 0 else "skip"  # the ranks would decide differently
+    attempt("options", lambda: nbdebug.NaNGuard(model, on_nonfinite=choice, timeout=10))
+    # each rank alone, one directory: a file per rank all the same
+    alone = nbdebug.NaNGuard(model, directory=directory, process_group=False)
+    alone.check(torch.tensor(float("nan")), step=3)
+    out["alone"] = [p.name for p in alone.snapshots]
     steps = nbdebug.NaNGuard(model, process_group=dist.group.WORLD, timeout=10)
     attempt("steps", lambda: steps.check(torch.tensor(1.0), step=5 + rank))
     dist.barrier()

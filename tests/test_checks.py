@@ -1260,3 +1260,23 @@ def test_an_intended_minus_inf_mask_in_the_batch_is_not_bad_data():
     x[1, 0, 0] = float("nan")
     bad = nbdebug.check(nbdebug.trace(model, (x, mask), y, F.cross_entropy))
     assert [f.rows for f in bad if f.code == "nonfinite_input"] == [[1]]
+
+
+def test_the_partial_trace_of_a_step_that_raised_is_a_trace_error_in_the_checks_and_header():
+    class Mismatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))  # 4 features into a 5-feature Linear
+
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    with pytest.raises(nbdebug.TraceError) as err:
+        nbdebug.trace(Mismatch(), x, y, F.cross_entropy)
+    assert err.value.trace is not None
+    codes = [f.code for f in nbdebug.check(err.value.trace) if f.severity == "error"]
+    assert codes == ["trace_error"]
+    dbg = nbdebug.debug(Mismatch(), x, y, F.cross_entropy)  # the debugger's Checks tab
+    assert "1 error" in dbg.header.value
+    dbg.close()

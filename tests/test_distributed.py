@@ -142,6 +142,13 @@ def test_bad_setups_are_clear_errors_not_hangs(tmp_path):
         in (v0["models"]["message"])
     )
     assert v0["models"]["ranks"] == [1] and v1["models"]["ranks"] == [0]
+    assert v0["options"]["error"] == v1["options"]["error"] == "RankError"
+    assert (
+        "the ranks' guards differ: on_nonfinite='raise' on rank 0 but 'skip' on rank 1"
+        in v0["options"]["message"]
+    )
+    assert v0["alone"] == ["step-000000003-rank0.nbsnap"]
+    assert v1["alone"] == ["step-000000003-rank1.nbsnap"]
     for v in (v0, v1):  # a rank that skipped a check() call: the steps differ
         assert v["steps"]["error"] == "RankError"
         assert (

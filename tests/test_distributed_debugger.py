@@ -14,9 +14,9 @@ from nbdebug import magics
 from nbdebug.widgets.ranks import RanksDebugger
 
 
-@pytest.fixture
-def rank_dir(tmp_path):
-    """Per-rank snapshots of step 3 as a 2-rank run writes them: rank 1's batch holds a NaN."""
+def write_rank_snapshots(tmp_path, culprits=(1,)):
+    """Per-rank snapshots of step 3 as a 2-rank run writes them: rank 1's batch holds a NaN;
+    ``culprits``: the ranks the agreement named."""
     for rank in range(2):
         x, y = h.batch(rank, 3)
         if rank == 1:
@@ -32,9 +32,23 @@ def rank_dir(tmp_path):
             rank=rank,
             world_size=2,
             local_first=True,
-            culprit_ranks=[1],
+            culprit_ranks=list(culprits),
         )
     return tmp_path
+
+
+@pytest.fixture
+def rank_dir(tmp_path):
+    return write_rank_snapshots(tmp_path)
+
+
+def test_with_every_rank_a_culprit_the_debugger_opens_the_one_whose_replay_shows_it(tmp_path):
+    # a gradient-only NaN: the agreement names every rank; the replay tells which
+    dbg = nbdebug.debug(write_rank_snapshots(tmp_path, (0, 1)), model=h.make_model)
+    try:
+        assert dbg.rank == 1 and dbg.debugger.trace.origin is not None
+    finally:
+        dbg.close()
 
 
 def test_debug_directory_opens_the_culprit_rank_with_the_table(rank_dir):

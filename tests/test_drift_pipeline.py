@@ -278,3 +278,18 @@ def test_pipeline_with_string_categories_tests_their_counts():
     bad.loc[0, "plan"] = None
     with pytest.raises(ValueError, match=r"categorical column 'plan' has 1 missing value"):
         _run(pipe, ref, bad)
+
+
+def test_batches_with_as_many_columns_but_other_names_say_which_names_differ():
+    import pandas as pd
+
+    from nbdebug.analysis.drift_data import prepare_batches
+
+    ref = pd.DataFrame(np.ones((20, 3)), columns=["a", "b", "c"])
+    cur = pd.DataFrame(np.ones((20, 3)), columns=["a", "b", "z"])
+    with pytest.raises(
+        ValueError,
+        match=r"^the batches have different column names; missing from current: \['c'\]; "
+        r"only in current: \['z'\]\.$",
+    ):
+        prepare_batches(ref, cur)

@@ -209,3 +209,17 @@ def test_displaying_the_result_shows_the_panel_in_a_kernel(result, monkeypatch):
     from ipywidgets.widgets.widget import _instances
 
     assert isinstance(_instances[view["model_id"]], widgets.VBox)
+
+
+def test_a_wrong_backward_found_by_the_tab_takes_the_green_healthy_off_the_header():
+    import torch.nn.functional as F
+
+    import nbdebug
+
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    dbg = nbdebug.debug(_model(), x, y, F.cross_entropy)
+    assert "healthy" in dbg.header.value  # a finite trace, before any sweep
+    dbg.panel("Gradcheck").sweep_button.click()
+    assert "1 with a wrong backward" in dbg.panel("Gradcheck").status.value
+    assert "healthy" not in dbg.header.value and "no NaN/Inf" in dbg.header.value
+    dbg.close()

@@ -559,3 +559,16 @@ def test_cleaner_as_the_debuggers_labels_tab(tmp_path, case):
     assert dbg.tabs.titles[-1] == "Labels" and dbg.tabs.children[-1] is cleaner.widget
     cleaner.keep_button.click()
     assert len(cleaner.decisions) == 1
+
+
+def test_issues_for_more_samples_than_labels_say_both_counts():
+    from nbdebug.analysis.review import check_issues
+
+    issues = pd.DataFrame(
+        {c: [0] * 3 for c in ("given_label", "suggested_label", "label_quality", "is_issue")},
+        index=[0, 10, 49],
+    )
+    with pytest.raises(
+        ValueError, match=r"0\.\.44 \(there are 45 labels; .*\); its index runs 0\.\.49\.$"
+    ):
+        check_issues(issues, np.zeros(45, dtype=int))

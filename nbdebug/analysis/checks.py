@@ -231,6 +231,8 @@ def _resolve_source(ctx: CheckContext, source: Any) -> torch.nn.Module | None:
         return None
     if isinstance(source, Trace):
         ctx.trace = source
+        if source.error:  # the partial trace of a step that raised (as the debugger holds it)
+            ctx.found.append(_trace_error(source.error))
         return None
     if isinstance(source, Snapshot):
         return _resolve_snapshot(ctx, source)

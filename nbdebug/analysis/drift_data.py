@@ -121,10 +121,7 @@ def _align_columns(
                 parts.append(f"missing from current: {missing}")
             if extra:
                 parts.append(f"only in current: {extra}")
-            raise ValueError(
-                f"the batches have different columns (reference {len(rcols)}, current "
-                f"{len(ccols)}); " + "; ".join(parts) + "."
-            )
+            raise ValueError("the batches have different column names; " + "; ".join(parts) + ".")
         if rcols != ccols:
             notes.append("the current batch's columns were put in the reference's order")
             cur = cur.set_axis(ccols, axis=1)[rcols]

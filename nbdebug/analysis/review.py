@@ -43,9 +43,14 @@ def check_issues(issues: Any, labels: np.ndarray) -> pd.DataFrame:
     if not np.issubdtype(idx.dtype, np.integer) or (
         len(idx) and (idx.min() < 0 or idx.max() >= len(labels))
     ):
+        found = (
+            f"its index runs {int(idx.min())}..{int(idx.max())}"
+            if len(idx) and np.issubdtype(idx.dtype, np.integer)
+            else f"its index is of dtype {idx.dtype}"
+        )
         raise ValueError(
-            f"issues' index must hold sample positions 0..{len(labels) - 1} (as returned by "
-            "find_label_issues); it does not."
+            f"issues' index must hold sample positions 0..{len(labels) - 1} (there are "
+            f"{len(labels)} labels; as returned by find_label_issues); {found}."
         )
     given = issues["given_label"].to_numpy()
     bad = given != labels[idx]

@@ -23,10 +23,13 @@ The rule for a NaN that appears before versus after DDP's gradient all-reduce
   when every loss is finite (a NaN born in one rank's backward) the gradients cannot tell,
   all ranks are named, and :func:`nbdebug.compare_ranks` replays each rank's batch to find
   the one that produces it;
-* a NaN/Inf that appears **after** or **outside** the all-reduce (a loss computed under
-  ``ddp.no_sync()`` during gradient accumulation, a loss that is only logged, weights
-  changed by a local operation) is seen by that rank only (``local_first=True`` there,
-  ``False`` on the others, which learn it through the agreement): the culprit is that rank.
+* a NaN/Inf that appears **after** or **outside** the all-reduce (a loss that is only
+  logged, weights changed by a local operation, the loss of a ``ddp.no_sync()``
+  micro-batch when that loss is what ``check()`` gets) is seen by that rank only
+  (``local_first=True`` there, ``False`` on the others, which learn it through the
+  agreement): the culprit is that rank. A NaN *gradient* of a ``no_sync()`` micro-batch,
+  checked after the last (synced) backward, has been all-reduced by then: every rank sees
+  it, and the snapshot holds the batch given to ``check()``.
 
 Either way every rank returns ``False`` from ``check()`` for that step and each writes its
 own snapshot (``step-000000003-rank1.nbsnap``) with its own batch.
@@ -51,7 +54,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -366,6 +369,7 @@ class RankAgreement:
     store: Any
     prefix: str
     replica_findings: list[ReplicaMismatch] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # compared when the ranks meet
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -377,11 +381,14 @@ class RankAgreement:
         *,
         timeout: float | None,
         check_replicas_every: int | None,
+        options: Mapping[str, Any] | None = None,
     ) -> RankAgreement | None:
         """The agreement for ``process_group`` (``None``: the model's DDP group or the
         default group when ``torch.distributed`` is initialised; ``False``: none). ``None``
         is returned for a single-process run. Meets the other ranks' guards (see the
-        module docstring) and raises a clear error when they differ."""
+        module docstring) and raises a clear error when they differ: in their models, in
+        ``check_replicas_every`` or in ``options`` (the guard options that decide what a
+        step's check does, as plain data)."""
         if check_replicas_every is not None and (
             isinstance(check_replicas_every, bool)
             or not isinstance(check_replicas_every, int)
@@ -468,6 +475,7 @@ class RankAgreement:
             check_replicas_every=check_replicas_every,
             device=device,
             store=store,
+            options=dict(options or {}),
             prefix=f"nbdebug/guard/{'-'.join(map(str, global_ranks))}/{seq}",
         )
         self._meet(structure(named))
@@ -479,7 +487,9 @@ class RankAgreement:
         others': a guard missing on a rank, or differences, raise here."""
         if self.store is None:
             return
-        info = {"structure": mine, "check_replicas_every": self.check_replicas_every}
+        options: dict[str, Any] = {"check_replicas_every": self.check_replicas_every}
+        options.update(self.options)
+        info: dict[str, Any] = {"structure": mine, "options": options}
         self.store.set(f"{self.prefix}/meet/{self.rank}", json.dumps(info))
         missing = self._wait_keys("meet", time.monotonic() + self.timeout)
         if missing:
@@ -509,13 +519,15 @@ class RankAgreement:
                     + "; every rank must guard the same model.",
                     ranks=[r],
                 )
-            if theirs["check_replicas_every"] != self.check_replicas_every:
-                raise RankError(
-                    f"the ranks' guards differ: check_replicas_every={self.check_replicas_every} "
-                    f"on rank {self.rank} but {theirs['check_replicas_every']} on rank {r}; give "
-                    "every rank the same options.",
-                    ranks=[r],
-                )
+            for name, value in options.items():
+                other = theirs["options"].get(name)
+                if other != value:
+                    raise RankError(
+                        f"the ranks' guards differ: {name}={value!r} on rank {self.rank} but "
+                        f"{other!r} on rank {r}; give every rank the same options (they decide "
+                        "what every rank does with a bad step).",
+                        ranks=[r],
+                    )
 
     def _wait_keys(self, what: str, deadline: float, step: int | None = None) -> list[int]:
         """Poll the store until every rank posted ``what`` (or the deadline); the missing
@@ -641,6 +653,17 @@ def _default_store() -> Any:
         return None
 
 
+def process_rank() -> int | None:
+    """This process's global rank in a distributed run of more than one process (``None``
+    otherwise): a guard without an agreement (``process_group=False``) still names its
+    snapshots ``...-rankN.nbsnap``, so that ranks sharing a directory keep a file each."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return int(dist.get_rank())
+
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "KIND_BITS",
@@ -656,6 +679,7 @@ __all__ = [
     "full_tensors",
     "is_dtensor",
     "local_tensor",
+    "process_rank",
     "replica_differences",
     "replicated_parameters",
     "unwrap_data_parallel",

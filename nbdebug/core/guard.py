@@ -394,6 +394,10 @@ class NaNGuard:
             process_group,
             timeout=timeout,
             check_replicas_every=check_replicas_every,
+            options={
+                k: getattr(self.options, k)
+                for k in ("on_nonfinite", "patience", "min_scale", "scaler_patience")
+            },
         )
 
     @property

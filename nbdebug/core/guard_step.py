@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .batch import check_flag
-from .distributed import SNAPSHOT_FIELDS, Agreement, full_tensors, is_dtensor
+from .distributed import SNAPSHOT_FIELDS, Agreement, full_tensors, is_dtensor, process_rank
 from .snapshot import save_snapshot
 from .snapshot_data import cpu_copy
 from .snapshot_format import atomic_save, unique_path
@@ -230,7 +230,7 @@ class SnapshotWriter:
         fields = (
             {k: distributed[k] for k in SNAPSHOT_FIELDS if k in distributed} if distributed else {}
         )
-        rank = fields.get("rank")
+        rank = fields.get("rank", process_rank())
         model_state = optimizer_state = None
         if any(is_dtensor(p) for p in guard.model.parameters()):
             model_state = full_tensors(guard.model.state_dict())

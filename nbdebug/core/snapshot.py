@@ -655,11 +655,13 @@ class Snapshot:
                 f", or trust_recipe=True to build it with the recorded recipe "
                 f"{self.recipe['factory']!r}"
             )
-        raise SnapshotError(
+        err = SnapshotError(
             f"this snapshot was loaded without a model: give load_snapshot(path, "
             f"model=...) (a module or a "
             f"zero-argument factory for {self.model_class}){hint}."
         )
+        err.needs_model = True
+        raise err
 
     def loss_fn(self) -> Any:
         """The recorded loss function, rebuilt (``None`` when none was recorded)."""

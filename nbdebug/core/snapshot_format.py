@@ -91,7 +91,12 @@ class SnapshotError(Exception):
     ...     snap = nbdebug.load_snapshot("step-000048213.nbsnap", model=make_model)
     ... except nbdebug.SnapshotError as e:
     ...     print(e)   # e.g. "... does not fit the model: missing keys ['head.bias'] ..."
+
+    ``needs_model`` is True when the snapshot was loaded without a model and the call
+    needs one (a caller such as the ``%nbdebug`` magic then names its own way to give it).
     """
+
+    needs_model: bool = False
 
 
 # --------------------------------------------------------------------------- the table

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
@@ -83,6 +84,8 @@ class GradcheckPanel:
         self.result: GradcheckResult | None = None
         self.sweep: Any = None  # pandas.DataFrame of the last sweep
         self.results: dict[str, GradcheckResult] = {}
+        # called with whether the last sweep found a wrong backward (the debugger's header)
+        self.on_sweep: Callable[[bool], None] | None = None
 
         self.title = widgets.HTML()
         self.pair_select = widgets.Dropdown(
@@ -295,6 +298,8 @@ class GradcheckPanel:
         self.status.value = html.escape(
             f"{len(df)} modules: {n_bad} with a wrong backward, {n_skip} skipped"
         )
+        if self.on_sweep is not None:
+            self.on_sweep(n_bad > 0)
         failing = df[df["passed"] == False]  # noqa: E712
         if len(failing):
             self.select_module(failing["module"].iloc[0])
@@ -356,9 +361,10 @@ def _row_text(mark: str, module: str, verdict: str, err: str, seconds: str) -> s
 
 def build_tab(dbg: Any, ctx: TabContext) -> None:
     """The Gradcheck tab: the module sweep of the debugger's model and batch, on request."""
-    dbg.add_tab(
-        "Gradcheck", GradcheckPanel(model=ctx.model, inputs=ctx.inputs, backend=ctx.backend)
-    )
+    panel = GradcheckPanel(model=ctx.model, inputs=ctx.inputs, backend=ctx.backend)
+    # a wrong backward found: the header's badge is then not a green "healthy"
+    panel.on_sweep = lambda wrong: dbg.set_warned("Gradcheck", wrong)
+    dbg.add_tab("Gradcheck", panel)
 
 
 FEATURE_TAB = FeatureTab(

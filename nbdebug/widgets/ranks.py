@@ -66,7 +66,10 @@ class RanksDebugger:
         self._open = open_snapshot
         self._debuggers: dict[int, Any] = {}
         rows = self.report.rows
-        first = next((r.rank for r in rows if r.culprit), rows[0].rank)
+        first = next(  # the culprit whose replay shows the origin, else the first culprit
+            (r.rank for r in rows if r.culprit and r.origin_phase is not None),
+            next((r.rank for r in rows if r.culprit), rows[0].rank),
+        )
         self.table_html = (
             f"<div><b>{html.escape(self.report.summary)}</b>{ranks_table_html(self.report)}</div>"
         )
