@@ -216,6 +216,27 @@ def train(
     return _outcome(guard, model, oks)
 
 
+def skip_one_check(rank: int, world: int, directory: str) -> Any:
+    """A DDP run where rank 1 leaves out its check() at step 1 and trains on: its next
+    collective is DDP's gradient all-reduce, while rank 0 waits in the agreement."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import nbdebug
+
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    guard = nbdebug.NaNGuard(ddp, opt, directory=directory, timeout=3)
+    for step in range(4):
+        x, y = batch(rank, step)
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        if not (rank == 1 and step == 1):
+            guard.check(loss, inputs=x, target=y, step=step)
+        opt.step()
+        opt.zero_grad()
+    return "trained"
+
+
 def exit_before_check(rank: int, world: int, directory: str) -> Any:
     """Rank 1 does its forward and backward (DDP's all-reduce included) at step 2, then
     exits without calling ``check()``."""

@@ -162,6 +162,16 @@ def test_bad_setups_are_clear_errors_not_hangs(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_that_leaves_out_one_check_under_ddp_is_named_not_a_gloo_abort(tmp_path):
+    # the agreement's own process group: its all-reduce cannot pair with DDP's
+    results = h.launch(h.skip_one_check, 2, str(tmp_path), timeout=60)
+    out = results[0]
+    assert out.get("error") == "RankError", out
+    assert out["ranks"] == [1]
+    assert "rank(s) [1] did not answer the agreement within 3 s" in out["message"]
+
+
+@pytest.mark.timeout(120)
 def test_different_models_are_named_on_every_rank_when_the_store_host_exits(tmp_path):
     """The rank hosting the rendezvous store exits on its error; the other rank, slower to
     read the store, still gets the same clear error (it used to get "Connection reset by

@@ -388,7 +388,9 @@ class RankAgreement:
         is returned for a single-process run. Meets the other ranks' guards (see the
         module docstring) and raises a clear error when they differ: in their models, in
         ``check_replicas_every`` or in ``options`` (the guard options that decide what a
-        step's check does, as plain data)."""
+        step's check does, as plain data). Over all the ranks of the run, the agreement's
+        collectives run on a process group of their own (made here, once every rank's guard
+        is known to exist), not on the one DDP averages gradients on."""
         if check_replicas_every is not None and (
             isinstance(check_replicas_every, bool)
             or not isinstance(check_replicas_every, int)
@@ -479,6 +481,12 @@ class RankAgreement:
             prefix=f"nbdebug/guard/{'-'.join(map(str, global_ranks))}/{seq}",
         )
         self._meet(structure(named))
+        if len(global_ranks) == dist.get_world_size():
+            # every rank is here (the meeting proved it): a group of the agreement's own,
+            # so that its collectives never pair with DDP's gradient all-reduces (a rank
+            # that leaves out a check() then meets the others' next check: different step
+            # numbers, a RankError, where gloo would abort on mismatched sizes)
+            self.group = dist.new_group(global_ranks)
         return self
 
     # ------------------------------------------------------------------ meeting
