@@ -111,3 +111,15 @@ def test_pydoc_renders_the_package():
     text = pydoc.plain(pydoc.render_doc(nbdebug))
     for name in nbdebug.__all__:
         assert re.search(rf"\b{re.escape(name)}\b", text), name
+
+
+def test_every_code_fence_of_the_markdown_docs_is_closed():
+    # one fence left open turns the rest of a page inside out (prose shown as code)
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        fences = [
+            n
+            for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+            if line.lstrip().startswith("```")
+        ]
+        assert len(fences) % 2 == 0, f"{page.name}: a code fence is left open (fences: {fences})"
