@@ -216,16 +216,21 @@ def train(
     return _outcome(guard, model, oks)
 
 
-def skip_one_check(rank: int, world: int, directory: str) -> Any:
-    """A DDP run where rank 1 leaves out its check() at step 1 and trains on: its next
-    collective is DDP's gradient all-reduce, while rank 0 waits in the agreement."""
+def _ddp_guarded(directory: str) -> tuple[nn.Module, Any, Any]:
+    """A DDP replica of :func:`make_model`, its SGD and a guard that waits 3 s."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import nbdebug
 
     ddp = DDP(make_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    guard = nbdebug.NaNGuard(ddp, opt, directory=directory, timeout=3)
+    return ddp, opt, nbdebug.NaNGuard(ddp, opt, directory=directory, timeout=3)
+
+
+def skip_one_check(rank: int, world: int, directory: str) -> Any:
+    """A DDP run where rank 1 leaves out its check() at step 1 and trains on: its next
+    collective is DDP's gradient all-reduce, while rank 0 waits in the agreement."""
+    ddp, opt, guard = _ddp_guarded(directory)
     for step in range(4):
         x, y = batch(rank, step)
         loss = F.mse_loss(ddp(x), y)
@@ -240,13 +245,7 @@ def skip_one_check(rank: int, world: int, directory: str) -> Any:
 def exit_before_check(rank: int, world: int, directory: str) -> Any:
     """Rank 1 does its forward and backward (DDP's all-reduce included) at step 2, then
     exits without calling ``check()``."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import nbdebug
-
-    ddp = DDP(make_model())
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    guard = nbdebug.NaNGuard(ddp, opt, directory=directory, timeout=3)
+    ddp, opt, guard = _ddp_guarded(directory)
     for step in range(5):
         x, y = batch(rank, step)
         loss = F.mse_loss(ddp(x), y)
