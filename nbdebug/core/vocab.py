@@ -1,0 +1,79 @@
+"""The vocabularies of nbdebug: one table each, one home.
+
+Every name a result carries in a field that other code compares (a phase, an event kind,
+a guard failure kind, a fix or cause kind) is a member of one of these enums. They are
+``str`` enums: a member equals its value (``Phase.FORWARD == "forward"``), prints as its
+value, and is written to JSON as its value, so files, frames and user code that use the
+plain strings keep working; nbdebug's own code compares members, never bare strings.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Vocab(str, Enum):
+    """A ``str`` enum that prints as its value (``f"{Phase.LOSS}"`` is ``"loss"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def parse(cls, value: object, what: str) -> Vocab:
+        """The member whose value is ``value``; a clear ``ValueError`` naming ``what``
+        and the allowed values otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{what} must be one of {allowed}; got {value!r}.") from None
+
+
+class Phase(Vocab):
+    """Where in a training step an event happened (``Event.phase``)."""
+
+    INPUT = "input"  # the batch or the target as given
+    FORWARD = "forward"  # a module's output
+    LOSS = "loss"  # the loss computation
+    BACKWARD = "backward"  # a gradient
+    OPTIMIZER = "optimizer"  # the update made a weight or optimizer state non-finite
+
+
+class EventKind(Vocab):
+    """Which tensor an event measured (``Event.kind``)."""
+
+    INPUT = "input"  # a batch tensor
+    TARGET = "target"  # a tensor of the target (the loss function's second argument)
+    OUTPUT = "output"  # a module's output
+    LOSS = "loss"  # the loss
+    GRAD_OUTPUT = "grad_output"  # gradient arriving at a module's output
+    GRAD_INPUT = "grad_input"  # gradient leaving a module through an input
+    PARAM_GRAD = "param_grad"  # a parameter's gradient
+
+
+class FailureKind(Vocab):
+    """Why the training-loop guard stopped a step (``NonFiniteError.kind``)."""
+
+    LOSS = "loss"  # the loss is non-finite
+    GRAD = "grad"  # a gradient is non-finite while the loss is finite
+    WEIGHTS = "weights"  # a weight is non-finite before the step
+    SCALE = "scale"  # the grad scaler's scale collapsed
+    RANK = "rank"  # another rank of a distributed run failed
+
+
+class FixKind(Vocab):
+    """What a candidate fix of :func:`nbdebug.diagnose` does, and so the kind of cause it
+    names when it ranks first (``Fix.kind``, ``Cause.kind``)."""
+
+    EPSILON = "epsilon"  # guard the op that made the value (clamp, eps, shift)
+    DROP_ROWS = "drop_rows"  # leave out the batch rows that make the value
+    FLOAT32 = "float32"  # run the origin in float32 instead of half precision
+    CLIP_GRAD = "clip_grad"  # clip the gradient norm
+    LOWER_LR = "lower_lr"  # lower the learning rate
+    SCALER = "scaler"  # let the grad scaler skip the step
+    CUSTOM = "custom"  # a fix the user wrote
+    WEIGHTS_CORRUPTED = "weights_corrupted"  # the weights were non-finite before the step
+    NOT_REPRODUCIBLE = "not_reproducible"  # the same step replayed finite
