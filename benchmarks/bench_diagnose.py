@@ -35,7 +35,7 @@ from diagnose_scenarios import CASES
 from models import mean_square, transformer
 
 import nbdebug
-from nbdebug.analysis.fixes import NotReproducible
+from nbdebug.analysis.diagnose import NotReproducible
 from nbdebug.core.batch import call_model, compute_loss
 
 

@@ -293,8 +293,8 @@ def _model(key: str):  # type: ignore[no-untyped-def]
 
 
 def calibration(args: argparse.Namespace) -> None:
-    from nbdebug.analysis.drift import drift_from_shap
-    from nbdebug.analysis.explain import adapt_model, explain_batches, moved_direction
+    from nbdebug.analysis.drift import drift_from_shap, explain_batches, moved_direction
+    from nbdebug.analysis.drift.models import adapt_model
 
     alpha = 0.05
     keys = [k.strip() for k in args.models.split(",") if k.strip()]

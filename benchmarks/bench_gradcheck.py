@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import transformer
 
-from nbdebug.analysis.gradcheck_sweep import capture_module_inputs, gradcheck_modules
+from nbdebug.analysis.gradcheck.sweep import capture_module_inputs, gradcheck_modules
 from nbdebug.core.batch import iter_tensors
 
 

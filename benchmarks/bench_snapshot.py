@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import nbdebug
-from nbdebug.core.snapshot_format import read_payload
+from nbdebug.core.snapshot import read_payload
 from nbdebug.core.state import RngState
 
 

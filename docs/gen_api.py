@@ -21,16 +21,17 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "api.md"
 
-#: section title per defining module, in reading order; names from other modules follow
+#: section title per package (or module), in reading order: a name's section is that of the
+#: longest entry its defining module is or lies inside (``nbdebug.core.trace.events`` ->
+#: ``nbdebug.core.trace``), so moving a module inside its package changes nothing here;
+#: names from elsewhere follow under :data:`OTHER`
 SECTIONS: dict[str, str] = {
     "nbdebug.core.trace": "Tracing a step",
-    "nbdebug.core.result": "Tracing a step",
-    "nbdebug.core.events": "Tracing a step",
     "nbdebug.core.stats": "Tracing a step",
     "nbdebug.core.guard": "Training-loop guard and snapshots",
     "nbdebug.core.snapshot": "Training-loop guard and snapshots",
     "nbdebug.analysis.ranks": "Training-loop guard and snapshots",
-    "nbdebug.analysis.checks_guard": "Training-loop guard and snapshots",
+    "nbdebug.analysis.checks.guard": "Training-loop guard and snapshots",
     "nbdebug.analysis.checks": "Health checks",
     "nbdebug.analysis.gradcheck": "Gradient checks",
     "nbdebug.analysis.drift": "SHAP drift",
@@ -40,6 +41,22 @@ SECTIONS: dict[str, str] = {
     "nbdebug.widgets.app": "The debugger and the notebook extension",
     "nbdebug": "The debugger and the notebook extension",
 }
+#: the section of a public name defined outside every entry of :data:`SECTIONS`
+OTHER = "Other public names"
+
+
+def section_of(module: str) -> str:
+    """The section of a name defined in ``module``: the longest :data:`SECTIONS` entry that
+    is ``module`` or one of its parent packages (``nbdebug`` itself only for the package
+    root's own names); :data:`OTHER` for a module outside them all (never a module path as
+    a title)."""
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        title = SECTIONS.get(".".join(parts[:n]))
+        if title is not None:
+            return title
+    return SECTIONS.get(module, OTHER)
+
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -102,7 +119,7 @@ def render() -> str:
     for name in names:
         obj = getattr(nbdebug, name)
         module = exports.get(name, getattr(obj, "__module__", "nbdebug"))
-        title = SECTIONS.get(module, module)
+        title = section_of(module)
         if title not in order:
             order.append(title)
         groups.setdefault(title, []).append((name, obj))

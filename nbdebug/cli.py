@@ -22,9 +22,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+
+if TYPE_CHECKING:
+    import torch
+
+    from .core.snapshot import Snapshot
+    from .core.trace.result import Trace
 
 EXIT_BAD_INPUT = 2
 
@@ -118,7 +124,7 @@ def _cwd_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
-def _factory(spec: str, kwargs_json: str | None) -> Any:
+def _factory(spec: str, kwargs_json: str | None) -> Callable[[], torch.nn.Module]:
     from .core.snapshot import import_object
 
     kwargs: dict[str, Any] = {}
@@ -139,7 +145,7 @@ def _factory(spec: str, kwargs_json: str | None) -> Any:
             f"--model {spec} is a {type(obj).__qualname__}, not a callable that builds a model."
         )
 
-    def build() -> Any:
+    def build() -> torch.nn.Module:
         try:
             return obj(**kwargs)
         except Exception as e:
@@ -148,10 +154,10 @@ def _factory(spec: str, kwargs_json: str | None) -> Any:
     return build
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
+def _load(args: argparse.Namespace) -> tuple[Snapshot, Trace | None, str | None]:
     """(snapshot, trace or None, a note when there is no trace)."""
-    from .core.result import TraceError
     from .core.snapshot import SnapshotError, import_object, load_snapshot
+    from .core.trace.result import TraceError
 
     if args.model_kwargs and not args.model:
         raise UsageError("--model-kwargs needs --model.")
@@ -188,14 +194,15 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
         return snap, e.trace, f"The replay raised: {e}"
 
 
-def _print_rows(rows: list[tuple[str, str]], out: Any, indent: str = "") -> None:
+def _print_rows(rows: list[tuple[str, str]], out: TextIO, indent: str = "") -> None:
     width = max((len(k) for k, _ in rows), default=0)
     for k, v in rows:
         print(f"{indent}{k.ljust(width)}  {v}", file=out)
 
 
-def _inspect(args: argparse.Namespace, out: Any) -> None:
+def _inspect(args: argparse.Namespace, out: TextIO) -> None:
     from .core.text import count_text, fmt_num
+    from .core.vocab import EventKind, Phase
     from .figures.report import (
         grad_norms,
         history_table,
@@ -238,7 +245,7 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
         acts = {
             e.label: e.stats.norm_as_is
             for e in trace.events
-            if e.phase == "forward" and e.kind == "output"
+            if e.phase == Phase.FORWARD and e.kind == EventKind.OUTPUT
         }
         items = largest(acts, args.top)
         if items:
@@ -246,14 +253,14 @@ def _inspect(args: argparse.Namespace, out: Any) -> None:
             _print_rows([(n, fmt_num(v)) for n, v in items], out, "  ")
 
 
-def _report(args: argparse.Namespace, out: Any) -> None:
+def _report(args: argparse.Namespace, out: TextIO) -> None:
     from .figures.report import report_html
 
     snap, trace, note = _load(args)
     _write(args.output, report_html(snap, trace, note=note), out)
 
 
-def _list(args: argparse.Namespace, out: Any) -> None:
+def _list(args: argparse.Namespace, out: TextIO) -> None:
     from .core.snapshot import list_snapshots
 
     try:
@@ -269,7 +276,7 @@ def _list(args: argparse.Namespace, out: Any) -> None:
     print(df.to_string(index=False, max_colwidth=80), file=out)
 
 
-def _build_kernels(args: argparse.Namespace, out: Any) -> None:
+def _build_kernels(args: argparse.Namespace, out: TextIO) -> None:
     from .core import kernels
 
     try:
@@ -281,7 +288,7 @@ def _build_kernels(args: argparse.Namespace, out: Any) -> None:
         print(f"(not used while {kernels.ENV}=eager)", file=out)
 
 
-def _diagnose(args: argparse.Namespace, out: Any) -> None:
+def _diagnose(args: argparse.Namespace, out: TextIO) -> None:
     from .analysis.diagnose import diagnose
     from .core.snapshot import SnapshotError
     from .figures.report import report_html
@@ -316,7 +323,7 @@ def _diagnose(args: argparse.Namespace, out: Any) -> None:
         _write(args.output, page, out)
 
 
-def _write(output: str, page: str, out: Any) -> None:
+def _write(output: str, page: str, out: TextIO) -> None:
     path = os.path.abspath(output)
     if os.path.isdir(path):
         raise UsageError(f"-o {output} is a directory; give a file name such as report.html.")

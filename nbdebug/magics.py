@@ -12,7 +12,13 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from IPython.core.interactiveshell import InteractiveShell
 
 MAGIC = "nbdebug"
 USAGE = (
@@ -30,7 +36,7 @@ class MagicUsageError(Exception):
 class _State:
     """What the extension added to one shell, so that unloading removes exactly that."""
 
-    shell: Any = None
+    shell: InteractiveShell | None = None
     callbacks: list[tuple[str, Any]] = field(default_factory=list)
     cell_id: str | None = None
     # cell id (or the magic's line outside Jupyter) -> debuggers it opened
@@ -45,7 +51,7 @@ def open_debuggers() -> list[Any]:
     return [d for ds in _STATE.open.values() for d in ds]
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext nbdebug``: register ``%nbdebug`` and pre/post-run-cell callbacks that
     close the debuggers a cell opened when that cell runs again. Loading twice is harmless."""
     if _STATE.shell is not None:
@@ -57,15 +63,20 @@ def load_ipython_extension(ipython: Any) -> None:
         return _magic(line)
 
     nbdebug.__doc__ = _magic.__doc__
-    ipython.register_magic_function(nbdebug, magic_kind="line", magic_name=MAGIC)
+    # IPython wraps this method in a decorator whose type mypy cannot see through
+    ipython.register_magic_function(  # type: ignore[call-arg]
+        nbdebug,  # type: ignore[arg-type]
+        magic_kind="line",
+        magic_name=MAGIC,
+    )
 
-    def pre_run_cell(info: Any) -> None:
+    def pre_run_cell(info: object) -> None:
         cell_id = getattr(info, "cell_id", None)
         _STATE.cell_id = cell_id
         if cell_id is not None:
             _close(cell_id)
 
-    def post_run_cell(_result: Any) -> None:
+    def post_run_cell(_result: object) -> None:
         _STATE.cell_id = None
 
     ipython.events.register("pre_run_cell", pre_run_cell)
@@ -74,7 +85,7 @@ def load_ipython_extension(ipython: Any) -> None:
     _STATE.callbacks = [("pre_run_cell", pre_run_cell), ("post_run_cell", post_run_cell)]
 
 
-def unload_ipython_extension(ipython: Any) -> None:
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
     """``%unload_ext nbdebug``: remove the magic and the callbacks, close every debugger
     the magic opened."""
     mm = ipython.magics_manager
@@ -286,7 +297,11 @@ def _open(line: str) -> Any:
     return _snapshot(value, model, loss_fn)
 
 
-def _snapshot(path: Any, model: Any, loss_fn: Any = None) -> Any:
+def _snapshot(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
+    loss_fn: Callable[..., Any] | None = None,
+) -> Any:
     from .core.snapshot import SnapshotError
     from .widgets.app import debug
 

@@ -123,3 +123,13 @@ def test_every_code_fence_of_the_markdown_docs_is_closed():
             if line.lstrip().startswith("```")
         ]
         assert len(fences) % 2 == 0, f"{page.name}: a code fence is left open (fences: {fences})"
+
+
+def test_sections_follow_packages_and_no_title_is_a_module_path(generated):
+    gen = _gen()
+    assert gen.section_of("nbdebug.core.trace.events") == gen.section_of("nbdebug.core.trace")
+    assert gen.section_of("nbdebug.analysis.checks.guard") == "Training-loop guard and snapshots"
+    assert gen.section_of("nbdebug.analysis.checks.codes") == "Health checks"
+    assert gen.section_of("nbdebug.core.text") == gen.OTHER  # never "nbdebug.core.text"
+    titles = re.findall(r"^## (.+)$", generated, re.M)
+    assert titles and not [t for t in titles if t.startswith("nbdebug.")], titles

@@ -16,9 +16,9 @@ from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis import checks_base as cb
+from nbdebug import NaNGuard
 from nbdebug.analysis.checks import Findings, parse_checks
-from nbdebug.analysis.checks_guard import NaNGuard  # nbdebug.NaNGuard: core's guard + checks=True
+from nbdebug.analysis.checks import base as cb
 from nbdebug.core.snapshot import load_snapshot
 
 
@@ -272,7 +272,7 @@ def test_label_out_of_range_is_found_before_the_loss_crashes() -> None:
 
 
 def test_labels_checked_before_tracing_off_the_cpu() -> None:
-    from nbdebug.analysis.checks_data import labels_before_trace
+    from nbdebug.analysis.checks.data import labels_before_trace
 
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0])
@@ -459,7 +459,7 @@ def test_saturated_share_is_a_lower_bound() -> None:
             x = torch.randn(32, 8)
             truth = float(fn(model(x)).float().mean())
             tr = nbdebug.trace(model, x, loss_fn=lambda o: o.mean())
-            from nbdebug.analysis.checks_forward import saturated_share
+            from nbdebug.analysis.checks.forward import saturated_share
 
             view = cb.TraceView(tr)
             ev = tr.events_of("1", "forward")[0]
@@ -618,7 +618,7 @@ def test_adam_state_outlier_against_its_history() -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    from nbdebug.analysis.checks_optim import adam_moments, optimizer_params
+    from nbdebug.analysis.checks.optim import adam_moments, optimizer_params
 
     now = adam_moments(optimizer_params(opt, model))
     assert set(now) == {"0.weight", "0.bias", "2.weight", "2.bias"}
@@ -1090,7 +1090,7 @@ def test_checks_panel_click_calls_on_select() -> None:
 
 # --------------------------------------------------------------------------- structure
 def test_ratio_verdict_is_the_one_judgement_of_the_layers_tab_and_the_checks() -> None:
-    from nbdebug.analysis.checks_grad import ratio_verdict
+    from nbdebug.analysis.checks.grad import ratio_verdict
 
     v, e = cb.VANISHING_RATIO, cb.EXPLODING_RATIO
     assert [ratio_verdict(r) for r in (0.0, v / 2, v, 1.0, e, e * 2, math.inf)] == [
@@ -1106,8 +1106,8 @@ def test_ratio_verdict_is_the_one_judgement_of_the_layers_tab_and_the_checks() -
     # the Layers table marks, and the checks report, the same parameters
     import pandas as pd
 
-    from nbdebug.analysis.checks_grad import grad_findings
-    from nbdebug.core.events import ParamInfo
+    from nbdebug.analysis.checks.grad import grad_findings
+    from nbdebug.core.trace.events import ParamInfo
     from nbdebug.widgets.layers import params_table_html
 
     ratios = {"a.weight": v / 10, "b.weight": v * 10, "c.weight": e * 10, "d.weight": e}
@@ -1178,7 +1178,9 @@ def test_a_family_runs_when_its_needs_are_there_and_is_named_skipped_otherwise()
 
 def test_every_code_of_the_table_belongs_to_a_family() -> None:
     from nbdebug.analysis.checks import FAMILIES
-    from nbdebug.analysis.checks import __doc__ as table
+    from nbdebug.analysis.checks.codes import rst_table
+
+    table = rst_table(indent="")  # the table of check()'s docstring (tested fresh below)
 
     declared = {c for f in FAMILIES for c in f.codes}
     documented = {
@@ -1280,3 +1282,59 @@ def test_the_partial_trace_of_a_step_that_raised_is_a_trace_error_in_the_checks_
     dbg = nbdebug.debug(Mismatch(), x, y, F.cross_entropy)  # the debugger's Checks tab
     assert "1 error" in dbg.header.value
     dbg.close()
+
+
+def test_the_tables_of_codes_are_generated_from_the_one_table() -> None:
+    """``docs/checks.md`` and the ``check()`` docstring show ``codes.CODES``: regenerate them
+    with ``python -m nbdebug.analysis.checks.codes`` when this fails."""
+    from pathlib import Path
+
+    from nbdebug.analysis.checks import codes
+
+    root = Path(__file__).resolve().parents[1]
+    for path, kind in codes.doc_files(root).items():
+        text = path.read_text()
+        assert codes.generated(text, kind) == text, f"{path} is stale"
+    assert {c.code for c in codes.CODES} == set(codes.CheckCode)
+    assert "bf16_precision_loss" in (root / "docs" / "checks.md").read_text()
+    declared = {c for f in nbdebug.analysis.checks.FAMILIES for c in f.codes}
+    made_elsewhere = {codes.CheckGroup.CHECKPOINT, codes.CheckGroup.RUN}
+    assert {c.code for c in codes.CODES if c.family not in made_elsewhere} <= declared
+
+
+def test_a_finding_takes_the_codes_and_severities_of_the_table() -> None:
+    from nbdebug.analysis.checks.codes import CheckCode
+
+    f = cb.Finding("dead_relu", "warning", "m", {}, "")
+    assert f.code is CheckCode.DEAD_RELU and f.code == "dead_relu"
+    assert f.to_dict()["code"] == "dead_relu" and type(f.to_dict()["code"]) is str
+    with pytest.raises(ValueError, match="dead_relu finding is warning"):
+        cb.Finding("dead_relu", "error", "m", {}, "")
+    found = Findings([f])
+    assert not found.ok and found.summary().startswith("0 errors, 1 warning, 0 info: first")
+    assert Findings().ok and Findings().summary() == "no findings."
+
+
+def test_a_parameter_the_layers_plot_colours_red_is_one_the_checks_flag() -> None:
+    """One eligibility rule (``param_verdict``): a bias or an embedding with an extreme
+    ratio is neither flagged by the checks nor red in the Layers plot."""
+    from nbdebug.figures.layers import ratio_figure
+    from nbdebug.figures.palette import RED
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 3), nn.Linear(3, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(1e-6)  # tiny weight: huge grad/weight ratio (exploding)
+        model[2].bias.mul_(1e-6)  # a 1-D bias with a huge ratio: not judged
+        model[3].weight.mul_(1e-9)  # the gradient of model[2] becomes tiny as well
+    x = torch.randint(0, 10, (5, 3))
+    tr = nbdebug.trace(model, x, loss_fn=lambda o: o.sum())
+    flagged = {
+        f.param
+        for f in nbdebug.check(tr)
+        if f.code in ("vanishing_gradient", "exploding_gradient", "nonfinite_gradient")
+    }
+    bar = ratio_figure(tr).data[0]
+    red = {n for n, c in zip(bar.x, bar.marker.color) if c == RED}
+    assert red and red <= flagged, (red, flagged)
+    assert "2.bias" not in red and "0.weight" not in red

@@ -83,6 +83,14 @@ def test_labels_tab_with_labels_and_probabilities(tmp_path) -> None:
         nbdebug.debug(model, x, y, F.cross_entropy, labels=y.numpy())
 
 
+def test_an_unknown_keyword_names_itself_and_the_allowed_ones() -> None:
+    model, x, y, _ = _tabular()
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'refrence'.*reference"):
+        nbdebug.debug(model, x, y, F.cross_entropy, refrence=x)
+    with pytest.raises(TypeError, match=r"'shape'.*image_shape"):
+        nbdebug.LabelCleaner(x, y, None, shape=(5, 6))
+
+
 def _walk(w):
     stack = [w]
     while stack:

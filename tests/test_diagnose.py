@@ -18,17 +18,10 @@ from state import fingerprint as state_fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis.fixes import (
-    KINDS,
-    DropRowsFix,
-    EpsilonFix,
-    Fix,
-    Float32Fix,
-    Replay,
-    RewriteMode,
-    op_family,
-    rewrite_line,
-)
+from nbdebug import DropRowsFix, EpsilonFix, Fix, Float32Fix, Replay
+from nbdebug.analysis.diagnose import KINDS
+from nbdebug.analysis.diagnose.fix_epsilon import rewrite_line
+from nbdebug.analysis.diagnose.rewrite import RewriteMode, op_family
 
 
 # ---------------------------------------------------------------------- fingerprint
@@ -706,3 +699,50 @@ def test_the_epsilon_fix_reaches_the_op_inside_a_composite_torch_function():
     )
     eps = next(r for r in d.results if r.kind == "epsilon")
     assert eps.finite and eps.outcome.backward and d.cause.kind == "epsilon"
+
+
+# ---------------------------------------------------------------------- options, protocol
+def test_keyword_options_and_an_options_value_are_the_same_call() -> None:
+    model, x, y, opt = _live_norm()
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'step'.*steps"):
+        nbdebug.diagnose(model, x, y, F.cross_entropy, step=2)
+    with pytest.raises(TypeError, match="options must be a DiagnoseOptions"):
+        nbdebug.diagnose(model, x, y, F.cross_entropy, options={"steps": 2})
+    opts = nbdebug.DiagnoseOptions(fixes=["drop_rows"], progress=False)
+    a = nbdebug.diagnose(model, x, y, F.cross_entropy, optimizer=opt, options=opts)
+    b = nbdebug.diagnose(
+        model, x, y, F.cross_entropy, optimizer=opt, fixes=["drop_rows"], progress=False
+    )
+    assert (
+        list(a.to_frame()["kind"])
+        == list(b.to_frame()["kind"])
+        == ["drop_rows", "not_reproducible"]
+    )
+    assert a.cause.statement == b.cause.statement
+    # a keyword given with options replaces that field
+    c = nbdebug.diagnose(model, x, y, F.cross_entropy, options=opts, fixes=["epsilon"])
+    assert set(c.to_frame()["kind"]) == {"epsilon", "not_reproducible"}
+
+
+def test_diagnosis_result_protocol() -> None:
+    model, x, y, opt = _live_norm()
+    d = nbdebug.diagnose(model, x, y, F.cross_entropy, optimizer=opt, progress=False)
+    assert d.summary() == d.cause.statement and not d.ok
+    assert isinstance(d.cause.kind, nbdebug.core.vocab.FixKind)
+    # the other fixes that work are named by their own action phrase
+    assert "as does dropping batch row 3" in d.summary()
+    healthy = nbdebug.diagnose(
+        MLP(), torch.randn(8, 8), torch.randint(0, 3, (8,)), F.cross_entropy, progress=False
+    )
+    assert healthy.ok and "nothing to fix" in healthy.summary()
+
+
+def test_each_fix_states_its_action() -> None:
+    from nbdebug.analysis.diagnose import NotReproducible
+
+    assert DropRowsFix([1, 2]).action() == "dropping batch rows 1, 2"
+    assert Float32Fix("fc").action() == "running fc in float32 (autocast off)"
+    assert nbdebug.ClipGradFix(2.0).action().startswith("clipping the gradient norm to 2")
+    assert nbdebug.LowerLRFix(0.1).action() == "a learning rate x0.1 for the update"
+    assert EpsilonFix("norm", "div").action() == EpsilonFix("norm", "div").describe()
+    assert NotReproducible().action() == NotReproducible().describe()

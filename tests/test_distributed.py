@@ -13,12 +13,8 @@ import pytest
 import torch
 
 import nbdebug
-from nbdebug.core.distributed import (
-    RankError,
-    culprit_ranks,
-    fingerprint,
-    first_mismatch,
-)
+from nbdebug.core.guard import RankError, fingerprint, first_mismatch
+from nbdebug.core.guard.agreement import culprit_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not built in"

@@ -32,9 +32,14 @@ from sklearn.preprocessing import StandardScaler
 from state import assert_unchanged, fingerprint
 
 import nbdebug
-from nbdebug.analysis.drift import DriftReport, drift, drift_from_shap
-from nbdebug.analysis.drift_stats import hierarchical
-from nbdebug.analysis.explain import explain_batches, moved_direction
+from nbdebug.analysis.drift import (
+    DriftReport,
+    drift,
+    drift_from_shap,
+    explain_batches,
+    moved_direction,
+)
+from nbdebug.analysis.drift.statistics import hierarchical
 
 ALPHA = 0.05
 LOADERS = {"breast_cancer": load_breast_cancer, "wine": load_wine}
@@ -251,7 +256,7 @@ def test_d_ignored_feature_shift_is_input_drift_only(name, kind, capsys):
         assert bool(row["drifted_input"]) and not bool(row["drifted_explanation"])
         assert row["quadrant"] == "input only"
         assert np.all(rep.current_shap[:, j] == 0)  # the model truly ignores it
-        assert "input drift the model does not act on" in rep.summary.lower()
+        assert "input drift the model does not act on" in rep.details.lower()
     say(capsys, f"(d) {name}/{kind}: shifted ignored feature {names[j]!r}: input only")
 
 
@@ -432,7 +437,7 @@ def test_nan_counted_per_column_refused_or_imputed():
         and "nan_policy='impute'" in msg
     )
     rep = run(rf, ref, cur, nan_policy="impute")
-    assert any("imputed 3 NaN/inf" in n for n in rep.notes) and "imputed 3" in rep.summary
+    assert any("imputed 3 NaN/inf" in n for n in rep.notes) and "imputed 3" in rep.details
     assert np.isfinite(rep.reference).all()
     pd.testing.assert_frame_equal(ref, before)
 
@@ -540,7 +545,7 @@ def test_constant_model_single_cluster_and_progress_bars(capsys):
     x = np.random.default_rng(0).normal(size=(60, 3))
     rep = run(lambda a: np.full(len(a), 0.3), x[:30], x[30:], background=10, progress=True)
     assert not rep.alarm and rep.cluster_test.k == 1 and rep.cluster_test.p_value == 1.0
-    assert (rep.reference_shap == 0).all() and "single cluster" in rep.summary
+    assert (rep.reference_shap == 0).all() and "single cluster" in rep.details
     assert rep.classifier.auc == pytest.approx(0.5)
 
 
@@ -615,10 +620,10 @@ def test_report_tables_repr_and_correction():
     ].sum() == pytest.approx(1)
     assert list(rep.tests.index) == ["inputs", "explanations", "cluster shares", "classifier"]
     assert rep.alarm == bool(rep.tests["drift"].any())
-    assert "Benjamini-Hochberg" in rep.summary and "DriftReport(alarm=True" in repr(rep)
+    assert "Benjamini-Hochberg" in rep.details and "DriftReport(alarm=True" in repr(rep)
     assert rep.to_frame() is not rep.features and rep.to_frame().equals(rep.features)
     bonf = run(rf, x[a], cur, feature_names=names, correction="bonferroni")
-    assert bonf.correction == "Bonferroni" and "Bonferroni" in bonf.summary
+    assert bonf.correction == "Bonferroni" and "Bonferroni" in bonf.details
     assert (
         bonf.features["ks_p_adj"] >= rep.features.loc[bonf.features.index, "ks_p_adj"] - 1e-12
     ).all()

@@ -15,14 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from nbdebug.analysis.drift_stats import (
-    FAMILY_WEIGHTS,
-    classifier_test,
-    cluster_shap,
-    hierarchical,
-    holm_weighted,
-    most_shifted_clustering,
-)
+from nbdebug.analysis.drift.classifier import classifier_test
+from nbdebug.analysis.drift.clustering import cluster_shap, most_shifted_clustering
+from nbdebug.analysis.drift.statistics import FAMILY_WEIGHTS, hierarchical, holm_weighted
 
 
 def _bound(level: float, runs: int) -> float:

@@ -25,7 +25,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
 from nbdebug.analysis.drift import drift
-from nbdebug.analysis.drift_exposure import EXPOSURE_MIN
+from nbdebug.analysis.drift.exposure import EXPOSURE_MIN
 from nbdebug.figures.drift import exposure_bars
 from nbdebug.figures.palette import LIGHT_GREY
 
@@ -198,8 +198,8 @@ def test_threshold_is_stated_and_headline_says_what_moved():
     lr = LogisticRegression(max_iter=5000).fit(x, y)
     a, b = _split(len(x), 1)
     rep = _run(lr, x[a], x[b], feature_names=names)
-    assert rep.headline.startswith("Nothing drifted") and rep.summary.startswith(rep.headline)
-    assert f"{EXPOSURE_MIN:.0%} of the output's spread" in rep.summary
+    assert rep.headline.startswith("Nothing drifted") and rep.details.startswith(rep.headline)
+    assert f"{EXPOSURE_MIN:.0%} of the output's spread" in rep.details
     j = int(np.argmax(np.abs(lr.coef_[0])))
     cur = x[b].copy()
     cur[:, j] += 1.0

@@ -17,9 +17,8 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
-from nbdebug.analysis.drift import drift
-from nbdebug.analysis.drift_sample import dkw_error, rows_for_error, stratified_rows
-from nbdebug.analysis.explain import explain_batches
+from nbdebug.analysis.drift import drift, explain_batches
+from nbdebug.analysis.drift.sample import dkw_error, rows_for_error, stratified_rows
 
 
 @functools.cache
@@ -105,7 +104,7 @@ def test_large_batches_explain_a_stratified_subsample_of_stated_error():
     assert len(rep.reference_rows) == len(rep.current_rows) == 82
     assert rep.reference_shap.shape == (82, 5) and rep.reference.shape == (1200, 5)
     assert rep.sampling_error == pytest.approx(dkw_error(82))
-    assert "stratified subsample of 82 + 82 rows" in rep.summary
+    assert "stratified subsample of 82 + 82 rows" in rep.details
     # the input tests used every row: the KS statistic is that of the full batches
     from scipy.stats import ks_2samp
 
@@ -129,13 +128,13 @@ def test_a_class_that_grew_is_named_by_its_class():
     pred_ref, pred_cur = rf.predict(x[a]), rf.predict(x[cur])
     assert top["group_share_reference"] == pytest.approx(np.mean(pred_ref == 1))
     assert top["group_share_current"] == pytest.approx(np.mean(pred_cur == 1))
-    assert "predicted class 1 (purity" in rep.summary and "grew from" in rep.summary
+    assert "predicted class 1 (purity" in rep.details and "grew from" in rep.details
 
 
 def test_two_clusters_of_one_class_get_two_names():
     """Two clusters both made of class-1 predictions (two regions the model calls class 1)
     are not both "predicted class 1": each is named by the rule that sets it apart."""
-    from nbdebug.analysis.drift_groups import name_groups
+    from nbdebug.analysis.drift.groups import PredictedClasses, name_groups
 
     rng = np.random.default_rng(0)
     x = np.r_[
@@ -150,9 +149,7 @@ def test_two_clusters_of_one_class_get_two_names():
         ["a", "b"],
         x[::2],
         x[1::2],
-        classes=classes,
-        classes_reference=classes[::2],
-        classes_current=classes[1::2],
+        classes=PredictedClasses(classes, classes[::2], classes[1::2]),
     )
     names = [g.description for g in groups]
     assert len(set(names)) == 3, names
@@ -163,7 +160,7 @@ def test_two_clusters_of_one_class_get_two_names():
 
 
 def test_two_clusters_no_rule_tells_apart_are_numbered():
-    from nbdebug.analysis.drift_groups import name_groups
+    from nbdebug.analysis.drift.groups import name_groups
 
     rng = np.random.default_rng(0)
     left, right = rng.normal(-3, 0.3, (40, 2)), rng.normal(3, 0.3, (40, 2))
@@ -283,7 +280,7 @@ def test_pipeline_with_string_categories_tests_their_counts():
 def test_batches_with_as_many_columns_but_other_names_say_which_names_differ():
     import pandas as pd
 
-    from nbdebug.analysis.drift_data import prepare_batches
+    from nbdebug.analysis.drift.batches import prepare_batches
 
     ref = pd.DataFrame(np.ones((20, 3)), columns=["a", "b", "c"])
     cur = pd.DataFrame(np.ones((20, 3)), columns=["a", "b", "z"])

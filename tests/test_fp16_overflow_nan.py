@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis.checks_base import Finding
+from nbdebug.analysis.checks.base import Finding
 
 
 def origin_finding(tr: Any) -> Finding:

@@ -15,8 +15,7 @@ from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis.gradcheck import GradcheckResult, PairCheck, gradcheck
-from nbdebug.analysis.gradcheck_sweep import gradcheck_modules
+from nbdebug.analysis.gradcheck import GradcheckResult, PairCheck, gradcheck, gradcheck_modules
 
 f64 = torch.float64
 

@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from nbdebug.analysis.gradcheck import GradcheckOptions, PairCheck, gradcheck
-from nbdebug.analysis.gradcheck_sweep import gradcheck_modules
-from nbdebug.analysis.gradcheck_verdicts import (
+from nbdebug.analysis.gradcheck import GradcheckOptions, PairCheck, gradcheck, gradcheck_modules
+from nbdebug.analysis.gradcheck.verdicts import (
     BACKWARD_WRONG,
     FLOAT32_PRECISION,
     NON_DIFFERENTIABLE,
@@ -253,3 +252,21 @@ def test_verdict_names_have_one_home():
     df = gradcheck_modules(Half(), torch.randn(2, 3))
     assert list(df["module"]) == ["used", "unused"]
     assert list(df["verdict"]) == [OK, SKIPPED]  # "unused" is not called
+
+
+def test_an_unknown_keyword_names_itself_and_the_allowed_ones():
+    x = torch.randn(3, dtype=f64, requires_grad=True)
+    with pytest.raises(
+        TypeError, match=r"gradcheck\(\) got an unexpected keyword argument 'tol'.*eps"
+    ):
+        gradcheck(torch.sin, x, tol=1e-3)
+    with pytest.raises(TypeError, match="'all_float'"):  # the sweep's own field is not public
+        gradcheck(torch.sin, x, all_float=True)
+    with pytest.raises(TypeError, match=r"gradcheck_modules\(\) got .* 'wrt'.*rows, eps"):
+        gradcheck_modules(nn.Linear(3, 2), torch.randn(2, 3), wrt="both")
+    import nbdebug
+
+    with pytest.raises(TypeError, match=r"check\(\) got an unexpected keyword argument 'x'"):
+        nbdebug.check(nn.Linear(3, 2), x=torch.randn(2, 3))
+    res = gradcheck(torch.sin, x)
+    assert res.ok and res.summary().startswith("gradcheck of sin: ok, 1 pairs agree")

@@ -197,7 +197,7 @@ def test_show_returns_the_panel_widget(result):
 
 
 def test_displaying_the_result_shows_the_panel_in_a_kernel(result, monkeypatch):
-    import nbdebug.analysis.gradcheck_result as gc
+    import nbdebug.analysis.gradcheck.result as gc
 
     plain = result._repr_mimebundle_()
     assert set(plain) == {"text/plain", "text/html"}  # no kernel: text and a table

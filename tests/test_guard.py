@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import nbdebug
-from nbdebug.analysis.checks_guard import NaNGuard  # nbdebug.NaNGuard: core's guard + checks=True
+from nbdebug import NaNGuard
 from nbdebug.core import guard as guardmod
 from nbdebug.core.guard import NonFiniteError, last_error
 from nbdebug.core.snapshot import load_snapshot
@@ -664,7 +664,7 @@ class _Recorder(guardmod.StepChecks):
 
 
 def test_core_guard_runs_an_injected_step_checks_object(tmp_path):
-    from nbdebug.analysis.checks_guard import GuardChecks
+    from nbdebug import GuardChecks
 
     model = _mlp()
     rec = _Recorder()
@@ -680,17 +680,16 @@ def test_core_guard_runs_an_injected_step_checks_object(tmp_path):
     checked = guardmod.NaNGuard(model, directory=tmp_path, checks=GuardChecks(every=1))
     assert _bad_step(model, checked, 0, bad=False)
     assert checked.history[-1]["checks"] == [] and checked.checks.calls == 1
-    # core alone does not know what checks=True means, and says where to go
-    with pytest.raises(TypeError, match=r"takes a StepChecks object.*use nbdebug\.NaNGuard"):
-        guardmod.NaNGuard(model, directory=tmp_path, checks=True)
+    # one guard class: checks=True means the health checks whatever the import path
+    assert isinstance(guardmod.NaNGuard(model, directory=tmp_path, checks=True).checks, GuardChecks)
     assert guardmod.NaNGuard(model, directory=tmp_path, checks=False).checks is None
-    assert issubclass(nbdebug.NaNGuard, guardmod.NaNGuard)
+    assert nbdebug.NaNGuard is guardmod.NaNGuard
     g = nbdebug.NaNGuard(model, directory=tmp_path, checks={"every": 7, "clip_norm": 2})
     assert (g.checks.every, g.checks.clip_norm) == (7, 2.0)
 
 
 def test_a_guard_checks_object_serves_one_guard(tmp_path):
-    from nbdebug.analysis.checks_guard import GuardChecks
+    from nbdebug import GuardChecks
 
     checks = GuardChecks(every=3)
     NaNGuard(_mlp(), directory=tmp_path, checks=checks)
@@ -723,11 +722,11 @@ def test_measure_step_reads_without_changing_the_guard(tmp_path):
 
 def test_guard_options_are_grouped_and_still_readable(tmp_path):
     guard = NaNGuard(_mlp(), directory=tmp_path, patience=3, on_nonfinite="continue")
-    assert guard.options == guardmod.GuardOptions(patience=3, on_nonfinite="continue")
+    assert guard.options.failure == guardmod.FailureOptions(patience=3, on_nonfinite="continue")
     assert (guard.patience, guard.on_nonfinite, guard.max_snapshots) == (3, "continue", 20)
     assert guard.directory == tmp_path and guard.snapshots is guard.writer.paths
     with pytest.raises(ValueError, match="max_snapshots must be a positive int or None"):
-        guardmod.GuardOptions(max_snapshots=0)
+        guardmod.GuardOptions.from_settings(max_snapshots=0)
 
 
 def test_buffer_copies_follow_a_model_moved_to_another_dtype():

@@ -13,7 +13,7 @@ from torch import nn
 
 import nbdebug
 from nbdebug import cli
-from nbdebug.core import kernels, stats
+from nbdebug.core import kernels, measure, stats
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and not os.environ.get("CXX"),
@@ -44,7 +44,7 @@ def eager_vector(t: torch.Tensor, monkeypatch) -> np.ndarray:
     with monkeypatch.context() as m:
         m.setenv(kernels.ENV, "eager")
         assert not kernels.active()
-        return stats.quick_vector(t)
+        return measure.quick_vector(t)
 
 
 def reference(t: torch.Tensor) -> tuple[float, float, float, float]:
@@ -67,7 +67,7 @@ def test_compiled_statistics_equal_float64_references_and_the_eager_ones(
     try:
         for n in SIZES:
             t = (torch.randn(n) * 3 + 0.5).to(dtype)
-            v = stats.quick_vector(t)
+            v = measure.quick_vector(t)
             e = eager_vector(t, monkeypatch)
             total, norm, lo, hi = reference(t)
             assert v[stats.IDX_MIN] == lo and v[stats.IDX_MAX] == hi, (n, dtype)
@@ -83,26 +83,26 @@ def test_compiled_statistics_equal_float64_references_and_the_eager_ones(
 
 def test_the_compiled_kernel_takes_dense_cpu_tensors_and_leaves_the_rest_to_eager(compiled):
     x = torch.randn(8, 3, 16, 16)
-    assert len(stats.quick_parts(x)) == 1  # compiled: one row, histogram included
-    assert len(stats.quick_parts(x.transpose(0, 3))) == 1  # dense, permuted
-    assert len(stats.quick_parts(x.to(memory_format=torch.channels_last))) == 1
+    assert len(measure.quick_parts(x)) == 1  # compiled: one row, histogram included
+    assert len(measure.quick_parts(x.transpose(0, 3))) == 1  # dense, permuted
+    assert len(measure.quick_parts(x.to(memory_format=torch.channels_last))) == 1
     strided = x[:, :, ::2]
-    assert len(stats.quick_parts(strided)) == 5  # not dense: eager
-    assert len(stats.quick_parts(torch.arange(10))) == 1  # integers are measured as float64
+    assert len(measure.quick_parts(strided)) == 5  # not dense: eager
+    assert len(measure.quick_parts(torch.arange(10))) == 1  # integers are measured as float64
     # a tensor that requires grad is read as it is, and no graph grows from the reading
     w = torch.randn(5, 7, requires_grad=True)
-    (row,) = stats.quick_parts(w)
+    (row,) = measure.quick_parts(w)
     assert row.grad_fn is None and not row.requires_grad
     assert (row[2].item(), row[3].item()) == (float(w.detach().min()), float(w.detach().max()))
-    assert stats.quick_parts(torch.empty(0)) == ()
+    assert measure.quick_parts(torch.empty(0)) == ()
     for t in (x.transpose(0, 3), strided):
         _, norm, lo, hi = reference(t)
-        v = stats.quick_vector(t)
+        v = measure.quick_vector(t)
         assert (v[stats.IDX_MIN], v[stats.IDX_MAX]) == (lo, hi)
         assert v[stats.IDX_NORM] == pytest.approx(norm, rel=1e-5)
     # a batch of mixed forms assembles into one matrix, each row in its place
-    rows = stats.assemble_quick(
-        [stats.quick_parts(strided), stats.quick_parts(x), ()], [strided.numel(), x.numel(), 0]
+    rows = measure.assemble_quick(
+        [measure.quick_parts(strided), measure.quick_parts(x), ()], [strided.numel(), x.numel(), 0]
     )
     assert rows[0][stats.IDX_MAX] == float(strided.max())
     assert rows[1][stats.IDX_MAX] == float(x.max())
@@ -124,7 +124,7 @@ def test_nonfinite_tensors_are_never_taken_for_finite(compiled, bad, finite_min,
             t[at] = -float("inf")
         else:
             t[at], t[0] = float("inf"), -float("inf")
-        v = stats.quick_vector(t)
+        v = measure.quick_vector(t)
         assert not stats.vector_is_finite(v) and not stats.quick_is_complete(v)
         assert np.isfinite(v[stats.IDX_MIN]) == finite_min
         assert np.isfinite(v[stats.IDX_MAX]) == finite_max
@@ -134,7 +134,7 @@ def test_nonfinite_tensors_are_never_taken_for_finite(compiled, bad, finite_min,
 
 def test_float32_overflow_still_goes_to_the_exact_kernel(compiled):
     t = torch.full((4096,), 3e38)  # finite, but its float32 sum is not
-    assert not stats.quick_is_complete(stats.quick_vector(t))
+    assert not stats.quick_is_complete(measure.quick_vector(t))
 
 
 class _Net(nn.Module):
@@ -189,7 +189,7 @@ def test_a_trace_reads_the_same_with_both_kernels(compiled, monkeypatch, poison)
 
 def test_eager_can_be_chosen_and_a_bad_choice_is_one_sentence(compiled, monkeypatch):
     monkeypatch.setenv(kernels.ENV, "eager")
-    assert not kernels.active() and len(stats.quick_parts(torch.ones(3))) == 5
+    assert not kernels.active() and len(measure.quick_parts(torch.ones(3))) == 5
     monkeypatch.setenv(kernels.ENV, "fast")
     expected = r"NBDEBUG_KERNELS expects 'compiled' or 'eager', got 'fast'"
     with pytest.raises(ValueError, match=expected):
@@ -203,7 +203,7 @@ def test_a_build_is_made_once_and_only_for_this_torch_and_cpu(compiled, monkeypa
     # another PyTorch version names another directory, where nothing is built
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
     assert kernels.build_dir() != compiled.parent
-    assert not kernels.active() and len(stats.quick_parts(torch.ones(3))) == 5
+    assert not kernels.active() and len(measure.quick_parts(torch.ones(3))) == 5
 
 
 def test_a_build_without_ninja_says_what_is_missing(tmp_path, monkeypatch):
@@ -224,7 +224,7 @@ def test_the_cli_builds_the_kernel_and_says_where(compiled, capsys):
 def test_the_kernel_refuses_what_it_cannot_measure(compiled):
     fused = kernels.compiled()
     assert fused is not None
-    args = stats.kernel_args()
+    args = measure.kernel_args()
     for bad, expected in (
         (torch.empty(0), "non-empty contiguous CPU tensor"),
         (torch.randn(4, 4).t(), "non-empty contiguous CPU tensor"),
@@ -266,7 +266,7 @@ def test_the_compiled_histogram_bins_every_magnitude_as_defined(compiled, dtype)
         t = torch.from_numpy(chunk.copy()).to(dtype)
         fused = kernels.compiled()
         assert fused is not None
-        row = fused.quick_stats(t, *stats.kernel_args()).numpy()
+        row = fused.quick_stats(t, *measure.kernel_args()).numpy()
         hist = row[4:]
         np.testing.assert_array_equal(hist[:-1], _definition_bins(t.numpy()))
         assert hist[-1] == len(chunk)
@@ -275,14 +275,14 @@ def test_the_compiled_histogram_bins_every_magnitude_as_defined(compiled, dtype)
 def test_the_kernel_refuses_a_bin_table_that_points_outside_its_bins(compiled):
     fused = kernels.compiled()
     assert fused is not None
-    sample, bins, lo, hi, table, underflow = stats.kernel_args()
+    sample, bins, lo, hi, table, underflow = measure.kernel_args()
     bad = table.clone()
     bad[100, 0] = bins  # a bin past the last one
     with pytest.raises(RuntimeError, match="bin table names a bin out of range"):
         fused.quick_stats(torch.ones(4), sample, bins, lo, hi, bad, underflow)
     with pytest.raises(RuntimeError, match=r"int32 \[256, 2\] bin table"):
         fused.quick_stats(torch.ones(4), sample, bins, lo, hi, table[:10], underflow)
-    assert torch.equal(table, stats.kernel_args()[4])  # the shared table is untouched
+    assert torch.equal(table, measure.kernel_args()[4])  # the shared table is untouched
 
 
 @pytest.mark.parametrize("scale", [1e-25, 1e-40])
@@ -290,7 +290,7 @@ def test_the_kernel_squares_tiny_tensors_in_float64(compiled, scale):
     """Float squares of values below stats.UNDERFLOW round to 0: the kernel sums them
     again in float64, so a vanishing tensor's norm is exact, not 0."""
     a = (np.random.default_rng(1).normal(size=70_000) * scale).astype(np.float32)
-    row = kernels.compiled().quick_stats(torch.from_numpy(a), *stats.kernel_args()).numpy()
+    row = kernels.compiled().quick_stats(torch.from_numpy(a), *measure.kernel_args()).numpy()
     assert row[1] == pytest.approx(float((a.astype(np.float64) ** 2).sum()), rel=1e-9)
-    ordinary = kernels.compiled().quick_stats(torch.ones(8), *stats.kernel_args()).numpy()
+    ordinary = kernels.compiled().quick_stats(torch.ones(8), *measure.kernel_args()).numpy()
     assert ordinary[1] == 8.0

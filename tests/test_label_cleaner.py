@@ -18,9 +18,13 @@ from plotly.callbacks import Points
 from sklearn.datasets import load_digits
 
 import nbdebug
-from nbdebug.analysis.journal import Journal, fingerprint
-from nbdebug.analysis.labels import find_label_issues
-from nbdebug.analysis.review import LabelReview, SplitGuardError
+from nbdebug.analysis.labels import (
+    Journal,
+    LabelReview,
+    SplitGuardError,
+    find_label_issues,
+    fingerprint,
+)
 from nbdebug.core.text import fmt_num
 from nbdebug.widgets.labels import LabelCleaner
 
@@ -66,7 +70,7 @@ def test_decisions_survive_a_killed_kernel_and_resume(tmp_path, case):
     script = textwrap.dedent(
         f"""
         import os, numpy as np, pandas as pd
-        from nbdebug.analysis.review import LabelReview
+        from nbdebug.analysis.labels import LabelReview
         images = np.load({str(tmp_path / "images.npy")!r})
         labels = np.load({str(tmp_path / "labels.npy")!r})
         issues = pd.read_pickle({str(tmp_path / "issues.pkl")!r})
@@ -562,7 +566,7 @@ def test_cleaner_as_the_debuggers_labels_tab(tmp_path, case):
 
 
 def test_issues_for_more_samples_than_labels_say_both_counts():
-    from nbdebug.analysis.review import check_issues
+    from nbdebug.analysis.labels.review import check_issues
 
     issues = pd.DataFrame(
         {c: [0] * 3 for c in ("given_label", "suggested_label", "label_quality", "is_issue")},

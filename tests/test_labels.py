@@ -20,9 +20,8 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 import nbdebug
-from nbdebug.analysis import confident_learning as cl
-from nbdebug.analysis.labels import LabelNoise, find_label_issues
-from nbdebug.analysis.torch_classifier import TorchClassifier
+from nbdebug.analysis.labels import LabelNoise, TorchClassifier, find_label_issues
+from nbdebug.analysis.labels import confident_learning as cl
 
 COLUMNS = [
     "given_label",

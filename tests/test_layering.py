@@ -115,7 +115,7 @@ def test_core_guard_runs_the_checks_it_is_given_in_a_fresh_process(tmp_path: Pat
         "import nbdebug.core.guard as core\n"
         "before = {k: v for k, v in vars(core).items() if not k.startswith('__')}\n"
         "cls = dict(vars(core.NaNGuard))\n"
-        "from nbdebug.analysis.checks_guard import GuardChecks\n"
+        "from nbdebug.analysis.checks.guard import GuardChecks\n"
         "import nbdebug.analysis.checks\n"
         "after = {k: v for k, v in vars(core).items() if not k.startswith('__')}\n"
         "assert before == after and cls == dict(vars(core.NaNGuard)), 'import changed core'\n"
@@ -195,3 +195,34 @@ def test_a_result_shows_through_the_viewer_the_widgets_layer_registers() -> None
         assert seen == [(obj, {"backend": "output"})]
     finally:
         display.unregister_viewer("Unshown")
+
+
+FEATURES = sorted(
+    p.name for p in (PKG / "analysis").iterdir() if p.is_dir() and (p / "__init__.py").exists()
+)
+
+
+def test_analysis_features_are_packages_that_import_only_core_and_the_shared_tabular_module() -> (
+    None
+):
+    assert set(FEATURES) >= {"checks", "gradcheck", "drift", "labels", "diagnose"}
+    loose = sorted(p.name for p in (PKG / "analysis").glob("*.py") if p.name != "__init__.py")
+    assert loose == ["ranks.py", "tabular.py"], loose  # every other job lives in its feature
+    found = []
+    for path in sorted((PKG / "analysis").rglob("*.py")):
+        rel = path.relative_to(PKG / "analysis")
+        own = rel.parts[0].removesuffix(".py")
+        for mod, _, func in _imports(path):
+            parts = mod.split(".")
+            if parts[:2] != ["nbdebug", "analysis"] or len(parts) < 3:
+                continue
+            other = parts[2]
+            if other not in (own, "tabular"):
+                found.append(f"analysis/{rel} imports {mod} (in {func or 'module scope'})")
+    assert found == [], "features importing each other:\n" + "\n".join(found)
+
+
+def test_core_groups_its_jobs_in_packages() -> None:
+    for name in ("trace", "snapshot", "guard"):
+        assert (PKG / "core" / name / "__init__.py").exists(), name
+        assert not (PKG / "core" / f"{name}.py").exists(), name

@@ -116,7 +116,7 @@ def test_help_is_the_docstring(shell):
     ],
 )
 def test_bad_lines_print_one_clear_line(shell, capsys, monkeypatch, line, needle):
-    from nbdebug.core import guard
+    from nbdebug.core.guard import failure as guard
 
     monkeypatch.setattr(guard, "_last", None)  # no NonFiniteError in this session yet
     monkeypatch.delattr("sys.last_value", raising=False)

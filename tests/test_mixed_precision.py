@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis.checks_base import TraceView
-from nbdebug.analysis.checks_precision import BF16_SPREAD, precision_findings
-from nbdebug.core import snapshot as snapshot_module
+from nbdebug.analysis.checks.base import TraceView
+from nbdebug.analysis.checks.precision import BF16_SPREAD, precision_findings
+from nbdebug.core.snapshot import replay as snapshot_module
 
 
 def model() -> nn.Module:

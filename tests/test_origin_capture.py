@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 import torch
 from torch import nn
 
-from nbdebug.core.capture import CallCapture, copy_arguments, frame_kind
+from nbdebug.core.trace.capture import CallCapture, copy_arguments
+from nbdebug.core.trace.frames import frame_kind, user_frame
 
 
 class Layer:
@@ -71,9 +76,45 @@ def test_a_capture_gives_fresh_copies_for_each_replay() -> None:
 
 
 def test_frame_kinds() -> None:
-    import os
-
     assert frame_kind(torch.__file__) == "torch"
     assert frame_kind(os.__file__) == "python"
     assert frame_kind(__file__) == "user"
     assert frame_kind(os.path.join(os.path.dirname(torch.__file__) + "vision", "x.py")) == "user"
+
+
+def _defined_in(filename: str, source: str, name: str, **env: object) -> Any:
+    """A function whose code claims to live in ``filename`` (as its frames will say)."""
+    ns: dict[str, Any] = dict(env)
+    exec(compile(source, filename, "exec"), ns)
+    return ns[name]
+
+
+def test_user_frame_is_the_first_frame_outside_torch_site_packages_counting_as_user() -> None:
+    """One rule (DESIGN.md): the first frame outside torch's own files (and nbdebug's and
+    the standard library's); a library in site-packages, even in the standard library's
+    folder, is the user's code."""
+    torch_dir = os.path.dirname(torch.__file__)
+    stdlib_dir = os.path.dirname(os.__file__)
+    probe = _defined_in(
+        os.path.join(torch_dir, "nn", "probe.py"),
+        "def probe():\n    return user_frame(sys._getframe(0))\n",
+        "probe",
+        user_frame=user_frame,
+        sys=sys,
+    )
+    in_torch = _defined_in(
+        os.path.join(torch_dir, "nn", "fake.py"), "def in_torch(f):\n    return f()\n", "in_torch"
+    )
+    lib_file = os.path.join(stdlib_dir, "site-packages", "somelib", "mod.py")
+    in_lib = _defined_in(lib_file, "def in_lib(f, *a):\n    return f(*a)\n", "in_lib")
+    in_stdlib = _defined_in(
+        os.path.join(stdlib_dir, "fake_stdlib.py"),
+        "def in_stdlib(f, *a):\n    return f(*a)\n",
+        "in_stdlib",
+    )
+    assert frame_kind(lib_file) == "user"
+    found = in_lib(in_torch, probe)
+    assert found is not None and found.f_code.co_filename == lib_file
+    found = in_stdlib(in_torch, probe)  # the stdlib is skipped: this test's frame
+    assert found is not None and found.f_code.co_filename == __file__
+    assert user_frame(None) is None

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis import checks_base as cb
+from nbdebug.analysis.checks import base as cb
 
 
 def hand_written_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.core import snapshot as snapmod
 from nbdebug.core.snapshot import (
     FORMAT_VERSION,
     Snapshot,
@@ -33,6 +32,8 @@ from nbdebug.core.snapshot import (
     load_snapshot,
     save_snapshot,
 )
+from nbdebug.core.snapshot import archive as snapmod
+from nbdebug.core.state import RngState
 from nbdebug.figures.report import history_table, snapshot_facts
 
 
@@ -267,7 +268,7 @@ def test_replay_uses_the_stored_rng(tmp_path):
     torch.manual_seed(1)
     model = Net()
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    rng = snapmod.RngState.capture()
+    rng = RngState.capture()
     loss = nn.functional.cross_entropy(model(x), y).item()  # consumes RNG (dropout)
     path = save_snapshot(
         tmp_path, model, x, y, step=3, rng=rng, loss_fn=nn.functional.cross_entropy
@@ -335,7 +336,7 @@ def test_checksums_hold_for_tied_and_equal_tensors(tmp_path):
     with pytest.raises(SnapshotError, match="do not match the checksum"):
         load_snapshot(tmp_path / "bad.nbsnap", model)
     # a sparse tensor has no strided storage to compare: its records are read from the file
-    from nbdebug.core.snapshot_format import read_archive
+    from nbdebug.core.snapshot.archive import read_archive
 
     torch.save({"sp": torch.eye(3).to_sparse(), "w": torch.ones(2)}, tmp_path / "sp.pt")
     assert torch.equal(read_archive(tmp_path / "sp.pt")["sp"].to_dense(), torch.eye(3))

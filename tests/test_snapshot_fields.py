@@ -1,4 +1,4 @@
-"""core.snapshot_format: one field table drives the writer, the checks and the reader, so
+"""core.snapshot.format: one field table drives the writer, the checks and the reader, so
 a file written today still loads after a field is added, and a newer file is refused."""
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ from torch import nn
 
 import nbdebug
 from nbdebug import _version
-from nbdebug.core import snapshot_format as fmt
 from nbdebug.core.snapshot import (
     FORMAT_VERSION,
     Snapshot,
     SnapshotError,
     list_snapshots,
     load_snapshot,
+    read_payload,
     save_snapshot,
 )
-from nbdebug.core.snapshot_format import (
+from nbdebug.core.snapshot import format as fmt
+from nbdebug.core.snapshot.format import (
     FIELDS,
     NO_DEFAULT,
     Field,
     NoneType,
-    read_payload,
     validate_payload,
 )
 
@@ -247,7 +247,7 @@ def test_error_line():
 
 
 def test_core_reads_the_version_from_version_module(tmp_path):
-    assert nbdebug.__version__ == _version.__version__ == "0.1.0"
+    assert nbdebug.__version__ == _version.__version__
     path, _m, _x = _write_today(tmp_path)
     assert load_snapshot(path).environment["nbdebug"] == _version.__version__
     for p in sorted(CORE.glob("*.py")):

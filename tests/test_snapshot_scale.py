@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nbdebug
-from nbdebug.core.snapshot_data import cpu_copy
+from nbdebug.core.snapshot.data import cpu_copy
 
 
 def bad_step(guard: nbdebug.NaNGuard, model: nn.Module, step: int) -> bool:
@@ -78,7 +78,7 @@ def test_a_process_killed_mid_write_leaves_no_file_under_the_final_name(tmp_path
     code = textwrap.dedent(
         f"""
         import torch
-        from nbdebug.core.snapshot_format import atomic_save
+        from nbdebug.core.snapshot.archive import atomic_save
         big = {{"t%d" % i: torch.randn(4_000_000) for i in range(40)}}  # 640 MB
         print("writing", flush=True)
         atomic_save(big, {str(final)!r})

@@ -10,15 +10,13 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import nbdebug
-from nbdebug.core import stats
+from nbdebug.core import measure, stats
+from nbdebug.core.measure import exact_vector, quick_vector, tensor_stats
 from nbdebug.core.stats import (
     HIST_EDGES,
     HIST_SAMPLE,
-    exact_vector,
     finalize,
-    quick_vector,
     row_flags,
-    tensor_stats,
     vector_is_finite,
 )
 
@@ -145,7 +143,7 @@ def test_all_quick_complete_agrees_with_quick_is_complete_vector_by_vector():
     # quick vectors (counts not taken) and exact ones (counted), finite or not, with a
     # float32 sum or norm overflowed to inf
     def vec(t: torch.Tensor, counted: bool) -> np.ndarray:
-        return stats.exact_vector(t).numpy() if counted else stats.quick_vector(t)
+        return measure.exact_vector(t).numpy() if counted else measure.quick_vector(t)
 
     cases = {
         "finite": torch.randn(50),
@@ -216,3 +214,37 @@ def test_constant_tensors_have_std_zero() -> None:
         t = torch.full((n,), value)
         assert tensor_stats(t).std == 0.0
         assert finalize(quick_vector(t))[0].std == 0.0
+
+
+def test_finite_counting_is_one_set_of_helpers() -> None:
+    """count_nonfinite / has_nonfinite / has_nan / is_finite_number: the one home of
+    "is this finite" (complex by magnitude, integers hold none, modes bypassed)."""
+    from torch.overrides import TorchFunctionMode
+
+    from nbdebug.core.stats import count_nonfinite, has_nan, has_nonfinite, is_finite_number
+
+    t = torch.tensor([1.0, float("nan"), float("inf"), float("-inf"), 0.0])
+    assert count_nonfinite(t) == (1, 2)
+    assert count_nonfinite(torch.arange(3)) == (0, 0)
+    assert count_nonfinite(torch.tensor([complex(float("inf"), 0.0), 1j])) == (0, 1)
+    assert count_nonfinite(torch.empty(0)) == (0, 0)
+    assert has_nonfinite(t) and has_nan(t)
+    assert has_nonfinite(torch.tensor([float("inf")])) and not has_nan(torch.tensor([float("inf")]))
+    assert not has_nonfinite(torch.ones(3)) and not has_nonfinite("x") and not has_nan(None)
+
+    class Seen(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def, override]
+            Seen.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert count_nonfinite(t) == (1, 2) and has_nonfinite(t) and has_nan(t)
+    assert Seen.calls == 0
+
+    for good in (1, 1.5, np.float32(2.0), np.int64(3), torch.tensor(3.0), torch.tensor([4])):
+        assert is_finite_number(good), good
+    bad = (None, True, np.bool_(True), "1", float("nan"), -float("inf"), torch.ones(2), [1.0])
+    for x in bad:
+        assert not is_finite_number(x), x

@@ -11,7 +11,7 @@ from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.core.stats import tensor_stats
+from nbdebug.core.measure import tensor_stats
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

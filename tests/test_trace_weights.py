@@ -1,4 +1,4 @@
-"""The weights' health in ``nbdebug.trace`` (``core/weights.py``): the norms of the
+"""The weights' health in ``nbdebug.trace`` (``core/trace/weights.py``): the norms of the
 parameters and floating buffers the step started with, their NaN/Inf counts, and a NaN/Inf
 weight sending the step straight to the exact pass, wherever the weight is."""
 
@@ -11,7 +11,7 @@ from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.core.weights import WeightHealth, owned_weights
+from nbdebug.core.trace.weights import WeightHealth, owned_weights
 
 
 class Net(nn.Module):
@@ -75,6 +75,7 @@ def test_a_nan_weight_skips_the_quick_pass() -> None:
     assert_unchanged(before, model)
     assert tr.origin is not None
     assert (tr.origin.module, tr.origin.param) == ("out", "out.weight")
+    assert tr.origin.corrupted
     # the exact pass is the first pass (then the origin's replays)
     assert calls[:3] == ["inp", "mid", "out"] and calls[3:4] != ["inp"]
     pf = tr.params_frame()
@@ -177,4 +178,12 @@ def test_a_nan_weight_in_a_parameter_container_is_named(container: str) -> None:
     o = tr.origin
     assert o is not None and (o.phase, o.module, o.param) == ("forward", "", qual)
     assert f"the parameter or buffer {qual} already held non-finite values" in o.note
+    assert o.corrupted  # the fact is a field: nothing parses the note
     assert_unchanged(before, model)
+
+
+def test_an_origin_made_by_the_step_is_not_corrupted_weights() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    tr = nbdebug.trace(model, torch.randn(3, 4), loss_fn=lambda o: torch.log(o - o).sum())
+    assert tr.origin is not None and tr.origin.phase == "loss" and not tr.origin.corrupted
+    assert tr.origin.chain and tr.origin.chain[0].op == tr.origin.op  # the root is chain[0]

@@ -1,7 +1,7 @@
 """Compare the per-rank snapshots of one distributed step: :func:`compare_ranks`.
 
 A guarded distributed run writes one file per rank for a bad step
-(``step-000000003-rank0.nbsnap``, ``...-rank1.nbsnap``; see :mod:`nbdebug.core.distributed`).
+(``step-000000003-rank0.nbsnap``, ``...-rank1.nbsnap``; see :mod:`nbdebug.core.guard.agreement`).
 The report says, per rank, what that rank saw locally, where its first non-finite value was
 produced (a replay of that rank's own batch, when a model is given) and whether its
 parameters agree with the other replicas'.
@@ -13,13 +13,20 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.distributed import fingerprint, replica_differences
-from ..core.snapshot import Snapshot, SnapshotError, load_snapshot
-from ..core.snapshot_format import RANK_NAME, SUFFIX
+from ..core.display import show as show_result
+from ..core.guard.replicas import fingerprint, replica_differences
+from ..core.snapshot import RANK_NAME, SUFFIX, Snapshot, SnapshotError, load_snapshot
+from ..core.vocab import Phase
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: A model as :func:`nbdebug.load_snapshot` takes it: a module or a factory.
+ModelSource = torch.nn.Module | Callable[[], torch.nn.Module]
 
 
 @dataclass
@@ -58,7 +65,7 @@ class RankRow:
     culprit: bool
     loss: float | None
     replayed: bool = False
-    origin_phase: str | None = None
+    origin_phase: Phase | None = None
     origin_module: str | None = None
     origin_op: str | None = None
     origin_rows: list[int] = field(default_factory=list)
@@ -93,7 +100,7 @@ class RanksReport:
     rows : list of RankRow
         One per rank, in rank order.
     culprit_ranks : list of int
-        As recorded by the guard (see :func:`nbdebug.core.distributed.culprit_ranks`).
+        As recorded by the guard (see :func:`nbdebug.core.guard.agreement.culprit_ranks`).
     replayed_culprits : list of int
         The ranks whose own batch produces a non-finite value on replay (empty when not
         replayed): this tells the rank even when DDP spread the NaN to every gradient.
@@ -113,7 +120,7 @@ class RanksReport:
     first_differing_param: str | None
     missing_ranks: list[int]
 
-    def to_frame(self) -> Any:
+    def to_frame(self) -> pd.DataFrame:
         """One row per rank: ``rank``, ``kind``, ``local_first``, ``culprit``, ``loss``,
         ``first_nonfinite`` (where, as text), ``origin_module``, ``origin_rows``,
         ``params_agree``, ``first_differing_param``, ``path``."""
@@ -146,7 +153,15 @@ class RanksReport:
         raise KeyError(f"no snapshot of rank {rank}; ranks: {[r.rank for r in self.rows]}.")
 
     @property
+    def ok(self) -> bool:
+        """No rank is named a culprit, no replay produces a non-finite value, and the
+        parameters do not differ between ranks."""
+        return (
+            not self.culprit_ranks and not self.replayed_culprits and self.params_agree is not False
+        )
+
     def summary(self) -> str:
+        """One sentence: the step, the ranks, the culprits and whether the parameters agree."""
         if self.params_agree is None:
             params = "parameters not compared"
         elif self.params_agree:
@@ -161,11 +176,15 @@ class RanksReport:
         )
         return (
             f"step {self.step}, {len(self.rows)} of {self.world_size} ranks{missing}: culprit "
-            f"rank(s) {self.culprit_ranks}{replayed}; {params}"
+            f"rank(s) {self.culprit_ranks}{replayed}; {params}."
         )
 
+    def show(self, **options: object) -> Any:
+        """The per-rank panel for this report (an ``ipywidgets`` widget)."""
+        return show_result(self, **options)
+
     def __repr__(self) -> str:
-        lines = [f"RanksReport({self.summary})"]
+        lines = [f"RanksReport({self.summary().removesuffix('.')})"]
         for r in self.rows:
             seen = {True: "local", False: "via agreement", None: "?"}[r.local_first]
             if r.params_agree is None:
@@ -186,7 +205,7 @@ def _rank_of(snap: Snapshot) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _paths(paths_or_directory: Any) -> list[Path]:
+def _paths(paths_or_directory: object) -> list[Path]:
     if isinstance(paths_or_directory, (str, os.PathLike)):
         d = Path(paths_or_directory)
         if d.is_dir():
@@ -219,8 +238,8 @@ def _paths(paths_or_directory: Any) -> list[Path]:
 def compare_ranks(
     paths_or_directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
-    model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
-    loss_fn: Callable[..., Any] | None = None,
+    model: ModelSource | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     step: int | None = None,
     trust_recipe: bool = False,
 ) -> RanksReport:
@@ -257,30 +276,10 @@ def compare_ranks(
         raise TypeError(f"step expects an int (or None: the earliest); got {step!r}.")
     paths = _paths(paths_or_directory)
     snaps = [load_snapshot(p, trust_recipe=trust_recipe) for p in paths]
-    steps = sorted({s.step for s in snaps if s.step is not None})
-    if step is None:
-        step = steps[0] if steps else None
-    elif step not in steps:
-        raise ValueError(f"no snapshot of step {step}; the files hold steps {steps}.")
-    chosen: dict[int, Snapshot] = {}
-    for s in snaps:
-        if s.step != step:
-            continue
-        r = _rank_of(s)
-        if r is None:
-            raise ValueError(
-                f"{s.path} is not a per-rank snapshot (no rank in its record or its name)."
-            )
-        if r in chosen:
-            raise ValueError(
-                f"two snapshots of step {step} claim rank {r}: {chosen[r].path} and {s.path}; "
-                "pass the files of one run."
-            )
-        chosen[r] = s
+    step, chosen = _one_step(snaps, step)
     ranks = sorted(chosen)
     world = max([chosen[r].world_size or 0 for r in ranks] + [ranks[-1] + 1])
     culprits = sorted({int(c) for r in ranks for c in chosen[r].culprit_ranks})
-
     names, prints = _fingerprints([chosen[r] for r in ranks])
     diffs = replica_differences(names, prints) if names is not None else []
     rows = []
@@ -313,6 +312,31 @@ def compare_ranks(
     )
 
 
+def _one_step(snaps: list[Snapshot], step: int | None) -> tuple[int | None, dict[int, Snapshot]]:
+    """The step to compare (``None``: the earliest) and its snapshot per rank."""
+    steps = sorted({s.step for s in snaps if s.step is not None})
+    if step is None:
+        step = steps[0] if steps else None
+    elif step not in steps:
+        raise ValueError(f"no snapshot of step {step}; the files hold steps {steps}.")
+    chosen: dict[int, Snapshot] = {}
+    for s in snaps:
+        if s.step != step:
+            continue
+        r = _rank_of(s)
+        if r is None:
+            raise ValueError(
+                f"{s.path} is not a per-rank snapshot (no rank in its record or its name)."
+            )
+        if r in chosen:
+            raise ValueError(
+                f"two snapshots of step {step} claim rank {r}: {chosen[r].path} and {s.path}; "
+                "pass the files of one run."
+            )
+        chosen[r] = s
+    return step, chosen
+
+
 def _fingerprints(snaps: list[Snapshot]) -> tuple[list[str] | None, list[torch.Tensor]]:
     """The names and per-rank fingerprints to compare: the guard's recorded ones (of the
     replicated parameters), else those of the stored states' floating tensors (buffers
@@ -334,7 +358,13 @@ def _fingerprints(snaps: list[Snapshot]) -> tuple[list[str] | None, list[torch.T
     return keys, [fingerprint([s.model_state[k] for k in keys]) for s in snaps]
 
 
-def _replay(row: RankRow, path: Path | None, model: Any, loss_fn: Any, trust_recipe: bool) -> None:
+def _replay(
+    row: RankRow,
+    path: Path | None,
+    model: ModelSource,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    trust_recipe: bool,
+) -> None:
     if path is None:
         return
     try:

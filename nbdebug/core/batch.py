@@ -8,15 +8,21 @@ the output itself when it is a scalar.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TypeAlias, cast
 
 import torch
 
 from .text import dtype_name
 
+#: a batch: a tensor (``model(x)``), a tuple/list (``model(*inputs)``) or a dict
+#: (``model(**inputs)``) of tensors and other arguments
+Batch: TypeAlias = "torch.Tensor | Sequence[object] | Mapping[str, object]"
+#: ``loss_fn(output, target)`` or ``loss_fn(output)``: a scalar tensor (checked)
+LossFn: TypeAlias = Callable[..., object]
 
-def check_flag(value: Any, name: str) -> bool:
+
+def check_flag(value: object, name: str) -> bool:
     """``value`` when it is a bool; else one TypeError naming the option ``name`` (a dtype
     or a string in place of ``True`` would otherwise be taken as true)."""
     if not isinstance(value, bool):
@@ -24,7 +30,7 @@ def check_flag(value: Any, name: str) -> bool:
     return value
 
 
-def check_model(model: Any) -> torch.nn.Module:
+def check_model(model: object) -> torch.nn.Module:
     """The module to debug. A ``torch.compile``'d model is debugged through the module it
     wraps (``_orig_mod``: same parameters, run eagerly), so the compiler neither traces
     nbdebug's hooks nor recompiles for them."""
@@ -59,7 +65,7 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def check_inputs(inputs: Any) -> Any:
+def check_inputs(inputs: object) -> Batch:
     """Validate the batch structure and that it is not empty."""
     if isinstance(inputs, torch.Tensor):
         if inputs.numel() == 0:
@@ -94,7 +100,7 @@ def check_inputs(inputs: Any) -> Any:
     )
 
 
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+def call_model(model: torch.nn.Module, inputs: object) -> object:
     """Run ``model`` on ``inputs`` with the calling conventions above."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
@@ -103,12 +109,13 @@ def call_model(model: torch.nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def iter_tensors(obj: Any, prefix: str = "") -> Iterator[torch.Tensor]:
+def iter_tensors(obj: object, prefix: str = "") -> Iterator[torch.Tensor]:
+    """The tensors of :func:`named_tensors`, without their names."""
     for _, t in named_tensors(obj, prefix):
         yield t
 
 
-def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+def named_tensors(obj: object, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in a nested tuple/list/dict/dataclass-like output.
 
     Names read like Python: ``"output"``, ``"output[1]"``, ``"output['logits']"``. This
@@ -122,17 +129,17 @@ def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _collect(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
+def _collect(obj: object, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((prefix, obj))
         return
     kind = type(obj)
     if kind is tuple or kind is list:
-        for i, v in enumerate(obj):
+        for i, v in enumerate(cast("Sequence[object]", obj)):
             _collect(v, f"{prefix}[{i}]", out)
     elif kind is dict:
         if obj:
-            for k, v in obj.items():
+            for k, v in cast("dict[object, object]", obj).items():
                 _collect(v, f"{prefix}[{k!r}]", out)
     elif obj is None or kind in (int, float, bool, str):
         return
@@ -148,7 +155,7 @@ def _collect(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None
             _collect(getattr(obj, k, None), f"{prefix}.{k}", out)
 
 
-def batch_size(inputs: Any) -> int | None:
+def batch_size(inputs: object) -> int | None:
     """The first dimension of the first tensor with at least one dimension."""
     for t in iter_tensors(inputs):
         if t.ndim >= 1:
@@ -156,7 +163,7 @@ def batch_size(inputs: Any) -> int | None:
     return None
 
 
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
     """Short description of a batch or an output: ``"Tensor(16, 10) float32"``."""
     if isinstance(obj, torch.Tensor):
         return f"Tensor{tuple(obj.shape)} {dtype_name(obj.dtype)}"
@@ -168,11 +175,11 @@ def describe(obj: Any) -> str:
     return type(obj).__qualname__
 
 
-def check_loss_fn(loss_fn: Any) -> Any:
+def check_loss_fn(loss_fn: object) -> LossFn | None:
     """``loss_fn`` itself: None or a callable, refused before anything runs."""
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {type(loss_fn).__qualname__}.")
-    return loss_fn
+    return loss_fn  # type: ignore[return-value]  # None or callable, checked above
 
 
 class LossError(ValueError):
@@ -180,7 +187,7 @@ class LossError(ValueError):
 
 
 def compute_loss(
-    output: Any, target: Any = None, loss_fn: Callable[..., Any] | None = None
+    output: object, target: object = None, loss_fn: LossFn | None = None
 ) -> torch.Tensor:
     """The scalar loss of ``output`` under the conventions above.
 
@@ -194,8 +201,10 @@ def compute_loss(
         source = f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
     elif isinstance(output, Mapping) and "loss" in output:
         loss, source = output["loss"], "output['loss']"
-    elif getattr(output, "loss", None) is not None and not isinstance(output, torch.Tensor):
-        loss, source = output.loss, "output.loss"
+    elif (attr := getattr(output, "loss", None)) is not None and not isinstance(
+        output, torch.Tensor
+    ):
+        loss, source = attr, "output.loss"
     elif isinstance(output, torch.Tensor) and output.numel() == 1:
         loss, source = output, "the model's scalar output"
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-_VIEWERS: dict[str, Callable[..., Any]] = {}
+_VIEWERS: dict[str, Callable[..., object]] = {}
 _SOURCES: list[Callable[[], None]] = []
 
 
@@ -23,7 +23,7 @@ def add_viewer_source(source: Callable[[], None]) -> None:
     _SOURCES.append(source)
 
 
-def register_viewer(class_name: str, viewer: Callable[..., Any]) -> None:
+def register_viewer(class_name: str, viewer: Callable[..., object]) -> None:
     """Show objects of the class named ``class_name`` (``type(obj).__name__``) with
     ``viewer(obj, **options)``; registering a name again replaces its viewer."""
     _VIEWERS[class_name] = viewer
@@ -34,7 +34,7 @@ def unregister_viewer(class_name: str) -> None:
     _VIEWERS.pop(class_name, None)
 
 
-def show(obj: Any, **options: Any) -> Any:
+def show(obj: object, **options: object) -> Any:  # the panel widget (an ipywidgets type)
     """The panel for ``obj`` from its registered viewer.
 
     Raises
@@ -54,7 +54,7 @@ def show(obj: Any, **options: Any) -> Any:
     )
 
 
-def _viewer_for(obj: Any) -> Callable[..., Any] | None:
+def _viewer_for(obj: object) -> Callable[..., object] | None:
     for cls in type(obj).__mro__:
         viewer = _VIEWERS.get(cls.__name__)
         if viewer is not None:

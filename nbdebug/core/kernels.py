@@ -8,7 +8,7 @@ asked: ``nbdebug build-kernels`` (or :func:`build`; the project's ``make setup``
 compiles it with the C++ compiler PyTorch uses for extensions into nbdebug's cache
 directory, one build per PyTorch version and kernel source. Without a build, or with
 ``NBDEBUG_KERNELS=eager``, statistics are computed with eager PyTorch ops (same numbers;
-see :func:`nbdebug.core.stats.quick_parts`).
+see :func:`nbdebug.core.measure.quick_parts`).
 
 >>> from nbdebug.core import kernels
 >>> kernels.build()          # once per machine and PyTorch version (about a minute)
@@ -115,7 +115,7 @@ def active() -> bool:
 
 def compiled() -> ModuleType | None:
     """The compiled kernel's module when :func:`active`, else None (read per tensor). Its
-    ``quick_stats(x, *stats.kernel_args())`` takes a non-empty contiguous CPU tensor of a
+    ``quick_stats(x, *measure.kernel_args())`` takes a non-empty contiguous CPU tensor of a
     floating dtype and returns one float64 row: ``[sum, sum of squares, min, max]``, then
     the histogram (bin counts, zeros, NaN/Inf, size) of every ``ceil(numel /
     max_sample)``-th element."""

@@ -96,7 +96,10 @@ def total_norm(
         by_dev.setdefault(n.device, []).append(n)
     parts = [torch.linalg.vector_norm(torch.stack(ns)) for ns in by_dev.values()]
     parts = [n if n.device == device else n.to(device) for n in parts]
-    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+    total: torch.Tensor = (
+        parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+    )
+    return total
 
 
 def fused_norms(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> np.ndarray:

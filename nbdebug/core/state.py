@@ -307,7 +307,7 @@ def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 @contextmanager
-def preserved(model: torch.nn.Module):
+def preserved(model: torch.nn.Module) -> Iterator[PreservedState]:
     """Context manager: everything :class:`PreservedState` covers is put back on exit,
     also when the body raises."""
     st = PreservedState.capture(model)

@@ -10,10 +10,9 @@ import math
 import numbers
 import textwrap
 from collections.abc import Sequence
-from typing import Any
 
 
-def fmt_num(v: Any, spec: str = ".4g", *, nan: str = "nan", none: str = "-") -> str:
+def fmt_num(v: object, spec: str = ".4g", *, nan: str = "nan", none: str = "-") -> str:
     """A number as nbdebug shows it.
 
     Floats (Python or numpy) with ``spec`` (4 significant digits by default), NaN as
@@ -63,7 +62,7 @@ def first_line(e: BaseException, most: int = 200, *, with_type: bool = True) -> 
     return f"{type(e).__name__}: {text[0][:most]}" if with_type else text[0][:most]
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: object) -> str:
     """``torch.float32`` -> ``"float32"`` (any object: its ``str`` without ``torch.``)."""
     return str(dtype).replace("torch.", "")
 
@@ -97,7 +96,7 @@ def cost_text(cost: float | None) -> str:
     return f"{cost:.0f}x" if abs(cost) >= 100 else f"{float(f'{cost:.2g}'):g}x"
 
 
-def code_name(obj: Any) -> str:
+def code_name(obj: object) -> str:
     """The name of a function or class as its code reads it: ``__qualname__`` without the
     enclosing functions of a local definition (``WFn``, not ``make.<locals>.WFn``);
     ``Outer.Inner`` stays."""

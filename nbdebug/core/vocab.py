@@ -77,3 +77,19 @@ class FixKind(Vocab):
     CUSTOM = "custom"  # a fix the user wrote
     WEIGHTS_CORRUPTED = "weights_corrupted"  # the weights were non-finite before the step
     NOT_REPRODUCIBLE = "not_reproducible"  # the same step replayed finite
+
+
+class FrameKind(Vocab):
+    """Whose code a stack frame runs (:func:`nbdebug.core.trace.frames.frame_kind`)."""
+
+    NBDEBUG = "nbdebug"  # nbdebug's own files
+    TORCH = "torch"  # torch's own files
+    PYTHON = "python"  # the standard library and frozen modules
+    USER = "user"  # everything else: the user's code and other libraries (transformers)
+
+
+class NonFinite(Vocab):
+    """Which non-finite value a tensor holds (``ChainLink.value``): NaN wins over Inf."""
+
+    NAN = "NaN"
+    INF = "inf"

@@ -1,4 +1,4 @@
-"""Figures of a :class:`nbdebug.analysis.drift.DriftReport`: pure functions, report in,
+"""Figures of a :class:`nbdebug.DriftReport`: pure functions, report in,
 ``plotly.graph_objects.Figure`` out (usable in a static HTML report and in the panel).
 
 * :func:`feature_table_html`: features sorted by drift, quadrant and KS columns coloured
@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ..analysis.drift_exposure import EXPOSED_QUADRANTS, EXPOSURE_MIN
+from ..analysis.drift.exposure import EXPOSED_QUADRANTS, EXPOSURE_MIN
 from ..core.text import fmt_num
 from .palette import BLUE, LIGHT_GREY, MUTED_TEXT, ORANGE
 
@@ -128,7 +128,7 @@ def feature_table_html(report: DriftReport, *, max_rows: int | None = None) -> s
 def exposure_bars(report: DriftReport, *, top: int = 12) -> go.Figure:
     """Each feature's share of the prediction shift (its exposure above noise), largest
     first, coloured by quadrant; hover gives the exposure and its noise in output units.
-    When no feature's exposure is material (see :mod:`nbdebug.analysis.drift_exposure`),
+    When no feature's exposure is material (see :mod:`nbdebug.analysis.drift.exposure`),
     the shares only divide up noise: the bars are grey and the title says so."""
     f = report.features.sort_values("exposure_share", ascending=False, kind="stable").head(top)
     f = f.iloc[::-1]  # largest at the top of a horizontal bar chart

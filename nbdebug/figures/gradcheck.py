@@ -14,8 +14,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..analysis.gradcheck_result import GradcheckResult, PairCheck, element_index
-from ..analysis.gradcheck_verdicts import (
+from ..analysis.gradcheck.result import GradcheckResult, PairCheck, element_index
+from ..analysis.gradcheck.verdicts import (
     BACKWARD_WRONG,
     FLOAT32_PRECISION,
     NON_DIFFERENTIABLE,
@@ -93,60 +93,13 @@ def gradcheck_figure(
             "no gradcheck result to show" if pair is None else f"{pair.label}: nothing to check"
         )
     r0, r1, c0, c1 = window(pair, max_cells)
-    a = pair.analytic[r0:r1, c0:c1]
-    n = pair.numerical[r0:r1, c0:c1]
-    d = np.abs(a - n)
-    blocks = [_finite(a), _finite(n), _finite(d)]
-    m = (
-        max((float(np.nanmax(np.abs(b))) for b in blocks if np.isfinite(b).any()), default=1.0)
-        or 1.0
-    )
-    xs = list(range(c0, c1))
-    ys = list(range(r0, r1))
     text = _hover(pair, r0, r1, c0, c1)
     fig = make_subplots(rows=1, cols=3, subplot_titles=PANELS, horizontal_spacing=0.06)
-    heatmaps = [
-        go.Heatmap(
-            z=z,
-            x=xs,
-            y=ys,
-            name=name,
-            coloraxis="coloraxis",
-            text=text,
-            hovertemplate=f"<b>{name}</b><br>%{{text}}<br>value %{{z:.4g}}<extra></extra>",
-        )
-        for name, z in zip(PANELS, blocks)
-    ]
-    fig.add_traces(heatmaps, rows=[1, 1, 1], cols=[1, 2, 3])
+    m = _add_heatmaps(fig, pair, (r0, r1, c0, c1), text)
     r, c = pair.worst
     for j in range(1, 4):
-        fig.add_trace(
-            go.Scatter(
-                x=[c],
-                y=[r],
-                mode="markers",
-                name=WORST_TRACE,
-                showlegend=False,
-                marker={
-                    "symbol": "square-open",
-                    "size": 16,
-                    "color": "black",
-                    "line": {"width": 3},
-                },
-                hovertemplate=f"worst element<br>{text[r - r0][c - c0]}<extra></extra>",
-            ),
-            row=1,
-            col=j,
-        )
-    in_label = (
-        "random projection" if pair.mode == "projections" else f"{pair.input} element (checked)"
-    )
-    out_label = "" if pair.mode == "projections" else f"{pair.output} element (checked)"
-    for j in range(1, 4):
-        fig.update_xaxes(title_text=in_label, row=1, col=j)
-        fig.update_yaxes(
-            autorange="reversed", row=1, col=j, title_text=out_label if j == 1 else None
-        )
+        fig.add_trace(_worst_marker(r, c, text[r - r0][c - c0]), row=1, col=j)
+    _label_axes(fig, pair)
     shown = ""
     R, C = pair.analytic.shape
     if (r1 - r0, c1 - c0) != (R, C):
@@ -167,6 +120,69 @@ def gradcheck_figure(
         margin={"l": 60, "r": 20, "t": 70, "b": 50},
     )
     return fig
+
+
+def _add_heatmaps(
+    fig: go.Figure, pair: PairCheck, shown: tuple[int, int, int, int], text: list[list[str]]
+) -> float:
+    """The three heatmaps of the ``shown`` window ``(r0, r1, c0, c1)`` on one colour axis;
+    returns the axis' half range (the largest finite magnitude, 1 when there is none)."""
+    r0, r1, c0, c1 = shown
+    a = pair.analytic[r0:r1, c0:c1]
+    n = pair.numerical[r0:r1, c0:c1]
+    d = np.abs(a - n)
+    blocks = [_finite(a), _finite(n), _finite(d)]
+    m = (
+        max((float(np.nanmax(np.abs(b))) for b in blocks if np.isfinite(b).any()), default=1.0)
+        or 1.0
+    )
+    xs = list(range(c0, c1))
+    ys = list(range(r0, r1))
+    heatmaps = [
+        go.Heatmap(
+            z=z,
+            x=xs,
+            y=ys,
+            name=name,
+            coloraxis="coloraxis",
+            text=text,
+            hovertemplate=f"<b>{name}</b><br>%{{text}}<br>value %{{z:.4g}}<extra></extra>",
+        )
+        for name, z in zip(PANELS, blocks)
+    ]
+    fig.add_traces(heatmaps, rows=[1, 1, 1], cols=[1, 2, 3])
+    return m
+
+
+def _worst_marker(row: int, col: int, hover: str) -> go.Scatter:
+    """The outline of the worst element (on each of the three heatmaps)."""
+    return go.Scatter(
+        x=[col],
+        y=[row],
+        mode="markers",
+        name=WORST_TRACE,
+        showlegend=False,
+        marker={
+            "symbol": "square-open",
+            "size": 16,
+            "color": "black",
+            "line": {"width": 3},
+        },
+        hovertemplate=f"worst element<br>{hover}<extra></extra>",
+    )
+
+
+def _label_axes(fig: go.Figure, pair: PairCheck) -> None:
+    """x: the input element, y: the output element (rows top down), on all three."""
+    in_label = (
+        "random projection" if pair.mode == "projections" else f"{pair.input} element (checked)"
+    )
+    out_label = "" if pair.mode == "projections" else f"{pair.output} element (checked)"
+    for j in range(1, 4):
+        fig.update_xaxes(title_text=in_label, row=1, col=j)
+        fig.update_yaxes(
+            autorange="reversed", row=1, col=j, title_text=out_label if j == 1 else None
+        )
 
 
 def empty_figure(message: str, *, height: int = 360) -> go.Figure:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..core.events import Event
+from ..core.trace.events import Event
 from .palette import BLUE, RED
 
 

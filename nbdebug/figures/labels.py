@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from numpy.typing import ArrayLike
 
 from ..analysis.labels import LabelNoise
 from .palette import DARK_TEXT, LIGHT_GREY
 
 
-def _noise(issues: Any) -> LabelNoise:
+def _noise(issues: object) -> LabelNoise:
     est = issues.attrs.get("label_noise") if isinstance(issues, pd.DataFrame) else issues
     if not isinstance(est, LabelNoise):
         raise TypeError(
@@ -25,7 +26,7 @@ def _noise(issues: Any) -> LabelNoise:
     return est
 
 
-def class_labels(n_classes: int, class_names: Sequence[Any] | None = None) -> list[str]:
+def class_labels(n_classes: int, class_names: Sequence[object] | None = None) -> list[str]:
     """Display names of the classes: ``"3: cat"`` with names, ``"3"`` without."""
     if class_names is None:
         return [str(i) for i in range(n_classes)]
@@ -47,7 +48,9 @@ def _count_color(off: np.ndarray, i: int, j: int) -> str:
     return "white" if share > 0.5 else DARK_TEXT
 
 
-def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = None) -> go.Figure:
+def confident_joint_figure(
+    issues: pd.DataFrame | LabelNoise, *, class_names: Sequence[object] | None = None
+) -> go.Figure:
     """Heatmap of the confident joint: rows the given label, columns the estimated true label.
 
     Parameters
@@ -69,65 +72,22 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
     k = est.n_classes
     names = class_labels(k, class_names)
     cj = est.confident_joint.astype(float)
-    flagged = np.zeros((k, k), dtype=np.int64)
-    if isinstance(issues, pd.DataFrame) and "is_issue" in issues:
-        f = issues[issues["is_issue"].to_numpy(dtype=bool)]
-        g = f["given_label"].to_numpy()
-        s = f["suggested_label"].to_numpy()
-        ok = s >= 0
-        np.add.at(flagged, (g[ok], s[ok]), 1)
     off = cj.copy()
     np.fill_diagonal(off, np.nan)
-    text = [
-        [
-            f"given {html.escape(names[i])}, true {html.escape(names[j])}<br>"
-            f"confident joint {int(cj[i, j])}<br>"
-            + (f"flagged with this suggestion {flagged[i, j]}" if i != j else "agreeing labels")
-            for j in range(k)
-        ]
-        for i in range(k)
-    ]
     fig = go.Figure(
         go.Heatmap(
             z=_json_safe(off),
             x=list(range(k)),
             y=list(range(k)),
-            text=text,
+            text=_cell_text(cj, _flagged_pairs(issues, k), names),
             hovertemplate="%{text}<extra></extra>",
             colorscale="Reds",
             colorbar={"title": "count"},
             name="confident joint",
         )
     )
-    diag = np.full((k, k), np.nan)
-    np.fill_diagonal(diag, cj.diagonal())
-    fig.add_trace(
-        go.Heatmap(
-            z=_json_safe(diag),
-            x=list(range(k)),
-            y=list(range(k)),
-            colorscale=[[0, LIGHT_GREY], [1, LIGHT_GREY]],
-            showscale=False,
-            hoverinfo="skip",
-            name="diagonal",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=[j for i in range(k) for j in range(k)],
-            y=[i for i in range(k) for j in range(k)],
-            mode="text",
-            text=[str(int(cj[i, j])) if cj[i, j] else "" for i in range(k) for j in range(k)],
-            # white on the dark half of the red scale, so no count sits unread on its cell
-            textfont={
-                "size": 10 if k <= 12 else 7,
-                "color": [_count_color(off, i, j) for i in range(k) for j in range(k)],
-            },
-            hoverinfo="skip",
-            showlegend=False,
-            name="counts",
-        )
-    )
+    fig.add_trace(_diagonal_trace(cj))
+    fig.add_trace(_counts_trace(cj, off))
     size = max(320, min(700, 40 * k + 140))
     fig.update_layout(
         title=f"Confident joint: {est.summary()}" if len(est.summary()) < 90 else "Confident joint",
@@ -147,6 +107,68 @@ def confident_joint_figure(issues: Any, *, class_names: Sequence[Any] | None = N
         margin={"l": 60, "r": 20, "t": 50, "b": 60},
     )
     return fig
+
+
+def _flagged_pairs(issues: pd.DataFrame | LabelNoise, k: int) -> np.ndarray:
+    """``(k, k)`` counts of the flagged samples per (given, suggested) pair (zeros for a
+    bare LabelNoise)."""
+    flagged = np.zeros((k, k), dtype=np.int64)
+    if isinstance(issues, pd.DataFrame) and "is_issue" in issues:
+        f = issues[issues["is_issue"].to_numpy(dtype=bool)]
+        g = f["given_label"].to_numpy()
+        s = f["suggested_label"].to_numpy()
+        ok = s >= 0
+        np.add.at(flagged, (g[ok], s[ok]), 1)
+    return flagged
+
+
+def _cell_text(cj: np.ndarray, flagged: np.ndarray, names: list[str]) -> list[list[str]]:
+    """The hover text of every cell."""
+    k = len(names)
+    return [
+        [
+            f"given {html.escape(names[i])}, true {html.escape(names[j])}<br>"
+            f"confident joint {int(cj[i, j])}<br>"
+            + (f"flagged with this suggestion {flagged[i, j]}" if i != j else "agreeing labels")
+            for j in range(k)
+        ]
+        for i in range(k)
+    ]
+
+
+def _diagonal_trace(cj: np.ndarray) -> go.Heatmap:
+    """The agreeing labels in grey, so that the off-diagonal noise stands out."""
+    k = len(cj)
+    diag = np.full((k, k), np.nan)
+    np.fill_diagonal(diag, cj.diagonal())
+    return go.Heatmap(
+        z=_json_safe(diag),
+        x=list(range(k)),
+        y=list(range(k)),
+        colorscale=[[0, LIGHT_GREY], [1, LIGHT_GREY]],
+        showscale=False,
+        hoverinfo="skip",
+        name="diagonal",
+    )
+
+
+def _counts_trace(cj: np.ndarray, off: np.ndarray) -> go.Scatter:
+    """The count written on every non-empty cell."""
+    k = len(cj)
+    return go.Scatter(
+        x=[j for i in range(k) for j in range(k)],
+        y=[i for i in range(k) for j in range(k)],
+        mode="text",
+        text=[str(int(cj[i, j])) if cj[i, j] else "" for i in range(k) for j in range(k)],
+        # white on the dark half of the red scale, so no count sits unread on its cell
+        textfont={
+            "size": 10 if k <= 12 else 7,
+            "color": [_count_color(off, i, j) for i in range(k) for j in range(k)],
+        },
+        hoverinfo="skip",
+        showlegend=False,
+        name="counts",
+    )
 
 
 def as_image(sample: Any, image_shape: Sequence[int] | None = None) -> np.ndarray | None:
@@ -182,7 +204,7 @@ def as_image(sample: Any, image_shape: Sequence[int] | None = None) -> np.ndarra
     return None
 
 
-def sample_image_figure(image: Any, *, title: str = "", size: int = 260) -> go.Figure:
+def sample_image_figure(image: ArrayLike | None, *, title: str = "", size: int = 260) -> go.Figure:
     """One sample drawn as a picture.
 
     Parameters

@@ -7,18 +7,19 @@ import math
 
 import plotly.graph_objects as go
 
-from ..analysis.checks_base import EXPLODING_RATIO as EXPLODING
-from ..analysis.checks_base import VANISHING_RATIO as VANISHING
-from ..analysis.checks_grad import ratio_verdict
-from ..core.result import Trace, shown_grad_norm
+from ..analysis.checks.base import EXPLODING_RATIO as EXPLODING
+from ..analysis.checks.base import VANISHING_RATIO as VANISHING
+from ..analysis.checks.grad import param_verdict
 from ..core.text import fmt_num
+from ..core.trace.result import Trace, shown_grad_norm
 from .palette import BLUE, GREY, PURPLE, RED
 
 #: the ``name`` of the band labels' annotations (in the right margin, beside their bands)
 BAND_LABEL = "band label"
 
 # grad norm / weight norm below VANISHING: the gradient vanishes; above EXPLODING: it
-# explodes. One judgement (analysis's ratio_verdict) for the plot and the health checks.
+# explodes. One judgement (analysis's param_verdict: which parameters can be called so,
+# and what their ratio says) for the plot and the health checks.
 
 
 def ratio_figure(trace: Trace) -> go.Figure:
@@ -27,10 +28,12 @@ def ratio_figure(trace: Trace) -> go.Figure:
     Parameters
     ----------
     trace : Trace
-        Its ``params`` (one :class:`~nbdebug.core.events.ParamInfo` each) are plotted in
+        Its ``params`` (one :class:`~nbdebug.core.trace.events.ParamInfo` each) are plotted in
         model order. Parameters without a gradient are left out; zero ratios and
         zero weights (undefined ratio) get no bar; non-finite gradients are drawn full height in
-        red, with the reason on hover.
+        red, with the reason on hover. A bar is red where the health checks flag the
+        parameter (:func:`~nbdebug.analysis.checks.grad.param_verdict`), grey where they do
+        not judge its ratio (a bias or norm scale, an embedding), blue otherwise.
 
     Returns
     -------
@@ -58,8 +61,9 @@ def ratio_figure(trace: Trace) -> go.Figure:
             note = "weight norm 0: no ratio"
         else:
             y = min(max(r, lo), hi)
-            color = BLUE if ratio_verdict(r) == "ok" else RED
-            note = f"ratio {r:.3g}"
+            verdict = param_verdict(p, trace.module_types.get(p.module, ""))
+            color = {"vanishing": RED, "exploding": RED, "not judged": GREY}.get(verdict, BLUE)
+            note = f"ratio {r:.3g}" + (" (not judged: 1-D or sparse)" if color == GREY else "")
         names.append(p.name)
         ys.append(y)
         colors.append(color)

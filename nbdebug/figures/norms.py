@@ -1,4 +1,4 @@
-"""Per-layer norm plot of a :class:`~nbdebug.core.result.Trace`.
+"""Per-layer norm plot of a :class:`~nbdebug.core.trace.result.Trace`.
 
 One x category per module call (in forward order; ``"input"`` and ``"loss"`` at the ends),
 the L2 norm of every recorded tensor on a log y axis:
@@ -23,9 +23,10 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from ..core.events import Event
-from ..core.result import Trace
 from ..core.text import fmt_num
+from ..core.trace.events import Event
+from ..core.trace.result import Trace
+from ..core.vocab import EventKind, Phase
 from .palette import BLUE, GREEN, ORANGE, RED
 
 #: Names of the figure's traces, in order; the widget finds the marker by
@@ -77,15 +78,15 @@ def event_categories(trace: Trace) -> list[str]:
     is called more than once (``Event.call`` numbers calls across the whole model)."""
     calls: dict[str, list[int]] = {}
     for e in trace.events:
-        if e.phase in ("forward", "backward") and e.call >= 0:
+        if e.phase in (Phase.FORWARD, Phase.BACKWARD) and e.call >= 0:
             seen = calls.setdefault(e.module, [])
             if e.call not in seen:
                 seen.append(e.call)
     out = []
     for e in trace.events:
-        if e.phase == "input":
+        if e.phase == Phase.INPUT:
             out.append(INPUT_X)
-        elif e.phase == "loss":
+        elif e.phase == Phase.LOSS:
             out.append(LOSS_X)
         else:
             name = e.module or "<model>"
@@ -116,16 +117,16 @@ def norm_points(trace: Trace) -> NormPoints:
     seen: set[str] = set()
     has_input = has_loss = False
     for e, c in zip(trace.events, xs):
-        if e.phase == "input":
+        if e.phase == Phase.INPUT:
             has_input = True
-        elif e.phase == "loss":
+        elif e.phase == Phase.LOSS:
             has_loss = True
-        elif c not in seen and e.phase == "forward":
+        elif c not in seen and e.phase == Phase.FORWARD:
             seen.add(c)
             cats.append(c)
     # modules seen only in the backward (or only as a partial trace) go after the forward ones
     for e, c in zip(trace.events, xs):
-        if e.phase == "backward" and c not in seen:
+        if e.phase == Phase.BACKWARD and c not in seen:
             seen.add(c)
             cats.append(c)
     cats = ([INPUT_X] if has_input else []) + cats + ([LOSS_X] if has_loss else [])
@@ -168,40 +169,6 @@ def norm_figure(
     if not isinstance(trace, Trace):
         raise TypeError(f"norm_figure expects an nbdebug Trace; got {type(trace).__qualname__}.")
     pts = points if points is not None else norm_points(trace)
-    groups: dict[str, list[int]] = {
-        FORWARD_TRACE: [],
-        TARGET_TRACE: [],
-        BACKWARD_TRACE: [],
-        PARAM_TRACE: [],
-    }
-    for e in trace.events:
-        if e.phase == "backward":
-            groups[PARAM_TRACE if e.kind == "param_grad" else BACKWARD_TRACE].append(e.index)
-        else:
-            groups[TARGET_TRACE if e.kind == "target" else FORWARD_TRACE].append(e.index)
-    if not groups[TARGET_TRACE]:
-        del groups[TARGET_TRACE]
-    style = {
-        FORWARD_TRACE: {
-            "mode": "lines+markers",
-            "line": {"color": BLUE},
-            "marker": {"size": 6},
-        },
-        BACKWARD_TRACE: {
-            "mode": "lines+markers",
-            "line": {"color": ORANGE},
-            "marker": {"size": 6},
-        },
-        TARGET_TRACE: {
-            "mode": "markers",
-            "marker": {"color": BLUE, "size": 8, "symbol": "square-open"},
-        },
-        PARAM_TRACE: {
-            "mode": "markers",
-            "marker": {"color": GREEN, "size": 5, "symbol": "diamond"},
-        },
-    }
-    fig = go.Figure()
     hovers = [_hover(e) for e in trace.events]
 
     def scatter_of(idx: list[int], **kw: Any) -> go.Scatter:
@@ -214,8 +181,9 @@ def norm_figure(
             **kw,
         )
 
-    for name, idx in groups.items():
-        fig.add_trace(scatter_of(idx, name=name, **style[name]))
+    fig = go.Figure()
+    for name, idx in trace_groups(trace).items():
+        fig.add_trace(scatter_of(idx, name=name, **_GROUP_STYLE[name]))
     bad = [e.index for e in trace.events if not e.stats.finite]
     fig.add_trace(
         scatter_of(
@@ -225,25 +193,7 @@ def norm_figure(
             name=NONFINITE_TRACE,
         )
     )
-    cx: list[str] = []
-    cy: list[float] = []
-    if current is not None:
-        i = current.index if isinstance(current, Event) else int(current)
-        if not 0 <= i < len(trace.events):
-            raise ValueError(
-                f"current must be an event of this trace (0..{len(trace.events) - 1}); got {i}."
-            )
-        cx, cy = [pts.x[i]], [pts.y[i]]
-    fig.add_trace(
-        go.Scatter(
-            x=cx,
-            y=cy,
-            mode="markers",
-            marker={"size": 16, "color": "rgba(0,0,0,0)", "line": {"color": "black", "width": 2}},
-            name=CURRENT_TRACE,
-            hoverinfo="skip",
-        )
-    )
+    fig.add_trace(_current_trace(trace, pts, current))
     fig.update_layout(
         # the title on its own line above the legend (they used to collide at the top)
         title={"text": f"Per-layer norms: {trace.model_name}", "x": 0.01, "y": 0.98},
@@ -255,3 +205,57 @@ def norm_figure(
         template="plotly_white",
     )
     return fig
+
+
+#: how each group of events is drawn (see :func:`trace_groups`)
+_GROUP_STYLE: dict[str, dict[str, Any]] = {
+    FORWARD_TRACE: {"mode": "lines+markers", "line": {"color": BLUE}, "marker": {"size": 6}},
+    BACKWARD_TRACE: {"mode": "lines+markers", "line": {"color": ORANGE}, "marker": {"size": 6}},
+    TARGET_TRACE: {
+        "mode": "markers",
+        "marker": {"color": BLUE, "size": 8, "symbol": "square-open"},
+    },
+    PARAM_TRACE: {"mode": "markers", "marker": {"color": GREEN, "size": 5, "symbol": "diamond"}},
+}
+
+
+def trace_groups(trace: Trace) -> dict[str, list[int]]:
+    """The event indices of each line of the plot: ``forward`` (the batch, the module
+    outputs, the loss), ``target`` (only when a target was recorded), ``backward`` and
+    ``param grad``, in that order."""
+    groups: dict[str, list[int]] = {
+        FORWARD_TRACE: [],
+        TARGET_TRACE: [],
+        BACKWARD_TRACE: [],
+        PARAM_TRACE: [],
+    }
+    for e in trace.events:
+        if e.phase == Phase.BACKWARD:
+            group = PARAM_TRACE if e.kind == EventKind.PARAM_GRAD else BACKWARD_TRACE
+        else:
+            group = TARGET_TRACE if e.kind == EventKind.TARGET else FORWARD_TRACE
+        groups[group].append(e.index)
+    if not groups[TARGET_TRACE]:
+        del groups[TARGET_TRACE]
+    return groups
+
+
+def _current_trace(trace: Trace, pts: NormPoints, current: Event | int | None) -> go.Scatter:
+    """The ``"current event"`` marker, on ``current`` (empty without it)."""
+    cx: list[str] = []
+    cy: list[float] = []
+    if current is not None:
+        i = current.index if isinstance(current, Event) else int(current)
+        if not 0 <= i < len(trace.events):
+            raise ValueError(
+                f"current must be an event of this trace (0..{len(trace.events) - 1}); got {i}."
+            )
+        cx, cy = [pts.x[i]], [pts.y[i]]
+    return go.Scatter(
+        x=cx,
+        y=cy,
+        mode="markers",
+        marker={"size": 16, "color": "rgba(0,0,0,0)", "line": {"color": "black", "width": 2}},
+        name=CURRENT_TRACE,
+        hoverinfo="skip",
+    )

@@ -1,7 +1,7 @@
 """What a snapshot says, for a terminal and for a self-contained HTML page.
 
 Pure functions: a :class:`~nbdebug.core.snapshot.Snapshot` (and, when the step could be
-replayed, its :class:`~nbdebug.core.result.Trace`) in; facts, tables or an HTML string out.
+replayed, its :class:`~nbdebug.core.trace.result.Trace`) in; facts, tables or an HTML string out.
 :func:`report_html` inlines plotly.js once so the page works offline (no CDN).
 """
 
@@ -14,9 +14,10 @@ from typing import Any
 
 from ..analysis.diagnose import Diagnosis
 from ..core.batch import describe
-from ..core.result import Trace
 from ..core.snapshot import Snapshot
 from ..core.text import cost_text, fmt_num, row_numbers
+from ..core.trace.result import Trace
+from ..core.vocab import Phase
 from .palette import MUTED_TEXT, OK, RED, RULE, TEXT
 
 
@@ -67,7 +68,7 @@ def origin_facts(trace: Trace | None, snap: Snapshot | None = None) -> list[tupl
             (
                 "module",
                 "-"
-                if o.phase in ("input", "loss")
+                if o.phase in (Phase.INPUT, Phase.LOSS)
                 else (o.module or "<model>") + (f" ({o.module_type})" if o.module_type else ""),
             ),
             (

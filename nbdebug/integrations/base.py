@@ -3,7 +3,6 @@ of the step, and the stub that stands in for a callback whose framework is missi
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import re
@@ -13,9 +12,7 @@ from typing import Any
 
 import torch
 
-from ..analysis.checks_guard import NaNGuard
-from ..core.batch import check_loss_fn
-from ..core.guard_step import GuardOptions
+from ..core.guard import GuardOptions, NaNGuard
 
 __all__ = [
     "StepBatch",
@@ -45,11 +42,10 @@ def check_version(name: str, found: str, low: str, high: str) -> None:
 
 
 def check_options(callback: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The callback's ``**guard_options``, checked against :class:`nbdebug.NaNGuard`'s
-    keyword arguments (a wrong name fails when the callback is made, not mid-training)."""
-    import inspect
-
-    accepted = [p for p in inspect.signature(NaNGuard.__init__).parameters if p != "self"]
+    """The callback's ``**guard_options``, checked as :class:`nbdebug.NaNGuard`'s options
+    (:meth:`~nbdebug.core.guard.GuardOptions.from_settings`): a wrong name or value fails
+    when the callback is made, not mid-training."""
+    accepted = GuardOptions.names()
     for key in options:
         if key in FROM_TRAINER or key == "directory":
             raise TypeError(
@@ -59,11 +55,7 @@ def check_options(callback: str, options: dict[str, Any]) -> dict[str, Any]:
         if key not in accepted:
             allowed = ", ".join(k for k in accepted if k not in (*FROM_TRAINER, "directory"))
             raise TypeError(f"{callback} got an unknown guard option {key!r}; expected {allowed}.")
-    # and the values the guard checks without a model: wrong ones fail here too
-    rules = {f.name for f in dataclasses.fields(GuardOptions)}
-    GuardOptions(**{k: v for k, v in options.items() if k in rules})
-    if "loss_fn" in options:
-        check_loss_fn(options["loss_fn"])
+    GuardOptions.from_settings(**options)  # the values: wrong ones fail here too
     return dict(options)
 
 
@@ -209,6 +201,18 @@ class CallbackState:
             )
         self.directory = Path(directory)
         self.guard_options = check_options("NaNGuardCallback", guard_options)
-        self.guard: Any = None
+        self.guard: NaNGuard | None = None
         self.skipped: list[int] = []
         self.step_batch = StepBatch()
+        self.trainer_record: dict[str, Any] = {}
+
+    def record_trainer(self, record: dict[str, Any]) -> None:
+        """The trainer that runs the steps (framework, version, ``global_step``, its
+        arguments): the snapshots' ``trainer`` field."""
+        self.trainer_record = dict(record)
+        if self.guard is not None:
+            self.guard.set_snapshot_field("trainer", self.trainer_record)
+
+    def record_global_step(self, step: int) -> None:
+        """The trainer's ``global_step`` of the step about to be checked."""
+        self.record_trainer({**self.trainer_record, "global_step": step})

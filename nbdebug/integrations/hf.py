@@ -350,12 +350,14 @@ else:
                 options=options,
                 unwrap=_unwrap,
             )
-            self.guard.writer.fields["trainer"] = {
-                "framework": "transformers",
-                "version": transformers.__version__,
-                "global_step": int(state.global_step),
-                "args": args.to_dict(),
-            }
+            self.record_trainer(
+                {
+                    "framework": "transformers",
+                    "version": transformers.__version__,
+                    "global_step": int(state.global_step),
+                    "args": args.to_dict(),
+                }
+            )
             self._disarm()
             self._model = model
             self._device_type = next((p.device.type for p in model.parameters()), "cpu")
@@ -392,12 +394,8 @@ else:
             step = int(state.global_step)
             inputs, loss = self.step_batch.batch, self.step_batch.loss
             self.step_batch.reset()
-            fields = self.guard.writer.fields
-            fields["trainer"]["global_step"] = step
-            if self._autocast_seen is not None:
-                fields["autocast"] = self._autocast_seen
-            else:
-                fields.pop("autocast", None)
+            self.record_global_step(step)
+            self.guard.set_snapshot_field("autocast", self._autocast_seen)  # None: none seen
             self._autocast_seen = None
             ok = self.guard.check(loss, inputs=inputs, step=step)
             if ok or self.guard.on_nonfinite == "continue":

@@ -141,23 +141,25 @@ else:
             self.guard = make_guard(
                 pl_module, optimizer, scheduler, directory=self.directory, options=options
             )
-            self.guard.writer.fields["trainer"] = {
-                "framework": "lightning",
-                "version": lightning.__version__,
-                "global_step": int(trainer.global_step),
-                "args": {
-                    "precision": str(trainer.precision),
-                    "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
-                    "gradient_clip_val": trainer.gradient_clip_val,
-                    "max_steps": int(trainer.max_steps),
-                    "max_epochs": trainer.max_epochs,
-                    "hparams": dict(getattr(pl_module, "hparams", {}) or {}),
-                },
-            }
+            self.record_trainer(
+                {
+                    "framework": "lightning",
+                    "version": lightning.__version__,
+                    "global_step": int(trainer.global_step),
+                    "args": {
+                        "precision": str(trainer.precision),
+                        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+                        "gradient_clip_val": trainer.gradient_clip_val,
+                        "max_steps": int(trainer.max_steps),
+                        "max_epochs": trainer.max_epochs,
+                        "hparams": dict(getattr(pl_module, "hparams", {}) or {}),
+                    },
+                }
+            )
             dtype = _PRECISION_DTYPES.get(str(trainer.precision))
             if dtype is not None:
                 device = next((p.device.type for p in pl_module.parameters()), "cpu")
-                self.guard.writer.fields["autocast"] = {"device_type": device, "dtype": dtype}
+                self.guard.set_snapshot_field("autocast", {"device_type": device, "dtype": dtype})
 
         def on_train_batch_start(
             self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -205,7 +207,7 @@ else:
             # the batch is kept to the end of training_step (on_train_batch_end): under
             # manual optimization a second optimizer steps on the same batch
             self._stepped = True
-            self.guard.writer.fields["trainer"]["global_step"] = step
+            self.record_global_step(step)
             if self.guard.check(loss, inputs=inputs, target=target, step=step):
                 return
             if self.guard.on_nonfinite == "continue":

@@ -7,7 +7,7 @@
 
 ``debug`` takes a model and a batch (the conventions of :func:`nbdebug.trace`), a
 :class:`~nbdebug.core.snapshot.Snapshot`, the path of a snapshot file (with ``model=``),
-or an already recorded :class:`~nbdebug.core.result.Trace`.
+or an already recorded :class:`~nbdebug.core.trace.result.Trace`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from ..core.events import Event
-from ..core.result import Trace, TraceError
+from ..core.options import options_from
+from ..core.trace.events import Event
+from ..core.trace.result import Trace, TraceError
 from ..figures.palette import RED
 from .cursor import Cursor
 from .history import HistoryPanel
@@ -30,15 +31,22 @@ from .layers import LayersPanel
 from .plot import fit_figures
 from .step import StepPanel
 from .style import STYLE
-from .tabs import TabContext, add_feature_tabs
+from .tabs import DebugOptions, HasWidget, TabContext, add_feature_tabs
 
 if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+    from ..core.snapshot import Snapshot
     from .ranks import RanksDebugger
+
+    #: what :func:`debug` opens
+    DebugSource = torch.nn.Module | Snapshot | str | os.PathLike[str] | Trace
 
 TraceSource = Callable[[], Trace]
 
 
-def close_widgets(root: Any) -> int:
+def close_widgets(root: object) -> int:
     """Close ``root`` and every widget reachable through its traits (children, layout,
     style, ...), so nothing stays registered in the kernel. Returns how many were closed."""
     seen: set[int] = set()
@@ -157,7 +165,7 @@ class Debugger:
         *,
         error: str | None = None,
         source: TraceSource | None = None,
-        history: Any = None,
+        history: pd.DataFrame | None = None,
         failing_step: int | None = None,
         reason: str | None = None,
         backend: str | None = None,
@@ -285,7 +293,7 @@ class Debugger:
         return self.step.cursor.event
 
     # ---- composition -------------------------------------------------------------------
-    def add_tab(self, title: str, widget: Any) -> None:
+    def add_tab(self, title: str, widget: widgets.Widget | HasWidget) -> None:
         """Add a tab (gradcheck, checks, drift, labels panels). ``widget`` is an ipywidget
         or an object with a ``.widget`` attribute; it is kept across re-runs."""
         if not isinstance(title, str) or not title:
@@ -306,7 +314,7 @@ class Debugger:
             raise KeyError(f"no added tab named {title!r}; added tabs: {list(self._panels)}.")
         return self._panels[title]
 
-    def on_retrace(self, callback: Callable[[Debugger], Any]) -> None:
+    def on_retrace(self, callback: Callable[[Debugger], object]) -> None:
         """Call ``callback(debugger)`` after every re-run (e.g. to refresh an added tab)."""
         self._callbacks.append(callback)
 
@@ -359,17 +367,14 @@ class Debugger:
 
 
 def debug(
-    obj: Any,
+    obj: DebugSource,
     inputs: Any = None,
     target: Any = None,
     loss_fn: Callable[..., Any] | None = None,
     *,
-    model: Any = None,
-    reference: Any = None,
-    labels: Any = None,
-    pred_probs: Any = None,
-    journal: str | os.PathLike[str] = "labels.journal.jsonl",
+    model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
     backend: str | None = None,
+    **options: Any,
 ) -> Debugger | RanksDebugger:
     """Open the debugger.
 
@@ -387,16 +392,18 @@ def debug(
     model : torch.nn.Module or callable, optional
         For a snapshot path: the architecture (a module or a zero-argument factory), passed
         to :func:`nbdebug.load_snapshot`.
+    backend : {"auto", "figurewidget", "output"}, optional
+        How figures are drawn (see :mod:`nbdebug.widgets.plot`).
     reference : array, DataFrame or tensor, optional
         A reference batch (e.g. training data): adds a Drift tab comparing the batch to it
         through SHAP explanations (:func:`nbdebug.drift`; tabular models).
     labels, pred_probs : array-like, optional
         Given labels and out-of-fold class probabilities of the batch's samples: adds a
         Labels tab to review suspicious labels (:class:`nbdebug.LabelCleaner`), whose
-        decisions are appended to ``journal``.
-    backend : {"auto", "figurewidget", "output"}, optional
-        How figures are drawn (see :mod:`nbdebug.widgets.plot`).
+        decisions are appended to ``journal`` (default ``"labels.journal.jsonl"``).
 
+    ``reference``, ``labels``, ``pred_probs`` and ``journal`` are keyword-only options
+    (:class:`~nbdebug.widgets.tabs.DebugOptions`); another name raises ``TypeError``.
     A model and batch (or a snapshot) also get a Gradcheck tab: the gradient check of
     every leaf module on the batch's first rows, run from the tab's button.
 
@@ -408,13 +415,17 @@ def debug(
     """
     import torch
 
-    tabs = TabContext(
-        reference=reference, labels=labels, pred_probs=pred_probs, journal=journal, backend=backend
-    )
+    opts = options_from(DebugOptions, options, where="debug()", also=DEBUG_KEYWORDS)
+    tabs = TabContext(options=opts, backend=backend)
     if model is not None and not isinstance(obj, (str, os.PathLike)):
         raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
     if isinstance(obj, Trace):
-        if inputs is not None or target is not None or loss_fn is not None or reference is not None:
+        if (
+            inputs is not None
+            or target is not None
+            or loss_fn is not None
+            or opts.reference is not None
+        ):
             raise TypeError(
                 "debug(trace) takes no inputs/target/loss_fn: the trace is already recorded."
             )
@@ -424,32 +435,11 @@ def debug(
     if isinstance(obj, torch.nn.Module):
         if inputs is None:
             raise TypeError("debug(model, inputs, ...) needs the batch: inputs is missing.")
-        from ..core.trace import trace as _trace
-
-        net = obj
-
-        def source() -> Trace:
-            return _trace(net, inputs, target=target, loss_fn=loss_fn)
-
-        # bad arguments (not a module, empty batch, no loss) raise here, before any widget
-        tr, err = _run(source, type(net).__name__)
-        dbg = Debugger(tr, error=err, source=source, backend=backend)
-        add_feature_tabs(
-            dbg, replace(tabs, model=net, inputs=inputs, target=target, loss_fn=loss_fn)
-        )
-        return dbg
+        return _debug_model(obj, replace(tabs, inputs=inputs, target=target, loss_fn=loss_fn))
     if isinstance(obj, (str, os.PathLike)) and os.path.isdir(obj):
-        from .ranks import RanksDebugger  # a distributed run's per-rank snapshots
-
         if inputs is not None or target is not None:
             raise TypeError("debug(directory) takes no inputs or target: the snapshots hold them.")
-
-        def open_rank(path: Any) -> Debugger:
-            one = debug(path, model=model, loss_fn=loss_fn, backend=backend)
-            assert isinstance(one, Debugger)  # a file: one snapshot's debugger
-            return one
-
-        return RanksDebugger(obj, open_rank, model=model, loss_fn=loss_fn)
+        return _debug_directory(obj, model, loss_fn, backend)
     if isinstance(obj, (str, os.PathLike)):
         from ..core.snapshot import load_snapshot
 
@@ -461,27 +451,64 @@ def debug(
             raise TypeError(
                 "debug(snapshot) takes no inputs or target: the snapshot holds its batch."
             )
-        snap = obj
-
-        def replay() -> Trace:
-            return snap.trace(loss_fn=loss_fn)
-
-        tr, err = _run(replay, snap.model_class or "snapshot")
-        reason = f"{snap.kind}: {snap.message}" if snap.kind else snap.message
-        dbg = Debugger(
-            tr,
-            error=err,
-            source=replay,
-            history=snap.history_frame(),
-            failing_step=snap.step,
-            reason=reason,
-            backend=backend,
-        )
-        add_feature_tabs(
-            dbg, replace(tabs, model=snap.model, inputs=snap.inputs, loss_fn=loss_fn, snapshot=snap)
-        )
-        return dbg
+        return _debug_snapshot(obj, replace(tabs, loss_fn=loss_fn))
     raise TypeError(
         "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "
         f"got {type(obj).__qualname__}."
     )
+
+
+#: the keyword arguments of :func:`debug`'s signature (its options are DebugOptions')
+DEBUG_KEYWORDS = ("inputs", "target", "loss_fn", "model", "backend")
+
+
+def _debug_model(net: torch.nn.Module, ctx: TabContext) -> Debugger:
+    """The debugger of ``net`` on the batch of ``ctx``, re-run from the same batch."""
+    from ..core.trace import trace as _trace
+
+    def source() -> Trace:
+        return _trace(net, ctx.inputs, target=ctx.target, loss_fn=ctx.loss_fn)
+
+    # bad arguments (not a module, empty batch, no loss) raise here, before any widget
+    tr, err = _run(source, type(net).__name__)
+    dbg = Debugger(tr, error=err, source=source, backend=ctx.backend)
+    add_feature_tabs(dbg, replace(ctx, model=net))
+    return dbg
+
+
+def _debug_snapshot(snap: Snapshot, ctx: TabContext) -> Debugger:
+    """The debugger of a snapshot's replay (``ctx.loss_fn`` overrides the recorded one)."""
+
+    def replay() -> Trace:
+        return snap.trace(loss_fn=ctx.loss_fn)
+
+    tr, err = _run(replay, snap.model_class or "snapshot")
+    reason = f"{snap.kind}: {snap.message}" if snap.kind else snap.message
+    dbg = Debugger(
+        tr,
+        error=err,
+        source=replay,
+        history=snap.history_frame(),
+        failing_step=snap.step,
+        reason=reason,
+        backend=ctx.backend,
+    )
+    add_feature_tabs(dbg, replace(ctx, model=snap.model, inputs=snap.inputs, snapshot=snap))
+    return dbg
+
+
+def _debug_directory(
+    directory: str | os.PathLike[str],
+    model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
+    loss_fn: Callable[..., Any] | None,
+    backend: str | None,
+) -> RanksDebugger:
+    """The debugger over a distributed run's per-rank snapshots in ``directory``."""
+    from .ranks import RanksDebugger
+
+    def open_rank(path: str | os.PathLike[str]) -> Debugger:
+        one = debug(path, model=model, loss_fn=loss_fn, backend=backend)
+        assert isinstance(one, Debugger)  # a file: one snapshot's debugger
+        return one
+
+    return RanksDebugger(directory, open_rank, model=model, loss_fn=loss_fn)

@@ -18,11 +18,12 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.checks_base import SEVERITIES, Finding, Findings
+from ..analysis.checks.base import SEVERITIES, Finding, Findings
 from ..core.text import fmt_num, rows_text
+from ..core.trace.result import Trace
 from ..figures.palette import GREEN, GREY, SEVERITY_COLORS
 from .style import STYLE
-from .tabs import FeatureTab, TabContext
+from .tabs import FeatureTab, TabContext, TabHost
 
 COLORS = SEVERITY_COLORS
 _BUTTON_STYLE = {"error": "danger", "warning": "warning", "info": "info"}
@@ -72,8 +73,8 @@ class ChecksPanel:
         self,
         findings: Sequence[Finding],
         *,
-        on_select: Callable[[Finding], Any] | None = None,
-        on_goto: Callable[[Finding], Any] | None = None,
+        on_select: Callable[[Finding], object] | None = None,
+        on_goto: Callable[[Finding], object] | None = None,
     ) -> None:
         if on_select is not None and not callable(on_select):
             raise TypeError(
@@ -234,27 +235,27 @@ def detail_html(f: Finding) -> str:
     return "".join(parts)
 
 
-def _value(v: Any) -> str:
+def _value(v: object) -> str:
     if isinstance(v, float):
         return fmt_num(v, ".6g")
     text = str(v)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def build_tab(dbg: Any, ctx: TabContext) -> None:
+def build_tab(dbg: TabHost, ctx: TabContext) -> None:
     """The Checks tab: findings of the trace shown, wired to the Step and Layers tabs."""
     from ..analysis.checks import check
 
-    def on_select(finding: Any) -> None:
+    def on_select(finding: Finding) -> None:
         if finding.event is not None:
             dbg.step.goto(finding.event)
         elif finding.param is not None:
             dbg.layers.select(finding.param)
 
-    def on_goto(finding: Any) -> None:
+    def on_goto(finding: Finding) -> None:
         dbg.select_tab("Step" if finding.event is not None else "Layers")
 
-    def refresh(findings: Any) -> None:
+    def refresh(findings: Sequence[Finding]) -> None:
         worst = (
             "error"
             if any(f.severity == "error" for f in findings)
@@ -262,7 +263,7 @@ def build_tab(dbg: Any, ctx: TabContext) -> None:
         )
         dbg.set_header_extra(badge(counts_summary(findings), worst), warned=worst != "info")
 
-    def run_checks(trace: Any) -> Any:
+    def run_checks(trace: Trace) -> Findings:
         # a snapshot's checks read its optimizer state and history too (as check(snap) does)
         if ctx.snapshot is not None and trace is dbg.trace and dbg.error is None:
             try:
@@ -276,7 +277,7 @@ def build_tab(dbg: Any, ctx: TabContext) -> None:
     refresh(findings)
     dbg.add_tab("Checks", panel)
 
-    def on_retrace(d: Any) -> None:
+    def on_retrace(d: TabHost) -> None:
         fresh = run_checks(d.trace)
         panel.update(fresh)
         refresh(fresh)

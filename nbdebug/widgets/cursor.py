@@ -3,15 +3,16 @@ drives one, and tests can drive it directly."""
 
 from __future__ import annotations
 
-from ..core.events import Event
-from ..core.result import Trace
+from ..core.trace.events import Event
+from ..core.trace.result import Trace
+from ..core.vocab import Phase
 
 #: phase filter -> the event phases it keeps ("forward" is the whole forward pass:
 #: the batch, module outputs and the loss).
-PHASE_FILTERS: dict[str, tuple[str, ...]] = {
-    "all": ("input", "forward", "loss", "backward"),
-    "forward": ("input", "forward", "loss"),
-    "backward": ("backward",),
+PHASE_FILTERS: dict[str, tuple[Phase, ...]] = {
+    "all": (Phase.INPUT, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD),
+    "forward": (Phase.INPUT, Phase.FORWARD, Phase.LOSS),
+    "backward": (Phase.BACKWARD,),
 }
 
 

@@ -1,4 +1,4 @@
-"""The drift panel: a :class:`~nbdebug.analysis.drift.DriftReport` shown as a widget.
+"""The drift panel: a :class:`nbdebug.DriftReport` shown as a widget.
 
 Layout: the headline (what changed, does the model care) with the alarm and the summary,
 the exposure bars (each feature's share of the prediction shift), the feature table sorted
@@ -19,7 +19,7 @@ import ipywidgets as widgets
 from ..figures import drift as figs
 from ..figures.palette import GREEN, RED
 from .plot import PlotView
-from .tabs import FeatureTab, TabContext, as_table
+from .tabs import FeatureTab, TabContext, TabHost, as_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..analysis.drift import DriftReport
@@ -88,7 +88,7 @@ class DriftPanel:
         color = RED if r.alarm else GREEN
         badge = "DRIFT" if r.alarm else "no drift"
         rest = (
-            r.summary[len(r.headline) :].strip() if r.summary.startswith(r.headline) else r.summary
+            r.details[len(r.headline) :].strip() if r.details.startswith(r.headline) else r.details
         )
         return (
             f'<div style="line-height:1.4"><span style="background:{color};color:white;'
@@ -124,7 +124,7 @@ class DriftPanel:
         )
 
 
-def build_tab(dbg: Any, ctx: TabContext) -> None:
+def build_tab(dbg: TabHost, ctx: TabContext) -> None:
     """The Drift tab: the reference batch against the debugger's current batch."""
     if ctx.model is None or ctx.inputs is None:
         raise TypeError(

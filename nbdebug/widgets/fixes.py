@@ -16,15 +16,24 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import ipywidgets as widgets
 
 from ..analysis.diagnose import Diagnosis, diagnose
-from ..core.result import Trace
+from ..core.trace.result import Trace
 from ..figures.report import diagnosis_table
 from .style import STYLE
-from .tabs import FeatureTab, TabContext
+from .tabs import FeatureTab, TabContext, TabHost
+
+
+class TriedFix(Protocol):
+    """What ``on_try`` is told of the fix tried: a row of :attr:`Diagnosis.results`."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def describe(self) -> str: ...
 
 
 class FixesPanel:
@@ -54,7 +63,7 @@ class FixesPanel:
         self,
         diagnose: Callable[[], Diagnosis] | None = None,
         *,
-        on_try: Callable[[Trace, Any], Any] | None = None,
+        on_try: Callable[[Trace, TriedFix], object] | None = None,
         diagnosis: Diagnosis | None = None,
     ) -> None:
         if diagnose is None and diagnosis is None:
@@ -173,7 +182,7 @@ class FixesPanel:
         return f"FixesPanel({len(self.diagnosis.results)} fixes; cause {self.diagnosis.cause.kind})"
 
 
-def build_tab(dbg: Any, ctx: TabContext) -> None:
+def build_tab(dbg: TabHost, ctx: TabContext) -> None:
     """The Fixes tab: :func:`nbdebug.diagnose` of the debugger's snapshot (or model and
     batch) on request; *try* shows the step with that fix in the Step tab."""
 
@@ -182,7 +191,7 @@ def build_tab(dbg: Any, ctx: TabContext) -> None:
             return diagnose(ctx.snapshot, loss_fn=ctx.loss_fn, progress=False)
         return diagnose(ctx.model, ctx.inputs, ctx.target, ctx.loss_fn, progress=False)
 
-    def on_try(tr: Trace, row: Any) -> None:
+    def on_try(tr: Trace, row: TriedFix) -> None:
         dbg.show_trace(tr, label=f"with fix #{row.rank} applied: {row.describe()}")
         dbg.select_tab("Step")
 

@@ -15,19 +15,24 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
+import plotly.graph_objects as go
 
-from ..analysis.gradcheck_result import GradcheckResult
-from ..analysis.gradcheck_sweep import gradcheck_modules
-from ..analysis.gradcheck_verdicts import OK, SKIPPED
+from ..analysis.gradcheck.result import GradcheckResult, PairCheck
+from ..analysis.gradcheck.sweep import gradcheck_modules
+from ..analysis.gradcheck.verdicts import OK, SKIPPED
 from ..core.batch import check_inputs, check_model
 from ..figures.gradcheck import VERDICT_COLOR, gradcheck_figure
 from ..figures.palette import RED
 from .plot import PlotView
 from .style import STYLE
-from .tabs import FeatureTab, TabContext
+from .tabs import FeatureTab, TabContext, TabHost
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
 _NBSP = "\u00a0"
 _MARK = {True: "✓", False: "✗", None: "–"}
@@ -55,87 +60,24 @@ class GradcheckPanel:
         self,
         result: GradcheckResult | None = None,
         *,
-        model: Any = None,
+        model: torch.nn.Module | None = None,
         inputs: Any = None,
         rows: int = 2,
         backend: str | None = None,
         sweep_options: dict[str, Any] | None = None,
     ) -> None:
-        if result is not None and not isinstance(result, GradcheckResult):
-            raise TypeError(
-                "result must be a GradcheckResult (from nbdebug.gradcheck); got "
-                f"{type(result).__qualname__}."
-            )
-        if model is not None:
-            check_model(model)
-            if inputs is None:
-                raise ValueError(
-                    "the module sweep needs the batch too: pass inputs=... along with model=...."
-                )
-            check_inputs(inputs)
-        elif inputs is not None:
-            raise ValueError(
-                "inputs were given without a model: pass model=... as well for the module sweep."
-            )
+        _check_sources(result, model, inputs)
         self.model = model
         self.inputs = inputs
         self.rows = rows
         self.sweep_options = dict(sweep_options or {})
         self.result: GradcheckResult | None = None
-        self.sweep: Any = None  # pandas.DataFrame of the last sweep
+        self.sweep: pd.DataFrame | None = None  # the last sweep's table
         self.results: dict[str, GradcheckResult] = {}
         # called with whether the last sweep found a wrong backward (the debugger's header)
         self.on_sweep: Callable[[bool], None] | None = None
-
-        self.title = widgets.HTML()
-        self.pair_select = widgets.Dropdown(
-            options=[], description="pair", layout=widgets.Layout(width="100%", max_width="900px")
-        )
-        self.verdict = widgets.HTML()
-        self.verdict.add_class("nbdebug-gc-verdict")
-        self.view = PlotView(gradcheck_figure(None), backend=backend)
-        # hidden while there is nothing to draw (see _show_figure)
-        self.plot_box = widgets.VBox([self.view.widget], layout=widgets.Layout(display="none"))
-        self.sweep_button = widgets.Button(
-            description="check all modules",
-            icon="play",
-            disabled=model is None,
-            tooltip="gradient-check every leaf module, with the model's weights as they are "
-            "now (not as traced), on the activations of the first batch rows"
-            if model is not None
-            else "build the panel with model=... and inputs=... to check every module",
-            layout=widgets.Layout(width="auto"),
-        )
-        self.progress = widgets.IntProgress(
-            value=0, min=0, max=1, layout=widgets.Layout(width="240px")
-        )
-        self.status = widgets.HTML()
-        self.table_header = widgets.HTML(_row_text("", "module", "verdict", "max error", "seconds"))
-        self.table_header.add_class("nbdebug-gc-head")
-        self.table = widgets.Select(
-            options=[], rows=8, layout=widgets.Layout(width="100%", max_width="900px")
-        )
-        self.table.add_class("nbdebug-gc-table")
-
-        self.pair_select.observe(self._on_pair, names="value")
-        self.pair_select.observe(self._on_pairs, names="options")
-        self._on_pairs()
-        self.table.observe(self._on_row, names="value")
-        self.sweep_button.on_click(lambda _: self.run_sweep())
-
-        sweep_box = widgets.VBox(
-            [
-                widgets.HBox([self.sweep_button, self.progress, self.status]),
-                self.table_header,
-                self.table,
-            ]
-        )
-        sweep_box.layout.display = None if model is not None else "none"
-        self.sweep_note = widgets.HTML(
-            "<small>checks the model as it is now (its current weights, on the first "
-            f"{int(rows)} batch rows), not as it was when traced</small>"
-        )
-        sweep_box.children = (sweep_box.children[0], self.sweep_note, *sweep_box.children[1:])
+        self._build_result_view(backend)
+        sweep_box = self._build_sweep_box()
         # the sweep first: its button is not pushed below an empty result box
         self.widget = widgets.VBox(
             [
@@ -153,6 +95,64 @@ class GradcheckPanel:
             self.title.value = "<b>Gradcheck</b>" + (
                 ": press <i>check all modules</i>" if model is not None else ": no result yet"
             )
+
+    # ------------------------------------------------------------------ building
+
+    def _build_result_view(self, backend: str | None) -> None:
+        """The title, the pair selector, the verdict and the heatmaps of one result."""
+        self.title = widgets.HTML()
+        self.pair_select = widgets.Dropdown(
+            options=[], description="pair", layout=widgets.Layout(width="100%", max_width="900px")
+        )
+        self.verdict = widgets.HTML()
+        self.verdict.add_class("nbdebug-gc-verdict")
+        self.view = PlotView(gradcheck_figure(None), backend=backend)
+        # hidden while there is nothing to draw (see _show_figure)
+        self.plot_box = widgets.VBox([self.view.widget], layout=widgets.Layout(display="none"))
+        self.pair_select.observe(self._on_pair, names="value")
+        self.pair_select.observe(self._on_pairs, names="options")
+        self._on_pairs()
+
+    def _build_sweep_box(self) -> widgets.VBox:
+        """The "check all modules" button, its progress and the table of modules (hidden
+        without a model)."""
+        has_model = self.model is not None
+        self.sweep_button = widgets.Button(
+            description="check all modules",
+            icon="play",
+            disabled=not has_model,
+            tooltip="gradient-check every leaf module, with the model's weights as they are "
+            "now (not as traced), on the activations of the first batch rows"
+            if has_model
+            else "build the panel with model=... and inputs=... to check every module",
+            layout=widgets.Layout(width="auto"),
+        )
+        self.progress = widgets.IntProgress(
+            value=0, min=0, max=1, layout=widgets.Layout(width="240px")
+        )
+        self.status = widgets.HTML()
+        self.table_header = widgets.HTML(_row_text("", "module", "verdict", "max error", "seconds"))
+        self.table_header.add_class("nbdebug-gc-head")
+        self.table = widgets.Select(
+            options=[], rows=8, layout=widgets.Layout(width="100%", max_width="900px")
+        )
+        self.table.add_class("nbdebug-gc-table")
+        self.table.observe(self._on_row, names="value")
+        self.sweep_button.on_click(lambda _: self.run_sweep())
+        self.sweep_note = widgets.HTML(
+            "<small>checks the model as it is now (its current weights, on the first "
+            f"{int(self.rows)} batch rows), not as it was when traced</small>"
+        )
+        box = widgets.VBox(
+            [
+                widgets.HBox([self.sweep_button, self.progress, self.status]),
+                self.sweep_note,
+                self.table_header,
+                self.table,
+            ]
+        )
+        box.layout.display = None if has_model else "none"
+        return box
 
     # ------------------------------------------------------------------ showing a result
 
@@ -185,7 +185,7 @@ class GradcheckPanel:
         self.pair_select.value = index
 
     @property
-    def pair(self) -> Any:
+    def pair(self) -> PairCheck | None:
         """The pair on screen (a :class:`~nbdebug.analysis.gradcheck.PairCheck`) or None."""
         if self.result is None or self.pair_select.value is None:
             return None
@@ -194,7 +194,7 @@ class GradcheckPanel:
     def _on_pair(self, change: dict[str, Any]) -> None:
         self._draw()
 
-    def _on_pairs(self, change: Any = None) -> None:
+    def _on_pairs(self, change: object = None) -> None:
         # no pair to pick: no empty selector; one: shown (it names the pair), not a choice
         n = len(self.pair_select.options)
         with self.pair_select.hold_sync():
@@ -221,7 +221,7 @@ class GradcheckPanel:
             lines.append(f"<li>{html.escape(self.result.second_order_error)}</li>")
         self.verdict.value = lines[0] + (f"<ul>{''.join(lines[1:])}</ul>" if len(lines) > 1 else "")
 
-    def _show_figure(self, fig: Any) -> None:
+    def _show_figure(self, fig: go.Figure) -> None:
         # nothing to draw (no result, or no pair with a heatmap): no large empty box
         empty = len(fig.data) == 0
         shown_before = self.plot_box.layout.display != "none"
@@ -230,7 +230,7 @@ class GradcheckPanel:
         if not empty and not shown_before:
             self.view.fit()  # drawn while hidden: sized to its place now
 
-    def _update_figure(self, fig: Any) -> None:
+    def _update_figure(self, fig: go.Figure) -> None:
         current = self.view.figure
         same = len(current.data) == len(fig.data) and all(
             a.type == b.type and a.name == b.name for a, b in zip(current.data, fig.data)
@@ -245,7 +245,7 @@ class GradcheckPanel:
 
     # ------------------------------------------------------------------ module sweep
 
-    def run_sweep(self) -> Any:
+    def run_sweep(self) -> pd.DataFrame | None:
         """Check every module (the "check all modules" button); fills the table and returns
         the DataFrame of :func:`gradcheck_modules`."""
         if self.model is None:
@@ -349,6 +349,28 @@ class GradcheckPanel:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
+def _check_sources(
+    result: GradcheckResult | None, model: torch.nn.Module | None, inputs: object
+) -> None:
+    """Refuse a result that is not one, and a model without its batch (or the reverse)."""
+    if result is not None and not isinstance(result, GradcheckResult):
+        raise TypeError(
+            "result must be a GradcheckResult (from nbdebug.gradcheck); got "
+            f"{type(result).__qualname__}."
+        )
+    if model is not None:
+        check_model(model)
+        if inputs is None:
+            raise ValueError(
+                "the module sweep needs the batch too: pass inputs=... along with model=...."
+            )
+        check_inputs(inputs)
+    elif inputs is not None:
+        raise ValueError(
+            "inputs were given without a model: pass model=... as well for the module sweep."
+        )
+
+
 def _badge(verdict: str) -> str:
     color = VERDICT_COLOR.get(verdict, VERDICT_COLOR[SKIPPED])
     return f"<span class='nbdebug-badge' style='background:{color}'>{html.escape(verdict)}</span>"
@@ -359,7 +381,7 @@ def _row_text(mark: str, module: str, verdict: str, err: str, seconds: str) -> s
     return text.replace(" ", _NBSP)
 
 
-def build_tab(dbg: Any, ctx: TabContext) -> None:
+def build_tab(dbg: TabHost, ctx: TabContext) -> None:
     """The Gradcheck tab: the module sweep of the debugger's model and batch, on request."""
     panel = GradcheckPanel(model=ctx.model, inputs=ctx.inputs, backend=ctx.backend)
     # a wrong backward found: the header's badge is then not a green "healthy"

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 
 from ..figures.history import history_figure
 from .plot import PlotView
 
+if TYPE_CHECKING:
+    import pandas as pd
 
-def history_table_html(rows: Any) -> str:
+
+def history_table_html(rows: pd.DataFrame) -> str:
     """The last history rows as an HTML table: ``time`` as a clock time (UTC), values not
     measured at a step (the parameter norm every few steps, no GradScaler) as "–", and
     columns measured at none of these steps left out."""
@@ -40,7 +43,7 @@ class HistoryPanel:
 
     def __init__(
         self,
-        history: Any,
+        history: pd.DataFrame,
         *,
         failing_step: int | None = None,
         reason: str | None = None,

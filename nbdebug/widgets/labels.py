@@ -1,7 +1,7 @@
 """The label-review widget: :class:`LabelCleaner`.
 
 Wiring only: the queue, the decisions and the journal live in
-:class:`~nbdebug.analysis.review.LabelReview`; the numbers come from
+:class:`nbdebug.LabelReview`; the numbers come from
 :func:`nbdebug.find_label_issues`; the figures from :mod:`nbdebug.figures.labels` through
 :class:`~nbdebug.widgets.plot.PlotView`.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import html
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,81 +19,50 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from numpy.typing import ArrayLike
+from plotly.callbacks import Points
 
-from ..analysis.review import LabelReview
-from ..core.text import count_text, fmt_num
+from ..analysis.labels import LabelReview
+from ..core.options import options_from
+from ..core.text import fmt_num
 from ..figures import labels as figs
-from ..figures.palette import BLUE, GREEN, MUTED_TEXT, RED
+from ..figures.palette import GREEN, RED
+from .label_samples import (
+    KEYS,
+    Render,
+    SampleKind,
+    Samples,
+    check_samples,
+    key_widget,
+    sample_kind,
+    table_html,
+)
 from .output import object_output, show_outputs
 from .plot import PlotView, figure_output
-from .tabs import FeatureTab, TabContext, as_table
-
-KEYS = {"k": "keep", "r": "relabel", "x": "exclude", "s": "skip", "u": "undo"}
-
-_KEYS_ESM = """
-function render({ model, el }) {
-  const box = document.createElement("div");
-  box.tabIndex = 0;
-  // the front end's own shortcuts (Notebook 7's command-mode k, j, x...) skip this element
-  box.setAttribute("data-lm-suppress-shortcuts", "true");
-  box.textContent = "\u2328 click here, then press k keep \u00b7 r relabel to suggestion"
-    + " \u00b7 x exclude \u00b7 s skip \u00b7 u undo";
-  box.style.cssText = "padding:4px 8px;border:1px dashed #999;border-radius:4px;font-size:12px;"
-    + "color:@MUTED@;cursor:pointer;outline:none";
-  box.addEventListener("focus", () => {
-    box.style.borderColor = "@ACCENT@"; box.style.color = "@ACCENT@";
-  });
-  box.addEventListener("blur", () => {
-    box.style.borderColor = "#999"; box.style.color = "@MUTED@";
-  });
-  box.addEventListener("keydown", (e) => {
-    if (["k", "r", "x", "s", "u"].includes(e.key)) {
-      e.preventDefault(); model.send({ key: e.key });
-    }
-  });
-  el.appendChild(box);
-}
-export default { render };
-""".replace("@ACCENT@", BLUE).replace("@MUTED@", MUTED_TEXT)
+from .tabs import FeatureTab, TabContext, TabHost, as_table
 
 
-def _key_widget() -> Any:
-    """A focusable strip that sends key presses to Python (anywidget); None without
-    anywidget. Made on demand (:meth:`LabelCleaner.enable_keys`), not with the panel:
-    anywidget gives up on a model whose module is not loaded within 2 s, which a front end
-    busy drawing a whole debugger can miss, and the shortcuts were then dead."""
-    try:
-        import anywidget
-    except ImportError:  # pragma: no cover - anywidget is a dependency
-        return None
+@dataclass(frozen=True)
+class CleanerOptions:
+    """The rarer keyword-only options of :class:`LabelCleaner` (given by name).
 
-    class KeyCapture(anywidget.AnyWidget):
-        _esm = _KEYS_ESM
+    Attributes
+    ----------
+    render : callable, optional
+        ``render(sample, index)``; replaces the built-in rendering.
+    image_shape : tuple of int, optional
+        Reshape each flat sample to this image shape.
+    force : bool
+        Allow relabeling and excluding samples of a test split.
+    """
 
-    return KeyCapture()
+    render: Render | None = None
+    image_shape: Sequence[int] | None = None
+    force: bool = False
 
 
-def _sample_kind(data: Any, image_shape: Sequence[int] | None, render: Any) -> str:
-    if render is not None:
-        return "custom"
-    if isinstance(data, pd.DataFrame):
-        return "table"
-    if hasattr(data, "detach") or isinstance(data, np.ndarray):
-        arr = data
-        if (
-            arr.dtype == object
-            or str(arr.dtype).startswith("<U")
-            or str(arr.dtype).startswith("<S")
-        ):
-            return "text"
-        if image_shape is not None or arr.ndim >= 3:
-            return "image"
-        if arr.ndim == 2 and figs.as_image(arr[0]) is not None:
-            return "image"
-        return "table"
-    if len(data) and isinstance(data[0], str):
-        return "text"
-    return "repr"
+#: the keyword arguments of :class:`LabelCleaner`'s signature (its options: CleanerOptions)
+CLEANER_KEYWORDS = ("class_names", "journal", "is_test", "backend")
 
 
 class LabelCleaner:
@@ -109,20 +79,24 @@ class LabelCleaner:
     issues : pandas.DataFrame
         :func:`nbdebug.find_label_issues` for these labels; its flagged rows are the queue.
     class_names : sequence of str, optional
-    render : callable, optional
-        ``render(sample, index)`` returning an ipywidget, a plotly figure, an HTML string
-        or anything IPython can display; replaces the built-in rendering.
     journal : str or Path
         The JSONL journal: every decision is appended and fsync'ed at once (a new file is
         written with the first decision); reopening the same file with the same data
         resumes; a journal of other data is refused.
     is_test : bool
         A test split: relabeling and excluding are refused unless ``force=True``.
-    force : bool
-    image_shape : tuple of int, optional
-        Reshape each flat sample to this image shape.
     backend : {"auto", "figurewidget", "output"}, optional
         How figures are drawn (see :mod:`nbdebug.widgets.plot`).
+    render : callable, optional
+        ``render(sample, index)`` returning an ipywidget, a plotly figure, an HTML string
+        or anything IPython can display; replaces the built-in rendering.
+    force : bool
+        With ``is_test=True``: relabel and exclude all the same.
+    image_shape : tuple of int, optional
+        Reshape each flat sample to this image shape.
+
+    ``render``, ``force`` and ``image_shape`` are keyword-only options
+    (:class:`CleanerOptions`); another name raises ``TypeError``.
 
     Attributes
     ----------
@@ -133,29 +107,20 @@ class LabelCleaner:
 
     def __init__(
         self,
-        data: Any,
-        labels: Any,
-        issues: Any,
+        data: Samples,
+        labels: ArrayLike,
+        issues: pd.DataFrame,
         *,
-        class_names: Sequence[Any] | None = None,
-        render: Callable[[Any, int], Any] | None = None,
+        class_names: Sequence[object] | None = None,
         journal: str | os.PathLike[str] = "labels.journal.jsonl",
         is_test: bool = False,
-        force: bool = False,
-        image_shape: Sequence[int] | None = None,
         backend: str | None = None,
+        **options: Any,
     ):
-        if data is None or not hasattr(data, "__len__"):
-            raise TypeError(
-                "data must hold the samples (array, tensor, DataFrame or list); got "
-                f"{type(data).__qualname__}."
-            )
-        if render is not None and not callable(render):
-            raise TypeError(
-                f"render must be a callable render(sample, index); got {type(render).__qualname__}."
-            )
+        opts = options_from(CleanerOptions, options, where="LabelCleaner()", also=CLEANER_KEYWORDS)
+        check_samples(data, opts.render)
         self.review = LabelReview(
-            labels, issues, data=data, journal=journal, is_test=is_test, force=force
+            labels, issues, data=data, journal=journal, is_test=is_test, force=opts.force
         )
         if len(data) != len(self.review.labels):
             raise ValueError(
@@ -163,121 +128,32 @@ class LabelCleaner:
                 "expected one sample per label."
             )
         self.data = data
-        self.render = render
-        self.image_shape = None if image_shape is None else tuple(int(s) for s in image_shape)
-        self.kind = _sample_kind(data, self.image_shape, render)
-        k = self.review.n_classes
-        self.names = figs.class_labels(k, class_names)
+        self.render = opts.render
+        shape = opts.image_shape
+        self.image_shape = None if shape is None else tuple(int(s) for s in shape)
+        self.kind = sample_kind(data, self.image_shape, opts.render)
+        self.names = figs.class_labels(self.review.n_classes, class_names)
         self._item: int | None = None
-
-        # ---- widgets
         self.status = widgets.HTML()
         self.info = widgets.HTML(layout=widgets.Layout(min_width="280px"))
         self.message = widgets.HTML()
-        self.sample_out = widgets.Output(layout=widgets.Layout(min_width="280px"))
-        self.sample_html = widgets.HTML()
-        self.image: PlotView | None = None
-        if self.kind == "image":
-            self.image = PlotView(figs.sample_image_figure(np.zeros((8, 8))), backend=backend)
-        sample_box = (
-            self.image.widget
-            if self.image is not None
-            else (self.sample_out if self.kind == "custom" else self.sample_html)
-        )
-
-        btn = widgets.Layout(width="auto")
-        self.keep_button = widgets.Button(
-            description="Keep (k)", button_style="success", layout=btn
-        )
-        self.relabel_button = widgets.Button(
-            description="Relabel to suggestion (r)", button_style="warning", layout=btn
-        )
-        self.relabel_to = widgets.Dropdown(
-            options=[(n, i) for i, n in enumerate(self.names)],
-            value=0,
-            layout=widgets.Layout(width="140px"),
-        )
-        self.relabel_to_button = widgets.Button(description="Relabel to", layout=btn)
-        self.exclude_button = widgets.Button(
-            description="Exclude (x)", button_style="danger", layout=btn
-        )
-        self.skip_button = widgets.Button(description="Skip (s)", layout=btn)
-        self.undo_button = widgets.Button(description="Undo (u)", icon="undo", layout=btn)
-        self.keep_button.on_click(lambda _: self._act("keep"))
-        self.relabel_button.on_click(lambda _: self._act("relabel"))
-        self.relabel_to_button.on_click(lambda _: self._act("relabel_to"))
-        self.exclude_button.on_click(lambda _: self._act("exclude"))
-        self.skip_button.on_click(lambda _: self._act("skip"))
-        self.undo_button.on_click(lambda _: self._act("undo"))
-        # the key strip is made when asked for (see _key_widget), in keys_box
-        self.keys: Any = None
-        self.keys_button = widgets.Button(
-            description="Keyboard shortcuts", icon="keyboard-o", layout=btn
-        )
-        self.keys_button.on_click(lambda _: self.enable_keys())
-        self.keys_box = widgets.HBox([self.keys_button])
-
-        self.threshold = widgets.BoundedFloatText(
-            value=0.95,
-            min=0.0,
-            max=1.0,
-            step=0.01,
-            description="p(suggested) ≥",
-            layout=widgets.Layout(width="200px"),
-            style={"description_width": "initial"},
-        )
-        self.bulk_button = widgets.Button(button_style="warning", layout=btn)
-        self.threshold.observe(lambda _: self._refresh_bulk(), names="value")
-        self.bulk_button.on_click(lambda _: self._act("bulk"))
-
-        any_opt = [("any", -1)]
-        self.filter_given = widgets.Dropdown(
-            options=any_opt + [(n, i) for i, n in enumerate(self.names)],
-            value=-1,
-            description="given",
-            layout=widgets.Layout(width="190px"),
-        )
-        self.filter_suggested = widgets.Dropdown(
-            options=any_opt + [(n, i) for i, n in enumerate(self.names)],
-            value=-1,
-            description="suggested",
-            layout=widgets.Layout(width="210px"),
-        )
-        self.clear_filter = widgets.Button(description="All pairs", layout=btn)
-        self.filter_given.observe(self._on_filter, names="value")
-        self.filter_suggested.observe(self._on_filter, names="value")
-        self.clear_filter.on_click(lambda _: self.set_filter(None, None))
-
+        sample_box = self._build_sample_view(backend)
+        actions = self._build_actions()
+        bulk = self._build_bulk()
+        filters = self._build_filters()
         self.heatmap = PlotView(
             figs.confident_joint_figure(issues, class_names=class_names), backend=backend
         )
         if self.heatmap.backend == "figurewidget":
             self.heatmap.figure.data[0].on_click(self._on_cell_click)
-
-        actions = [
-            self.keep_button,
-            self.relabel_button,
-            self.relabel_to,
-            self.relabel_to_button,
-            self.exclude_button,
-            self.skip_button,
-            self.undo_button,
-        ]
         self.widget = widgets.VBox(
             [
                 self.status,
                 widgets.HBox([sample_box, self.info]),
-                widgets.HBox(actions, layout=widgets.Layout(flex_flow="row wrap")),
+                actions,
                 self.keys_box,
-                widgets.HBox([widgets.HTML("<b>Bulk</b>&nbsp;"), self.threshold, self.bulk_button]),
-                widgets.HBox(
-                    [
-                        widgets.HTML("<b>Filter</b>&nbsp;"),
-                        self.filter_given,
-                        self.filter_suggested,
-                        self.clear_filter,
-                    ]
-                ),
+                bulk,
+                filters,
                 self.message,
                 widgets.HTML(
                     "<small>Click a cell of the heatmap (or use the filter above) to review one "
@@ -287,15 +163,113 @@ class LabelCleaner:
             ]
         )
         if not self.review.can_relabel:
-            for b in (
-                self.relabel_button,
-                self.relabel_to_button,
-                self.exclude_button,
-                self.bulk_button,
-            ):
-                b.disabled = True
-                b.tooltip = "is_test=True: pass force=True to relabel or exclude test samples"
+            self._disable_changes()
         self._show()
+
+    # ---- building ------------------------------------------------------------------
+    def _build_sample_view(self, backend: str | None) -> widgets.Widget:
+        """The place the current sample is drawn: a picture, a custom rendering or HTML."""
+        self.sample_out = widgets.Output(layout=widgets.Layout(min_width="280px"))
+        self.sample_html = widgets.HTML()
+        self.image: PlotView | None = None
+        if self.kind == SampleKind.IMAGE:
+            self.image = PlotView(figs.sample_image_figure(np.zeros((8, 8))), backend=backend)
+            return self.image.widget
+        return self.sample_out if self.kind == SampleKind.CUSTOM else self.sample_html
+
+    def _build_actions(self) -> widgets.HBox:
+        """The decision buttons (and the keyboard shortcuts' button, in ``keys_box``)."""
+        btn = widgets.Layout(width="auto")
+
+        def button(action: str, description: str, **style: str) -> widgets.Button:
+            b = widgets.Button(description=description, layout=btn, **style)
+            b.on_click(lambda _: self._act(action))
+            return b
+
+        self.keep_button = button("keep", "Keep (k)", button_style="success")
+        self.relabel_button = button("relabel", "Relabel to suggestion (r)", button_style="warning")
+        self.relabel_to = widgets.Dropdown(
+            options=[(n, i) for i, n in enumerate(self.names)],
+            value=0,
+            layout=widgets.Layout(width="140px"),
+        )
+        self.relabel_to_button = button("relabel_to", "Relabel to")
+        self.exclude_button = button("exclude", "Exclude (x)", button_style="danger")
+        self.skip_button = button("skip", "Skip (s)")
+        self.undo_button = button("undo", "Undo (u)", icon="undo")
+        # the key strip is made when asked for (see _key_widget), in keys_box
+        self.keys: widgets.DOMWidget | None = None
+        self.keys_button = widgets.Button(
+            description="Keyboard shortcuts", icon="keyboard-o", layout=btn
+        )
+        self.keys_button.on_click(lambda _: self.enable_keys())
+        self.keys_box = widgets.HBox([self.keys_button])
+        row = [
+            self.keep_button,
+            self.relabel_button,
+            self.relabel_to,
+            self.relabel_to_button,
+            self.exclude_button,
+            self.skip_button,
+            self.undo_button,
+        ]
+        return widgets.HBox(row, layout=widgets.Layout(flex_flow="row wrap"))
+
+    def _build_bulk(self) -> widgets.HBox:
+        """Accept every suggestion above a probability."""
+        self.threshold = widgets.BoundedFloatText(
+            value=0.95,
+            min=0.0,
+            max=1.0,
+            step=0.01,
+            description="p(suggested) ≥",
+            layout=widgets.Layout(width="200px"),
+            style={"description_width": "initial"},
+        )
+        self.bulk_button = widgets.Button(
+            button_style="warning", layout=widgets.Layout(width="auto")
+        )
+        self.threshold.observe(lambda _: self._refresh_bulk(), names="value")
+        self.bulk_button.on_click(lambda _: self._act("bulk"))
+        return widgets.HBox([widgets.HTML("<b>Bulk</b>&nbsp;"), self.threshold, self.bulk_button])
+
+    def _build_filters(self) -> widgets.HBox:
+        """Review one given/suggested pair."""
+        options = [("any", -1)] + [(n, i) for i, n in enumerate(self.names)]
+        self.filter_given = widgets.Dropdown(
+            options=options, value=-1, description="given", layout=widgets.Layout(width="190px")
+        )
+        self.filter_suggested = widgets.Dropdown(
+            options=options,
+            value=-1,
+            description="suggested",
+            layout=widgets.Layout(width="210px"),
+        )
+        self.clear_filter = widgets.Button(
+            description="All pairs", layout=widgets.Layout(width="auto")
+        )
+        self.filter_given.observe(self._on_filter, names="value")
+        self.filter_suggested.observe(self._on_filter, names="value")
+        self.clear_filter.on_click(lambda _: self.set_filter(None, None))
+        return widgets.HBox(
+            [
+                widgets.HTML("<b>Filter</b>&nbsp;"),
+                self.filter_given,
+                self.filter_suggested,
+                self.clear_filter,
+            ]
+        )
+
+    def _disable_changes(self) -> None:
+        """A test split without ``force=True``: relabeling and excluding are refused."""
+        for b in (
+            self.relabel_button,
+            self.relabel_to_button,
+            self.exclude_button,
+            self.bulk_button,
+        ):
+            b.disabled = True
+            b.tooltip = "is_test=True: pass force=True to relabel or exclude test samples"
 
     # ---- results as data -----------------------------------------------------------
     @property
@@ -336,13 +310,13 @@ class LabelCleaner:
     # ---- events --------------------------------------------------------------------
     _syncing = False
 
-    def _on_filter(self, _change: Any) -> None:
+    def _on_filter(self, _change: object) -> None:
         if self._syncing:
             return
         g, s = self.filter_given.value, self.filter_suggested.value
         self.set_filter(None if g < 0 else g, None if s < 0 else s)
 
-    def _on_cell_click(self, trace: Any, points: Any, state: Any) -> None:
+    def _on_cell_click(self, trace: object, points: Points, state: object) -> None:
         if not points.point_inds:
             return
         self.set_filter(int(points.ys[0]), int(points.xs[0]))
@@ -352,14 +326,14 @@ class LabelCleaner:
         suggestion, x exclude, s skip, u undo) in place of its button; once."""
         if self.keys is not None:
             return
-        self.keys = _key_widget()
+        self.keys = key_widget()
         if self.keys is None:  # pragma: no cover - anywidget is a dependency
             self.message.value = "keyboard shortcuts need the anywidget package"
             return
         self.keys.on_msg(self._on_key)
         self.keys_box.children = (self.keys,)
 
-    def _on_key(self, _widget: Any, content: Any, _buffers: Any) -> None:
+    def _on_key(self, _widget: object, content: object, _buffers: object) -> None:
         action = KEYS.get(content.get("key", "") if isinstance(content, dict) else "")
         if action is not None:
             self._act(action)
@@ -417,17 +391,17 @@ class LabelCleaner:
 
     def _draw_sample(self, item: int | None) -> None:
         if item is None:
-            if self.kind == "custom":
+            if self.kind == SampleKind.CUSTOM:
                 show_outputs(self.sample_out)
             elif self.image is None:
                 self.sample_html.value = "<i>done</i>"
             return
         s = self._sample(item)
-        if self.kind == "image":
+        if self.kind == SampleKind.IMAGE:
             assert self.image is not None
             img = figs.as_image(s, self.image_shape)
             self.image.replace(figs.sample_image_figure(img, title=f"sample {item}"))
-        elif self.kind == "custom":
+        elif self.kind == SampleKind.CUSTOM:
             assert self.render is not None
             out = self.render(s, item)
             if isinstance(out, str):
@@ -436,9 +410,9 @@ class LabelCleaner:
                 out = HTML(out)
             shown = figure_output(out) if isinstance(out, go.Figure) else object_output(out)
             show_outputs(self.sample_out, shown)
-        elif self.kind == "table":
-            self.sample_html.value = _table_html(s)
-        elif self.kind == "text":
+        elif self.kind == SampleKind.TABLE:
+            self.sample_html.value = table_html(s)
+        elif self.kind == SampleKind.TEXT:
             self.sample_html.value = (
                 '<div style="white-space:pre-wrap;max-width:480px;max-height:240px;overflow:auto;'
                 f'border:1px solid #ddd;padding:6px">{html.escape(str(s))}</div>'
@@ -529,43 +503,7 @@ class LabelCleaner:
         )
 
 
-def _table_html(sample: Any, per_column: int = 12, most: int = 96) -> str:
-    """A sample's features as a compact table: name/value pairs in columns of
-    ``per_column`` rows, side by side (30 features read as 3 short columns, not one tall
-    one), at most ``most`` of them, then how many more."""
-    if isinstance(sample, pd.Series):
-        items = list(sample.items())
-    else:
-        arr = np.asarray(sample.detach().cpu() if hasattr(sample, "detach") else sample).ravel()
-        items = [(f"x[{i}]", v) for i, v in enumerate(arr)]
-    shown = items[:most]
-    columns = [shown[i : i + per_column] for i in range(0, len(shown), per_column)] or [[]]
-    pad = "padding:0 6px 0 12px"
-
-    def cells(r: int) -> str:
-        out = []
-        for col in columns:
-            if r < len(col):
-                k, v = col[r]
-                out.append(
-                    f"<td style='{pad};color:{MUTED_TEXT}'>{html.escape(str(k))}</td>"
-                    f"<td>{html.escape(fmt_num(v))}</td>"
-                )
-            else:
-                out.append("<td></td><td></td>")
-        return "<tr>" + "".join(out) + "</tr>"
-
-    rows = "".join(cells(r) for r in range(len(columns[0])))
-    more = (
-        f"<tr><td colspan={2 * len(columns)} style='{pad}'>"
-        f"<i>… {count_text(len(items) - most, 'more feature')}</i></td></tr>"
-        if len(items) > most
-        else ""
-    )
-    return f'<table style="font-size:12px;border:1px solid #ddd">{rows}{more}</table>'
-
-
-def build_tab(dbg: Any, ctx: TabContext) -> None:
+def build_tab(dbg: TabHost, ctx: TabContext) -> None:
     """The Labels tab: the label cleaner over the debugger's samples."""
     if ctx.labels is None or ctx.pred_probs is None or ctx.inputs is None:
         raise TypeError(

@@ -8,8 +8,8 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.checks_grad import ratio_verdict
-from ..core.result import PARAMS_COLUMNS, Trace
+from ..analysis.checks.grad import ratio_verdict
+from ..core.trace.result import PARAMS_COLUMNS, Trace
 from ..figures.layers import EXPLODING, VANISHING, ratio_figure
 from .plot import PlotView
 from .style import STYLE

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ipywidgets as widgets
 
@@ -25,10 +25,31 @@ TABLE_COLUMNS = (
 )
 
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+
+class RankView(Protocol):
+    """One rank's debugger, as the rank selector uses it."""
+
+    @property
+    def widget(self) -> widgets.Widget: ...
+
+    def set_header_extra(self, html_text: str, *, warned: bool = False) -> None: ...
+    def close(self) -> None: ...
+
+
 def ranks_table_html(report: RanksReport) -> str:
     """The header's table: :meth:`RanksReport.to_frame` with :data:`TABLE_COLUMNS`."""
     df = report.to_frame()[list(TABLE_COLUMNS)]
     return df.to_html(index=False, na_rep="-", border=0, classes="nbdebug-ranks")
+
+
+def ranks_report_html(report: RanksReport) -> str:
+    """The report's summary in bold above :func:`ranks_table_html`."""
+    return f"<div><b>{html.escape(report.summary())}</b>{ranks_table_html(report)}</div>"
 
 
 class RanksDebugger:
@@ -56,23 +77,21 @@ class RanksDebugger:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        open_snapshot: Callable[[Any], Any],
+        open_snapshot: Callable[[Path], RankView],
         *,
-        model: Any = None,
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
         loss_fn: Callable[..., Any] | None = None,
         step: int | None = None,
     ):
         self.report = compare_ranks(directory, model=model, loss_fn=loss_fn, step=step)
         self._open = open_snapshot
-        self._debuggers: dict[int, Any] = {}
+        self._debuggers: dict[int, RankView] = {}
         rows = self.report.rows
         first = next(  # the culprit whose replay shows the origin, else the first culprit
             (r.rank for r in rows if r.culprit and r.origin_phase is not None),
             next((r.rank for r in rows if r.culprit), rows[0].rank),
         )
-        self.table_html = (
-            f"<div><b>{html.escape(self.report.summary)}</b>{ranks_table_html(self.report)}</div>"
-        )
+        self.table_html = ranks_report_html(self.report)
         self.selector = widgets.ToggleButtons(
             options=[(f"rank {r.rank}{' *' if r.culprit else ''}", r.rank) for r in rows],
             value=first,
@@ -88,7 +107,7 @@ class RanksDebugger:
         return int(self.selector.value)
 
     @property
-    def debugger(self) -> Any:
+    def debugger(self) -> RankView:
         return self._debuggers[self.rank]
 
     def select(self, rank: int) -> None:
@@ -121,7 +140,7 @@ class RanksDebugger:
         display(self.widget)
 
     def __repr__(self) -> str:
-        return f"RanksDebugger({self.report.summary}; showing rank {self.rank})"
+        return f"RanksDebugger({self.report.summary()}; showing rank {self.rank})"
 
 
-__all__ = ["RanksDebugger", "ranks_table_html"]
+__all__ = ["RanksDebugger", "ranks_report_html", "ranks_table_html"]

@@ -16,16 +16,17 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from ..core.events import Event
-from ..core.result import Trace
 from ..core.text import fmt_num, row_numbers
+from ..core.trace.events import Event
+from ..core.trace.result import Trace
+from ..core.vocab import Phase
 from ..figures.histogram import histogram_bins, histogram_figure, histogram_title
 from ..figures.norms import norm_figure, norm_points
 from .cursor import PHASE_FILTERS, Cursor
 from .plot import PlotView
 from .style import STYLE
 
-_PHASE_MARK = {"input": "in ", "forward": "fwd", "loss": "los", "backward": "bwd"}
+_PHASE_MARK = {Phase.INPUT: "in ", Phase.FORWARD: "fwd", Phase.LOSS: "los", Phase.BACKWARD: "bwd"}
 _NBSP = "\u00a0"
 
 
@@ -33,11 +34,11 @@ def event_label(ev: Event, category: str, *, origin: int | None = None) -> str:
     """One line of the event list: index, a mark (``*`` origin, ``!`` non-finite), phase,
     the module (its norm-plot ``category``) indented by its depth, and the tensor."""
     mark = "*" if ev.index == origin else ("!" if not ev.stats.finite else _NBSP)
-    if ev.phase == "input":
+    if ev.phase == Phase.INPUT:
         what = f"[input {ev.name}]"
-    elif ev.phase == "loss":
+    elif ev.phase == Phase.LOSS:
         what = "[loss]"
-    elif ev.phase == "backward":
+    elif ev.phase == Phase.BACKWARD:
         what = f"{category} grad {ev.name}"
     else:
         what = f"{category} {ev.name}"
@@ -139,6 +140,25 @@ class StepPanel:
             event_label(ev, self._points.x[ev.index], origin=origin) for ev in trace.events
         ]
         self._syncing = False
+        self.buttons = self._build_buttons()
+        self._build_controls()
+        ev0 = self.cursor.event
+        self.histogram = PlotView(
+            histogram_figure(ev0) if ev0 is not None else go.Figure(), backend=backend
+        )
+        self.norms = PlotView(norm_figure(trace, current=ev0, points=self._points), backend=backend)
+        self.slider.observe(self._on_slider, names="value")
+        self.events.observe(self._on_select, names="value")
+        self.phase.observe(self._on_filter, names="value")
+        self.module_filter.observe(self._on_filter, names="value")
+        self._fill_list()
+        self._show()
+        self.widget = self._layout()
+
+    # ---- building ----------------------------------------------------------------------
+    def _build_buttons(self) -> dict[str, widgets.Button]:
+        """The moves: first, prev, next, last, jump to origin, next non-finite."""
+        trace = self.trace
 
         def button(key: str, description: str, tooltip: str, icon: str = "") -> widgets.Button:
             b = widgets.Button(
@@ -150,7 +170,7 @@ class StepPanel:
             b.on_click(lambda _b: self._move(key))
             return b
 
-        self.buttons = {
+        buttons = {
             "first": button("first", "first", "first event", "fast-backward"),
             "prev": button("prev", "prev", "previous event", "step-backward"),
             "next": button("next", "next", "next event", "step-forward"),
@@ -162,10 +182,14 @@ class StepPanel:
                 "nonfinite", "next non-finite", "next event holding NaN/Inf", "exclamation-triangle"
             ),
         }
-        self.buttons["origin"].button_style = "danger" if origin is not None else ""
-        self.buttons["origin"].disabled = trace.origin is None and trace.first_nonfinite is None
+        buttons["origin"].button_style = "danger" if trace.origin is not None else ""
+        buttons["origin"].disabled = trace.origin is None and trace.first_nonfinite is None
         # a healthy trace has no non-finite event to go to
-        self.buttons["nonfinite"].disabled = not any(not ev.stats.finite for ev in trace.events)
+        buttons["nonfinite"].disabled = not any(not ev.stats.finite for ev in trace.events)
+        return buttons
+
+    def _build_controls(self) -> None:
+        """The slider, the filters, the event list and the detail pane."""
         self.slider = widgets.IntSlider(
             min=0,
             max=0,
@@ -195,19 +219,8 @@ class StepPanel:
         self.events.add_class("nbdebug-events")
         self.detail = widgets.HTML(layout=widgets.Layout(width="100%"))
         self.detail.add_class("nbdebug-detail")
-        ev0 = self.cursor.event
-        self.histogram = PlotView(
-            histogram_figure(ev0) if ev0 is not None else go.Figure(), backend=backend
-        )
-        self.norms = PlotView(norm_figure(trace, current=ev0, points=self._points), backend=backend)
 
-        self.slider.observe(self._on_slider, names="value")
-        self.events.observe(self._on_select, names="value")
-        self.phase.observe(self._on_filter, names="value")
-        self.module_filter.observe(self._on_filter, names="value")
-
-        self._fill_list()
-        self._show()
+    def _layout(self) -> widgets.VBox:
         toolbar = widgets.HBox(
             list(self.buttons.values()), layout=widgets.Layout(flex_flow="row wrap")
         )
@@ -217,7 +230,7 @@ class StepPanel:
         right = widgets.VBox(
             [self.detail, self.histogram.widget], layout=widgets.Layout(width="56%")
         )
-        self.widget = widgets.VBox(
+        return widgets.VBox(
             [
                 widgets.HTML(STYLE),
                 toolbar,
@@ -247,7 +260,7 @@ class StepPanel:
         """Show ``trace.events[index]`` (clearing filters that hide it), e.g. from a finding."""
         self._jump(lambda: self.cursor.goto(index))
 
-    def _jump(self, move: Callable[[], Any]) -> None:
+    def _jump(self, move: Callable[[], object]) -> None:
         c = self.cursor
         before = (c.phase, c.module)
         move()

@@ -17,24 +17,95 @@ import importlib
 import os
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import ipywidgets as widgets
+    import torch
+
+    from ..core.snapshot import Snapshot
+    from ..core.trace.result import Trace
+    from .layers import LayersPanel
+    from .step import StepPanel
+
+
+@dataclass(frozen=True)
+class DebugOptions:
+    """The feature tabs' options of :func:`nbdebug.debug` (keyword-only, by name).
+
+    Attributes
+    ----------
+    reference : array, DataFrame or tensor, optional
+        A reference batch: adds the Drift tab.
+    labels, pred_probs : array-like, optional
+        Given labels and out-of-fold class probabilities: add the Labels tab.
+    journal : str or os.PathLike
+        The Labels tab's decision journal.
+    """
+
+    reference: Any = None
+    labels: Any = None
+    pred_probs: Any = None
+    journal: str | os.PathLike[str] = "labels.journal.jsonl"
 
 
 @dataclass(frozen=True)
 class TabContext:
     """What the debugger was opened with, for the feature tabs to pick from."""
 
-    model: Any = None
-    inputs: Any = None
+    model: torch.nn.Module | None = None
+    inputs: Any = None  # the batch: a tensor, a tuple/list or a dict
     target: Any = None
-    loss_fn: Any = None
-    snapshot: Any = None  # the Snapshot the debugger replays, if any
-    reference: Any = None
-    labels: Any = None
-    pred_probs: Any = None
-    journal: str | os.PathLike[str] = "labels.journal.jsonl"
+    loss_fn: Callable[..., Any] | None = None
+    snapshot: Snapshot | None = None  # the Snapshot the debugger replays, if any
+    options: DebugOptions = field(default_factory=DebugOptions)
     backend: str | None = None
+
+    @property
+    def reference(self) -> Any:
+        return self.options.reference
+
+    @property
+    def labels(self) -> Any:
+        return self.options.labels
+
+    @property
+    def pred_probs(self) -> Any:
+        return self.options.pred_probs
+
+    @property
+    def journal(self) -> str | os.PathLike[str]:
+        return self.options.journal
+
+
+class TabHost(Protocol):
+    """What a feature tab's ``build`` may use of the debugger it is added to."""
+
+    @property
+    def trace(self) -> Trace: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def step(self) -> StepPanel: ...
+    @property
+    def layers(self) -> LayersPanel: ...
+
+    def add_tab(self, title: str, widget: widgets.Widget | HasWidget) -> None: ...
+    def select_tab(self, title: str) -> None: ...
+    def set_warned(self, source: str, warned: bool) -> None: ...
+    def set_header_extra(self, html_text: str, *, warned: bool = False) -> None: ...
+    def show_trace(
+        self, trace: Trace, *, error: str | None = None, label: str | None = None
+    ) -> None: ...
+    def on_retrace(self, callback: Callable[[Any], object]) -> None: ...
+
+
+class HasWidget(Protocol):
+    """A panel: an object whose ``widget`` is the ipywidget to display."""
+
+    @property
+    def widget(self) -> widgets.Widget: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +127,7 @@ class FeatureTab:
 
     title: str
     applies: Callable[[TabContext], bool]
-    build: Callable[[Any, TabContext], None]
+    build: Callable[[TabHost, TabContext], None]
     order: int = 100
 
 
@@ -77,7 +148,7 @@ def _package_path() -> list[str]:
     return [os.path.dirname(__file__)]
 
 
-def add_feature_tabs(dbg: Any, ctx: TabContext) -> None:
+def add_feature_tabs(dbg: TabHost, ctx: TabContext) -> None:
     """Add the tabs that the given data allow (see each panel's ``FEATURE_TAB``).
 
     * Checks: always (the health checks of the trace shown, refreshed on re-run);

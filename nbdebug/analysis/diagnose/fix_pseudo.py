@@ -1,0 +1,68 @@
+"""The pseudo-causes: rows of a diagnosis that change nothing in the step.
+``weights_corrupted`` (the weights were non-finite before the step: no change to it can
+repair it) and ``not_reproducible`` (a plain re-run of the same step)."""
+
+from __future__ import annotations
+
+from ...core.vocab import FixKind
+from .fix import Fix
+
+__all__ = ["NotReproducible", "WeightsCorrupted"]
+
+
+def _owner(qual: str) -> str:
+    return qual.rsplit(".", 1)[0] if "." in qual else ""
+
+
+class WeightsCorrupted(Fix):
+    """A finding rather than a fix: the weights were already non-finite when the step
+    started, so no change to this step can repair it. The replay runs the step as is.
+
+    Parameters
+    ----------
+    params : list of str
+        The parameters and buffers that hold NaN/Inf.
+    earlier : str
+        Which earlier step to look at, in words.
+    """
+
+    kind = FixKind.WEIGHTS_CORRUPTED
+
+    def __init__(self, params: list[str], *, earlier: str = ""):
+        super().__init__()
+        self.params = list(params)
+        self.module = _owner(self.params[0]) if self.params else None
+        self.earlier = earlier
+
+    def finding(self) -> str:
+        """What was found: ``"fc.weight, 1.running_var already held NaN/Inf before this
+        step"`` (the first four names)."""
+        names = ", ".join(self.params[:4]) + (" ..." if len(self.params) > 4 else "")
+        return f"{names} already held NaN/Inf before this step"
+
+    def describe(self) -> str:
+        return f"none possible: {self.finding()}"
+
+    def snippet(self) -> str:
+        look = f"  # {self.earlier}" if self.earlier else ""
+        return (
+            "snaps = nbdebug.list_snapshots('nbdebug-snapshots')  # an earlier step's snapshot"
+            f"{look}\nguard = nbdebug.NaNGuard(model, optimizer, param_norm_every=1)"
+        )
+
+
+class NotReproducible(Fix):
+    """A plain, bit-identical re-run of the step (same weights, batch, RNG): when it is
+    finite, the recorded failure is not reproducible (non-determinism, a stateful module,
+    or hardware)."""
+
+    kind = FixKind.NOT_REPRODUCIBLE
+
+    def describe(self) -> str:
+        return "nothing: the same step replayed as it was"
+
+    def snippet(self) -> str:
+        return (
+            "torch.use_deterministic_algorithms(True)  # then re-run; check modules that keep "
+            "state between calls, and the hardware"
+        )

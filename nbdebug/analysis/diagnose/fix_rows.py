@@ -1,0 +1,118 @@
+"""The ``drop_rows`` fix: the batch without the rows that hold or produce the NaN."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+
+from ...core.text import rows_text
+from ...core.trace import Trace
+from ...core.vocab import FixKind
+from .fix import Fix, Replay
+
+__all__ = ["DropRowsFix"]
+
+BatchForm = Literal["tensor", "dict", "seq"]
+
+
+class DropRowsFix(Fix):
+    """The batch without the given rows (every tensor of the batch and the target whose
+    first dimension is the batch size).
+
+    Parameters
+    ----------
+    rows : list of int
+        The batch rows to leave out.
+
+    Examples
+    --------
+    >>> nbdebug.diagnose(model, x, y, F.cross_entropy, fixes=[nbdebug.DropRowsFix([3])])
+    """
+
+    kind = FixKind.DROP_ROWS
+
+    def __init__(self, rows: list[int]):
+        super().__init__()
+        self.rows = sorted({int(r) for r in rows})
+        # the batch's form, for the snippet: inputs "tensor", "dict" or "seq", whether a
+        # target tensor goes with them, the batch size
+        self._form: tuple[BatchForm, bool, int | None] = ("tensor", True, None)
+
+    def applies(self, trace: Trace) -> bool:
+        bs = trace.batch_size
+        return bool(self.rows) and bs is not None and len(self.rows) < bs
+
+    def why_not(self, trace: Trace | None) -> str:
+        bs = trace.batch_size if trace is not None else None
+        return f"dropping rows {self.rows} leaves no batch (batch size {bs})."
+
+    @contextmanager
+    def apply(self, replay: Replay) -> Iterator[None]:
+        bs = replay.batch_size
+        if bs is None:
+            raise ValueError("the batch has no batch dimension: no rows to drop.")
+        drop = set(self.rows)
+        keep = torch.tensor([i for i in range(bs) if i not in drop], dtype=torch.long)
+        old = replay.inputs, replay.target
+        form: BatchForm = (
+            "dict"
+            if isinstance(old[0], dict)
+            else "seq"
+            if isinstance(old[0], (tuple, list))
+            else "tensor"
+        )
+        self._form = (form, isinstance(old[1], torch.Tensor), bs)
+        replay.inputs = _select(replay.inputs, keep, bs)
+        replay.target = _select(replay.target, keep, bs)
+        try:
+            yield
+        finally:
+            replay.inputs, replay.target = old
+
+    def _rows(self) -> str:
+        return rows_text(self.rows, None)
+
+    def describe(self) -> str:
+        return f"drop batch {self._rows()}"
+
+    def action(self) -> str:
+        return f"dropping batch {self._rows()}"
+
+    def snippet(self) -> str:
+        """The code for the batch as the step had it: a tensor ``x`` (and ``y``), a dict
+        ``batch`` (a Hugging Face batch, labels in it) or a tuple ``inputs``."""
+        form, target, bs = self._form
+        row = "isinstance(v, torch.Tensor) and len(v) == len(keep)"
+        take = {
+            "tensor": "x = x[keep]",
+            "dict": f"batch = {{k: v[keep] if {row} else v for k, v in batch.items()}}",
+            "seq": f"inputs = [v[keep] if {row} else v for v in inputs]",
+        }[form]
+        if target:
+            take = "x, y = x[keep], y[keep]" if form == "tensor" else f"{take}\ny = y[keep]"
+        size = "x.shape[0]" if form == "tensor" or bs is None else str(bs)
+        return (
+            f"bad = torch.tensor({self.rows})\n"
+            f"keep = torch.ones({size}, dtype=torch.bool); keep[bad] = False\n"
+            f"{take}  # and find out why these rows are bad"
+        )
+
+
+def _select(obj: Any, keep: torch.Tensor, bs: int) -> Any:
+    """``obj`` (a batch or a target) with only the ``keep`` rows of every tensor whose
+    first dimension is the batch size ``bs``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 1 and obj.shape[0] == bs:
+            return obj.index_select(0, keep.to(obj.device))
+        return obj
+    if isinstance(obj, dict):
+        return {k: _select(v, keep, bs) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        items = [_select(v, keep, bs) for v in obj]
+        if hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return type(obj)(items)
+    return obj

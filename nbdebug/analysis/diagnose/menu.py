@@ -1,0 +1,130 @@
+"""The fix menu: the candidate fixes for a traced failing step, one per kind, module and
+rows, chosen from the origin, the op-level probe and what the step carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...core.trace import Event, Trace
+from ...core.vocab import Phase
+from .fix import Fix
+from .fix_epsilon import EpsilonFix
+from .fix_float32 import Float32Fix
+from .fix_optim import ClipGradFix, LowerLRFix, ScalerFix
+from .fix_pseudo import WeightsCorrupted
+from .fix_rows import DropRowsFix
+from .rewrite import Family, op_family
+
+__all__ = ["MenuContext", "Probed", "menu"]
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A fixable operation the probe saw make a non-finite value."""
+
+    module: str | None  # None: the loss
+    family: Family
+    source: str | None  # "file.py:line"
+    filename: str | None
+
+
+@dataclass
+class MenuContext:
+    """What the menu is chosen from besides the trace."""
+
+    has_optimizer: bool = False
+    scaler_scale: float | None = None
+    lr: float | None = None
+    grad_norm_ref: float | None = None
+    probed: list[Probed] = field(default_factory=list)
+    sites: dict[str, str] = field(default_factory=dict)  # "file.py:line" -> its filename
+    corrupted: list[str] = field(default_factory=list)
+    earlier: str = ""
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
+    """The candidate fixes for a traced failing step, one per kind, module and rows."""
+    fixes: list[Fix] = []
+    origin = trace.origin if trace is not None else None
+    types = trace.module_types if trace is not None else {}
+    if ctx.corrupted:
+        fixes.append(WeightsCorrupted(ctx.corrupted, earlier=ctx.earlier))
+    if origin is not None:
+        fixes += _epsilons(origin, ctx, types)
+        if origin.samples:
+            fixes.append(DropRowsFix(list(origin.samples)))
+    if trace is not None and _half(trace):
+        fixes += _float32s(origin, types)
+    if ctx.has_optimizer and _grads_finite(trace) and not ctx.corrupted:
+        if ctx.grad_norm_ref is not None and ctx.grad_norm_ref > 0:
+            fixes.append(ClipGradFix(ctx.grad_norm_ref))
+        fixes.append(LowerLRFix(0.1, lr=ctx.lr))
+    if ctx.scaler_scale is not None and ctx.scaler_scale > 1.0:
+        fixes.append(ScalerFix(max(1.0, ctx.scaler_scale / 2**8)))
+    return fixes
+
+
+def _epsilons(origin: Event, ctx: MenuContext, types: dict[str, str]) -> list[EpsilonFix]:
+    """One epsilon per (module, family): the root op's, its chain's, the probe's finds;
+    ordered with the probe's first-executed operation first."""
+    module = None if origin.phase == Phase.LOSS else origin.module
+    cands: list[Probed] = []
+    if origin.phase != Phase.INPUT:
+        fam = op_family(origin.op)
+        if fam:
+            cands.append(Probed(module, fam, origin.source, None))
+        for link in origin.chain:
+            f = op_family(link.op)
+            if f:
+                cands.append(Probed(module, f, None, None))
+    cands += ctx.probed
+    fixes: dict[tuple[str | None, str], EpsilonFix] = {}
+    for c in cands:
+        seen = fixes.get((c.module, c.family))
+        if seen is not None:
+            # keep the first source, add the filename a probe found
+            seen.source = seen.source or c.source
+            seen.filename = seen.filename or c.filename
+            continue
+        filename = c.filename or (ctx.sites.get(c.source) if c.source else None)
+        fixes[(c.module, c.family)] = EpsilonFix(
+            c.module,
+            c.family,
+            source=c.source,
+            filename=filename,
+            module_type=types.get(c.module or "", ""),
+        )
+    probed = [(p.module, p.family) for p in ctx.probed]
+    eps = list(fixes.values())
+    for i, fx in enumerate(eps):
+        key = (fx.module, fx.family)
+        fx.order = probed.index(key) if key in probed else len(probed) + i
+    return eps
+
+
+def _float32s(origin: Event | None, types: dict[str, str]) -> list[Float32Fix]:
+    """The origin module and up to two of its parents in float32, then the whole model."""
+    mods: list[str] = []
+    if origin is not None and origin.phase in (Phase.FORWARD, Phase.BACKWARD) and origin.module:
+        parts = origin.module.split(".")
+        mods = [".".join(parts[:i]) for i in range(len(parts), 0, -1)][:3]
+    fixes = [Float32Fix(m, depth=m.count(".") + 1, module_type=types.get(m, "")) for m in mods]
+    fixes.append(Float32Fix("", depth=0, module_type=types.get("", "")))
+    return fixes
+
+
+def _grads_finite(trace: Trace | None) -> bool:
+    if trace is None:
+        return True
+    if any(p.grad_n_nan or p.grad_n_inf for p in trace.params):
+        return False
+    return not any(e.phase == Phase.BACKWARD and not e.finite for e in trace.events)
+
+
+def _half(trace: Trace) -> bool:
+    if any(p.dtype in _HALF for p in trace.params):
+        return True
+    return any(e.dtype in _HALF for e in trace.events if e.phase == Phase.FORWARD)

@@ -1,0 +1,96 @@
+"""Ranking the rows of a diagnosis: a fix counts only when the loss, every gradient and
+the weights after the update are finite; among those the most local change first, then
+the smallest deviation of loss and gradient norm from the recent healthy history."""
+
+from __future__ import annotations
+
+import math
+
+from ...core.text import fmt_num
+from ...core.vocab import FixKind
+from .fix import FixLike
+from .history import FAR
+from .result import FixResult, Reference, StepOutcome
+
+__all__ = ["deviation", "far_from_history", "locality", "rank"]
+
+
+def _against(o: StepOutcome, ref: Reference) -> list[tuple[str, float, float]]:
+    """(label, value, reference) of the loss and the gradient norm, where both are known
+    and the value is finite."""
+    out = []
+    for label, v, r in (
+        ("loss", o.loss, ref.loss),
+        ("gradient norm", o.grad_norm, ref.grad_norm),
+    ):
+        if r is not None and v is not None and math.isfinite(v):
+            out.append((label, v, r))
+    return out
+
+
+def deviation(o: StepOutcome, ref: Reference) -> float:
+    """How far a replay's loss and gradient norm are from the healthy history (a sum of
+    ``log1p`` of the relative differences)."""
+    return sum((math.log1p(abs(v - r) / (abs(r) + 1e-12)) for _, v, r in _against(o, ref)), 0.0)
+
+
+def far_from_history(o: StepOutcome, ref: Reference) -> str:
+    """Why a finite replay is far from the healthy history ("loss 952 vs 0.067"), or
+    still diverging over its replayed updates (``steps=``: the loss grew ``FAR`` times),
+    or ""."""
+    for label, v, r in _against(o, ref):
+        if abs(v - r) > (FAR - 1.0) * (abs(r) + 1e-12):
+            return f"finite, but far from the healthy history: {label} {fmt_num(v)} vs {fmt_num(r)}"
+    first, last = o.first_loss, o.loss
+    if (
+        first is not None
+        and last is not None
+        and math.isfinite(last)
+        and abs(last) > FAR * (abs(first) + 1e-12)
+    ):
+        return (
+            f"finite, but diverging over the {o.steps} replayed updates: loss "
+            f"{fmt_num(first)} -> {fmt_num(last)}"
+        )
+    return ""
+
+
+def locality(fix: FixLike) -> float:
+    """The fix's locality (lower is more local): ``rank_locality``, else ``locality``,
+    else that of a custom fix."""
+    v = getattr(fix, "rank_locality", None)
+    if isinstance(v, (int, float)):
+        return float(v)
+    loc = getattr(fix, "locality", None)
+    return float(loc) if isinstance(loc, (int, float)) else 2.5
+
+
+def _key(i: int, r: FixResult, ref: Reference) -> tuple[float, float, float, int]:
+    loc = locality(r.fix)
+    if r.kind == FixKind.NOT_REPRODUCIBLE:
+        # a finite plain re-run outranks everything: every fix is then finite too
+        return (0, 0.0, 0.0, i) if r.finite else (3, 0.0, 0.0, i)
+    if r.kind == FixKind.WEIGHTS_CORRUPTED:
+        return (1, 0.0, 0.0, i)
+    if r.finite:
+        # more than FAR times off the history: after the fixes that stay close to it
+        return (2 + 0.5 * bool(far_from_history(r.outcome, ref)), loc, r.deviation or 0.0, i)
+    if not r.applies or r.outcome.skipped:
+        return (5, loc, 0.0, i)
+    if r.outcome.error:
+        return (4, loc, 0.0, i)
+    return (3, loc, 0.0, i)
+
+
+def rank(results: list[FixResult], ref: Reference) -> None:
+    """Sort ``results`` in place and number them (``rank`` 1 first); a finite row far
+    from the history gets a note saying so."""
+    for r in results:
+        r.deviation = deviation(r.outcome, ref) if r.finite else None
+        far = far_from_history(r.outcome, ref) if r.finite else ""
+        if far:
+            r.note = "; ".join(x for x in (r.note, far) if x)
+    order = sorted(enumerate(results), key=lambda item: _key(item[0], item[1], ref))
+    results[:] = [r for _, r in order]
+    for n, r in enumerate(results, 1):
+        r.rank = n

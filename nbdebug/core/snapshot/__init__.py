@@ -1,0 +1,55 @@
+"""Snapshot files: everything needed to replay one training step, saved when it failed.
+
+A snapshot is one file (``step-000048213.nbsnap``) written by :func:`save_snapshot`
+(usually through :class:`~nbdebug.NaNGuard`): a ``torch.save`` zip archive holding one
+dictionary of tensors and plain Python values (the model state, the batch, the optimizer,
+scaler and scheduler states, the RNG states, the guard's history, versions, how to
+rebuild the model and the loss). Its fields, their types and defaults are the table
+:data:`nbdebug.core.snapshot.format.FIELDS`, which also says how to add one.
+
+One module per job: :mod:`~.format` (the field table), :mod:`~.archive` (files on disk),
+:mod:`~.data` (live objects as plain data), :mod:`~.write` (:func:`save_snapshot`),
+:mod:`~.load` (:func:`load_snapshot`), :mod:`~.snapshot` (:class:`Snapshot` and its
+replay), :mod:`~.replay` (autocast), :mod:`~.listing` (:func:`list_snapshots`) and
+:mod:`~.resolve` (:func:`resolve_step`: whatever a user hands nbdebug, as one step).
+
+Loading goes through ``torch.load(..., weights_only=True)``: no code from the file runs.
+The model architecture comes from the caller, or from the recorded recipe when the caller
+opts in with ``trust_recipe=True``.
+"""
+
+from .archive import RANK_NAME, atomic_save, read_archive, read_payload, unique_path
+from .data import import_object
+from .format import FIELDS, FORMAT_VERSION, SUFFIX, Field, SnapshotError
+from .listing import earliest_snapshot, list_snapshots
+from .load import check_state_fits, load_snapshot
+from .replay import autocast_state, replay_autocast, replay_contexts
+from .resolve import ResolvedStep, resolve_step
+from .snapshot import Snapshot
+from .write import TrainingObjects, save_snapshot
+
+__all__ = [
+    "FIELDS",
+    "FORMAT_VERSION",
+    "RANK_NAME",
+    "SUFFIX",
+    "Field",
+    "ResolvedStep",
+    "Snapshot",
+    "SnapshotError",
+    "TrainingObjects",
+    "atomic_save",
+    "autocast_state",
+    "check_state_fits",
+    "earliest_snapshot",
+    "import_object",
+    "list_snapshots",
+    "load_snapshot",
+    "read_archive",
+    "read_payload",
+    "replay_autocast",
+    "replay_contexts",
+    "resolve_step",
+    "save_snapshot",
+    "unique_path",
+]

@@ -1,0 +1,581 @@
+"""The snapshot file format: one table of fields drives the writer, the checks and the reader.
+
+A snapshot is one ``torch.save`` zip archive holding one dictionary of tensors and plain
+Python values: ``"format"`` (:data:`FORMAT`), ``"version"`` (the format version it was
+written in) and one entry per row of :data:`FIELDS`. Each row (a :class:`Field`) says the
+key, the accepted types, the default, the format version that introduced it, whether a
+file of that version or newer must hold it, and what it means in one line.
+
+- :func:`build_payload` (used by :func:`~nbdebug.core.snapshot.save_snapshot`) writes
+  every row in table order, filling the rows its producer left out with their defaults;
+- :func:`validate_payload` checks a loaded dictionary against the table and fills in the
+  rows that an older file lacks with their defaults;
+- :func:`snapshot_attributes` gives the values that
+  :class:`~nbdebug.core.snapshot.Snapshot` holds, one attribute per row.
+
+:data:`FORMAT_VERSION` is the newest row's ``since``. A file of an older version loads
+(its missing rows get their defaults); a file of a newer version is refused with a
+:class:`SnapshotError` that says to upgrade nbdebug.
+
+How to add a snapshot field
+---------------------------
+1. **One row** at the end of :data:`FIELDS`, with ``since`` one more than the newest
+   row's (this raises :data:`FORMAT_VERSION`), a one-line ``doc`` and a ``default`` (or a
+   ``default_factory`` for a list or dict): files written before the field existed read
+   as that default. For example::
+
+       Field("rank", (int, NoneType), "the process's rank in torch.distributed (None: "
+             "single process)", since=2, default=None),
+
+   ``required=True`` (the default) makes a file of version ``since`` or newer that lacks
+   the key an incomplete file; ``required=False`` lets any file omit it. ``check=`` takes
+   a function that raises ``ValueError("what is wrong")`` for a value of the right type
+   that is still unusable; ``attr=`` names the :class:`~nbdebug.core.snapshot.Snapshot`
+   attribute when it must differ from the key.
+2. **The producer** passes the value by keyword: ``save_snapshot(..., rank=rank)`` (the
+   guard, a trainer callback). It is stored as plain data and checked against the row's
+   types before the file is written.
+3. **Reading**: ``snap.rank`` on a loaded :class:`~nbdebug.core.snapshot.Snapshot` (add
+   ``rank: int | None`` to the annotations at the top of its class body so type checkers
+   know it). Nothing else changes: the writer, the checks, :func:`load_snapshot` and
+   :func:`list_snapshots` follow the table.
+4. **The test**: the value round-trips, and a file of the previous version (see
+   ``tests/test_snapshot_fields.py``) loads with the default.
+
+Never change the types or meaning of an existing row, and never remove one: files
+already written hold it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..state import RngState
+from ..text import first_line, shorten
+
+FORMAT = "nbdebug-snapshot"
+SUFFIX = ".nbsnap"
+#: an import path ``"package.module:qualname"`` (a model factory, a loss, a class)
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+NoneType = type(None)
+
+
+class SnapshotError(Exception):
+    """A snapshot file cannot be used: missing, truncated, corrupt, foreign, written by a
+    newer nbdebug, or holding a model state that does not fit the given model. The message
+    says which, and what was found.
+
+    Examples
+    --------
+    >>> try:
+    ...     snap = nbdebug.load_snapshot("step-000048213.nbsnap", model=make_model)
+    ... except nbdebug.SnapshotError as e:
+    ...     print(e)   # e.g. "... does not fit the model: missing keys ['head.bias'] ..."
+
+    ``needs_model`` is True when the snapshot was loaded without a model and the call
+    needs one (a caller such as the ``%nbdebug`` magic then names its own way to give it).
+    """
+
+    needs_model: bool = False
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class _NoDefault:
+    def __repr__(self) -> str:
+        return "NO_DEFAULT"
+
+
+#: the ``default`` of a :class:`Field` that has none (its producer must always give it)
+NO_DEFAULT: Any = _NoDefault()
+_IMMUTABLE = (NoneType, bool, int, float, str, bytes, tuple, frozenset)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One entry of the snapshot dictionary (one row of :data:`FIELDS`).
+
+    Parameters
+    ----------
+    key : str
+        The dictionary key in the file.
+    types : tuple of type, or None
+        The accepted types (``NoneType`` for ``None``); ``None`` accepts any plain data
+        (a batch). ``bool`` is only accepted where it is listed, not as an ``int``.
+    doc : str
+        What the value is, in one line.
+    since : int
+        The format version that introduced the field.
+    required : bool
+        A file of version ``since`` or newer must hold it; otherwise any file may omit it.
+    default, default_factory
+        The value of a file that lacks the field, and of a writer that does not produce
+        it (``default_factory`` for mutable values such as lists and dicts).
+    attr : str
+        The :class:`~nbdebug.core.snapshot.Snapshot` attribute; empty: the key.
+    check : callable, optional
+        ``check(value)`` raises ``ValueError`` saying what is wrong with a value of the
+        right type (a structural check beyond the type).
+    """
+
+    key: str
+    types: tuple[type, ...] | None
+    doc: str
+    _: KW_ONLY
+    since: int = 1
+    required: bool = True
+    default: Any = NO_DEFAULT
+    default_factory: Callable[[], Any] | None = None
+    attr: str = ""
+    check: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        where = f"snapshot field {self.key!r}"
+        if not isinstance(self.key, str) or not self.key.isidentifier():
+            raise ValueError(f"a snapshot field key must be an identifier; got {self.key!r}.")
+        if isinstance(self.since, bool) or not isinstance(self.since, int) or self.since < 1:
+            raise ValueError(f"{where}: since must be a format version >= 1; got {self.since!r}.")
+        if self.default is not NO_DEFAULT and self.default_factory is not None:
+            raise ValueError(f"{where}: give a default or a default_factory, not both.")
+        if not isinstance(self.default, _IMMUTABLE) and self.default is not NO_DEFAULT:
+            raise ValueError(
+                f"{where}: a mutable default ({type(self.default).__name__}) would be shared by "
+                "every snapshot; use default_factory."
+            )
+        if not self.has_default and (self.since > 1 or not self.required):
+            why = f"files older than version {self.since}" if self.since > 1 else "files without it"
+            raise ValueError(f"{where} needs a default (or a default_factory) for {why}.")
+
+    @property
+    def attribute(self) -> str:
+        """The name of the :class:`~nbdebug.core.snapshot.Snapshot` attribute."""
+        return self.attr or self.key
+
+    @property
+    def has_default(self) -> bool:
+        return self.default is not NO_DEFAULT or self.default_factory is not None
+
+    def make_default(self) -> Any:
+        """A fresh default value."""
+        if self.default_factory is not None:
+            return self.default_factory()
+        if self.default is NO_DEFAULT:
+            raise ValueError(f"the snapshot field {self.key!r} has no default.")
+        return self.default
+
+    def type_problem(self, value: Any) -> str | None:
+        """What is wrong with the type of ``value`` (``None`` when it is accepted)."""
+        if self.types is None:
+            return None
+        ok = isinstance(value, self.types)
+        if isinstance(value, bool) and bool not in self.types:
+            ok = False  # bool is an int, but not a step
+        if ok:
+            return None
+        want = " or ".join("None" if t is NoneType else t.__name__ for t in self.types)
+        return f"{self.key!r} should be {want}, got {type(value).__name__}"
+
+
+# checks beyond the type: each raises ValueError("what is wrong"), read after "is corrupt: "
+
+
+def _check_time(value: Any) -> None:
+    try:
+        _dt.datetime.fromtimestamp(float(value))
+    except (ValueError, OverflowError, OSError) as e:
+        raise ValueError(f"its time stamp {value!r} is not a date ({e})") from e
+
+
+def _check_reason(value: dict[str, Any]) -> None:
+    if not isinstance(value.get("kind"), str) or not isinstance(value.get("message"), str):
+        raise ValueError("its reason lacks a 'kind' and a 'message' string")
+
+
+def _check_model_state(value: dict[Any, Any]) -> None:
+    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f"model_state entries {bad[:5]} are not named tensors")
+
+
+def _check_optimizer(value: dict[str, Any] | None) -> None:
+    if value is not None and not isinstance(value.get("param_groups"), list):
+        raise ValueError("its optimizer state has no param_groups list")
+
+
+def _check_rng(value: dict[str, Any] | None) -> None:
+    if value is None:
+        return
+    try:
+        st = rng_from_payload(value)
+        st.cuda = None
+        caller = RngState.capture()
+        try:
+            st.restore()  # the only full check of the generators' own formats
+        finally:
+            caller.restore()
+    except Exception as e:
+        raise ValueError(f"its RNG state cannot be read ({first_line(e)})") from e
+
+
+def _check_history(value: list[Any]) -> None:
+    if not all(isinstance(h, dict) for h in value):
+        raise ValueError("history rows are not dictionaries")
+
+
+def _check_recipe(value: dict[str, Any] | None) -> None:
+    if value is not None and (
+        not isinstance(value.get("factory"), str) or not isinstance(value.get("kwargs"), dict)
+    ):
+        raise ValueError("its recipe is not {'factory': str, 'kwargs': dict}")
+
+
+def _check_autocast(value: dict[str, Any] | None) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value.get("device_type"), str)
+        or not isinstance(value.get("dtype"), str)
+        or not isinstance(value.get("backward", False), bool)
+    ):
+        raise ValueError(
+            "its autocast state is not {'device_type': str, 'dtype': str[, 'backward': bool]}"
+        )
+
+
+def _check_module_training(value: dict[Any, Any]) -> None:
+    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, bool)]
+    if bad:
+        raise ValueError(f"maps submodule names to bools; got {bad[0]!r}: {value[bad[0]]!r}")
+
+
+#: The snapshot's fields, in the order they are written. Add a field: see the module doc.
+FIELDS: tuple[Field, ...] = (
+    Field("step", (int, NoneType), "the training step (None: not known)", default=None),
+    Field("time", (float, int), "when it was written, seconds since the epoch", check=_check_time),
+    Field(
+        "reason",
+        (dict,),
+        "why it was written: {'kind': str, 'message': str, ...what the guard measured}",
+        check=_check_reason,
+    ),
+    Field(
+        "model_state",
+        (dict,),
+        "the model's state_dict (parameters and buffers, on their devices)",
+        check=_check_model_state,
+    ),
+    Field("model_class", (str, NoneType), "the model's class as 'module:qualname'", default=None),
+    Field("model_training", (bool,), "the model's train flag"),
+    Field("inputs", None, "the batch inputs (tensors, tuples, lists, dicts of them)", default=None),
+    Field("target", None, "the batch target (as inputs)", default=None),
+    Field(
+        "optimizer",
+        (dict, NoneType),
+        "the optimizer's state_dict",
+        default=None,
+        attr="optimizer_state",
+        check=_check_optimizer,
+    ),
+    Field(
+        "optimizer_class", (str, NoneType), "the optimizer's class, 'module:qualname'", default=None
+    ),
+    Field(
+        "optimizer_params",
+        (list, NoneType),
+        "the model parameter name behind each optimizer parameter index",
+        default=None,
+    ),
+    Field(
+        "scaler",
+        (dict, NoneType),
+        "the GradScaler's state_dict",
+        default=None,
+        attr="scaler_state",
+    ),
+    Field(
+        "scheduler",
+        (dict, NoneType),
+        "the learning-rate scheduler's state_dict",
+        default=None,
+        attr="scheduler_state",
+    ),
+    Field(
+        "scheduler_class", (str, NoneType), "the scheduler's class, 'module:qualname'", default=None
+    ),
+    Field(
+        "rng",
+        (dict, NoneType),
+        "torch (CPU, CUDA), numpy and Python RNG states at the start of the step",
+        default=None,
+        check=_check_rng,
+    ),
+    Field(
+        "history",
+        (list,),
+        "the guard's rolling history, one dict per step",
+        default_factory=list,
+        check=_check_history,
+    ),
+    Field(
+        "environment",
+        (dict,),
+        "torch / python / numpy versions, platform, devices and dtypes of the model",
+    ),
+    Field(
+        "recipe",
+        (dict, NoneType),
+        "how to rebuild the model: {'factory': 'package.module:factory', 'kwargs': {...}}",
+        default=None,
+        check=_check_recipe,
+    ),
+    Field(
+        "loss_fn",
+        (dict, NoneType),
+        "how to rebuild the loss: {'name': 'module:qualname', ...}",
+        default=None,
+        attr="loss_fn_spec",
+    ),
+    Field(
+        "dropped",
+        (list,),
+        "paths of values that could not be stored as plain data (stored as None)",
+        default_factory=list,
+    ),
+    # a distributed run (nbdebug.core.guard.agreement): one file per rank for the same step
+    Field(
+        "rank",
+        (int, NoneType),
+        "the process's rank in its torch.distributed group (None: a single process)",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "world_size",
+        (int, NoneType),
+        "the number of ranks (None: a single process)",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "local_first",
+        (bool, NoneType),
+        "this rank saw the non-finite value itself, before the ranks' agreement (False: "
+        "only through it; None: a single process)",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "culprit_ranks",
+        (list,),
+        "the ranks that caused the bad step (their loss or weights, else their gradients, "
+        "were not finite)",
+        since=2,
+        default_factory=list,
+    ),
+    Field(
+        "rank_kinds",
+        (dict,),
+        "every rank's local verdict: {'0': ['grad'], '1': ['loss'], ...}",
+        since=2,
+        default_factory=dict,
+    ),
+    Field(
+        "fingerprints",
+        (dict, NoneType),
+        "an exact fingerprint per replicated parameter: {'names': [str], 'values': int64 "
+        "tensor (n, 2)}, compared across ranks by nbdebug.compare_ranks",
+        since=2,
+        default=None,
+    ),
+    Field(
+        "trainer",
+        (dict, NoneType),
+        "the trainer that ran the step: {'framework', 'version', 'global_step', 'args': "
+        "its arguments (TrainingArguments, Trainer flags) as plain data}",
+        since=3,
+        default=None,
+    ),
+    Field(
+        "autocast",
+        (dict, NoneType),
+        "the autocast state of the step's forward: {'device_type': str, 'dtype': str}, "
+        "with 'backward': True when its backward ran inside the autocast block too "
+        "(None: no autocast)",
+        since=3,
+        default=None,
+        check=_check_autocast,
+    ),
+    Field(
+        "module_training",
+        (dict,),
+        "the submodules whose train flag differs from the model's, {name: bool} (a "
+        "BatchNorm frozen in eval inside a model in train mode)",
+        since=4,
+        default_factory=dict,
+        check=_check_module_training,
+    ),
+)
+
+
+def format_version() -> int:
+    """The format version this nbdebug writes and the newest it reads: the newest row's
+    ``since``."""
+    return max(f.since for f in FIELDS)
+
+
+#: Version of the file layout this nbdebug writes; it reads this one and older ones.
+FORMAT_VERSION = format_version()
+
+
+# --------------------------------------------------------------------------- writer and reader
+
+
+def build_payload(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The snapshot dictionary of ``values`` (plain data by key): the format header, then
+    every field of :data:`FIELDS` in table order, a missing one as its default.
+
+    Raises
+    ------
+    TypeError
+        A key is not a field, a value has a type its field does not accept, or a field
+        without a default has no value.
+    ValueError
+        A value that fails its field's check (the one the reader runs).
+    """
+    fields = FIELDS
+    keys = [f.key for f in fields]
+    unknown = [k for k in values if k not in keys]
+    if unknown:
+        raise TypeError(
+            f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not a "
+            f"snapshot field; the fields are {', '.join(keys)}."
+        )
+    payload: dict[str, Any] = {"format": FORMAT, "version": format_version()}
+    for f in fields:
+        if f.key in values:
+            value = values[f.key]
+        elif f.has_default:
+            value = f.make_default()
+        else:
+            raise TypeError(f"cannot write the snapshot: no value for the field {f.key!r}.")
+        problem = f.type_problem(value)
+        if problem:
+            raise TypeError(f"cannot write the snapshot: {problem}.")
+        if f.check is not None:  # the reader's check, so that no file it refuses is written
+            try:
+                f.check(value)
+            except ValueError as e:
+                raise ValueError(
+                    f"cannot write the snapshot: {e} (got {shorten(repr(value), 80)})."
+                ) from None
+        payload[f.key] = value
+    return payload
+
+
+def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any]:
+    """Check a loaded snapshot dictionary against :data:`FIELDS`; return it with the
+    fields that an older format lacks filled in with their defaults (a new dictionary).
+
+    Raises
+    ------
+    SnapshotError
+        Not a snapshot dictionary, a newer format, a missing field, a value of the
+        wrong type or one that fails its field's check.
+    """
+    if not isinstance(obj, dict):
+        raise SnapshotError(
+            f"{path} is a torch file but not an nbdebug snapshot: it holds a {type(obj).__name__}, "
+            "not a snapshot dictionary."
+        )
+    if obj.get("format") != FORMAT:
+        keys = [k for k in list(obj)[:6] if isinstance(k, str)]
+        raise SnapshotError(
+            f"{path} is a torch file but not an nbdebug snapshot (no format {FORMAT!r} field; keys "
+            f"{keys}{' ...' if len(obj) > 6 else ''}): a plain checkpoint? Load it with torch.load."
+        )
+    version = obj.get("version")
+    newest = format_version()
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise SnapshotError(f"{path} has an invalid format version {version!r}.")
+    if version > newest:
+        raise SnapshotError(
+            f"{path} was written by a newer nbdebug (snapshot format version {version}; this "
+            f"nbdebug reads versions up to {newest}): upgrade nbdebug to load it."
+        )
+    fields = FIELDS
+    missing = [f.key for f in fields if f.key not in obj and f.required and f.since <= version]
+    if missing:
+        raise SnapshotError(
+            f"{path} is an incomplete snapshot: it lacks {', '.join(map(repr, missing))}."
+        )
+    out = dict(obj)
+    for f in fields:
+        if f.key not in out:
+            out[f.key] = f.make_default()
+    for f in fields:
+        problem = f.type_problem(out[f.key])
+        if problem:
+            raise SnapshotError(f"{path} is corrupt: {problem}.")
+    for f in fields:
+        if f.check is None:
+            continue
+        try:
+            f.check(out[f.key])
+        except ValueError as e:
+            raise SnapshotError(f"{path} is corrupt: {e}.") from e
+        except Exception as e:
+            raise SnapshotError(
+                f"{path} is corrupt: its {f.key!r} field cannot be checked ({first_line(e)})."
+            ) from e
+    return out
+
+
+def snapshot_attributes(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """``{Snapshot attribute: value}`` for every field of a validated payload."""
+    return {f.attribute: payload[f.key] for f in FIELDS}
+
+
+def rng_to_payload(rng: RngState) -> dict[str, Any]:
+    """An :class:`RngState` as plain data (tensors, ints, floats): the ``rng`` field."""
+    name, keys, pos, has_gauss, cached = rng.numpy
+    version, state, gauss_next = rng.python
+    return {
+        "torch": rng.torch_cpu.clone(),
+        "cuda": [t.clone() for t in rng.cuda] if rng.cuda is not None else None,
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": [int(version), [int(v) for v in state], gauss_next],
+    }
+
+
+def rng_from_payload(d: Mapping[str, Any]) -> RngState:
+    """The inverse of :func:`rng_to_payload`."""
+    npd = d["numpy"]
+    keys = np.asarray(npd["keys"].numpy(), dtype=np.uint32)
+    version, state, gauss_next = d["python"]
+    return RngState(
+        torch_cpu=d["torch"].to(torch.uint8).cpu(),
+        cuda=[t.to(torch.uint8).cpu() for t in d["cuda"]] if d.get("cuda") is not None else None,
+        numpy=(
+            str(npd["name"]),
+            keys,
+            int(npd["pos"]),
+            int(npd["has_gauss"]),
+            float(npd["cached_gaussian"]),
+        ),
+        python=(int(version), tuple(int(v) for v in state), gauss_next),
+    )

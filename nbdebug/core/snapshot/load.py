@@ -1,0 +1,178 @@
+"""Loading a snapshot file: :func:`load_snapshot` reads it (no code from the file runs),
+builds the model from the caller's module or factory (or, when the caller trusts the file,
+its recorded recipe) and loads the stored state into it."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..batch import check_flag
+from ..state import RngState
+from ..text import first_line
+from .archive import read_archive
+from .data import import_object
+from .format import SnapshotError
+from .snapshot import Snapshot
+
+__all__ = ["MapLocation", "ModelSource", "check_state_fits", "load_snapshot"]
+
+#: what ``load_snapshot(model=...)`` takes: a module (copied) or a zero-argument factory
+ModelSource = torch.nn.Module | Callable[[], torch.nn.Module]
+#: ``torch.load``'s ``map_location``
+MapLocation = str | torch.device | dict[str, str] | Callable[..., object]
+
+
+def check_state_fits(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], what: str = "the snapshot"
+) -> None:
+    """Raise :class:`SnapshotError` listing missing keys, unexpected keys and shape
+    mismatches when ``state`` does not fit ``model``."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k}: snapshot {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    for label, items in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", shapes),
+    ):
+        if items:
+            more = f" ... and {len(items) - 10} more" if len(items) > 10 else ""
+            parts.append(f"{label}: {', '.join(items[:10])}{more}")
+    raise SnapshotError(
+        f"the model state in {what} does not fit the given {type(model).__name__}: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+def _build_model(
+    model: object, recipe: Mapping[str, Any] | None, where: Path, *, trust_recipe: bool
+) -> torch.nn.Module | None:
+    if model is None:
+        if recipe is None or not trust_recipe:
+            return None
+        spec = recipe["factory"]
+        try:
+            factory = import_object(spec)
+            built = factory(**recipe["kwargs"])
+        except Exception as e:
+            raise SnapshotError(f"the recipe {spec!r} of {where} failed: {first_line(e)}") from e
+        if not isinstance(built, torch.nn.Module):
+            raise SnapshotError(
+                f"the recipe {spec!r} of {where} returned {type(built).__qualname__}, "
+                f"not an nn.Module."
+            )
+        return built
+    if isinstance(model, torch.nn.Module):
+        try:
+            return copy.deepcopy(model)  # the caller's model stays as it is
+        except Exception as e:
+            raise TypeError(
+                f"cannot copy the given {type(model).__qualname__} ({first_line(e)}); pass a "
+                "zero-argument factory instead: load_snapshot(path, model=lambda: MyNet())."
+            ) from e
+    if callable(model):
+        built = model()
+        if not isinstance(built, torch.nn.Module):
+            raise TypeError(
+                f"the model factory returned {type(built).__qualname__}; expected a "
+                f"torch.nn.Module."
+            )
+        return built
+    raise TypeError(
+        f"model must be a torch.nn.Module, a zero-argument factory returning one, or "
+        f"None; got {type(model).__qualname__}."
+    )
+
+
+def _check_map_location(map_location: object) -> None:
+    """One sentence for a ``map_location`` torch.load would fail on (before the file is
+    read, so that the error names the argument, not the file)."""
+    if callable(map_location) or isinstance(map_location, dict):
+        return
+    expected = (
+        "map_location expects a device (a str such as 'cpu' or 'cuda:0', or a "
+        "torch.device), a dict or a callable"
+    )
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError(f"{expected}; got {type(map_location).__name__} {map_location!r}.")
+    try:
+        dev = torch.device(map_location)
+    except RuntimeError:
+        raise ValueError(f"{expected}; got {map_location!r}, which is not a device.") from None
+    if dev.type == "meta":
+        raise ValueError(
+            f"{expected}; got {map_location!r}: tensors on the meta device hold no values to "
+            "replay."
+        )
+    if dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(
+                f"map_location expects a device this machine has; got {map_location!r} ({e})."
+            ) from None
+
+
+def load_snapshot(
+    path: str | os.PathLike[str],
+    model: ModelSource | None = None,
+    *,
+    trust_recipe: bool = False,
+    map_location: MapLocation = "cpu",
+) -> Snapshot:
+    """Load a snapshot file; no code from the file runs.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    model : torch.nn.Module or callable, optional
+        The architecture: a module (copied; the given one is never changed) or a
+        zero-argument factory. The stored ``state_dict`` is loaded into it.
+    trust_recipe : bool
+        With no ``model``, import and call the recorded ``"package.module:factory"`` recipe
+        (this runs that code: only for files you trust). Without either, ``snap.model`` is
+        ``None``; the state, batch, history and reason are still there.
+    map_location : str, torch.device or callable
+        Passed to ``torch.load``: where the tensors go (``"cpu"`` loads a GPU snapshot on a
+        CPU-only machine).
+
+    Returns
+    -------
+    Snapshot
+
+    Raises
+    ------
+    SnapshotError
+        A missing, truncated, corrupt, foreign or newer-format file, or a state that does
+        not fit the model (missing/unexpected keys and shape mismatches listed).
+    """
+    _check_map_location(map_location)
+    check_flag(trust_recipe, "trust_recipe")
+    payload = read_archive(path, map_location=map_location)  # checks the path's type first
+    where = Path(path)
+    snap = Snapshot.from_payload(payload, where, trust_recipe=trust_recipe)
+    caller_rng = RngState.capture()  # building a model draws initial weights
+    try:
+        built = _build_model(model, snap.recipe, where, trust_recipe=trust_recipe)
+    finally:
+        caller_rng.restore()
+    if built is not None:
+        check_state_fits(built, snap.model_state, str(where))
+        snap.model = built
+        snap.reset_model()
+    return snap

@@ -1,0 +1,353 @@
+"""The :class:`Snapshot`: one training step as a snapshot file holds it, with what a
+replay needs (the model rebuilt with the stored state, the optimizer, the RNG states)
+and :meth:`Snapshot.trace`, which replays the step."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..batch import check_flag, describe
+from ..state import RngState
+from ..text import count_text, first_line, shorten
+from ..vocab import FailureKind
+from .data import build_loss, import_object, is_trusted, to_device
+from .format import SnapshotError, rng_from_payload, snapshot_attributes, validate_payload
+from .replay import replay_contexts
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from ..trace import Trace
+
+__all__ = ["Snapshot"]
+
+#: The failures a snapshot's kind records, in words (:attr:`Snapshot.recorded_failure`).
+RECORDED: dict[str, str] = {
+    FailureKind.LOSS: "a non-finite loss",
+    FailureKind.GRAD: "non-finite gradients",
+    FailureKind.WEIGHTS: "non-finite weights",
+    FailureKind.SCALE: "a collapsed GradScaler scale",
+    FailureKind.RANK: "a non-finite value on another rank",
+}
+
+
+class Snapshot:
+    """One training step saved by :func:`save_snapshot`; see :func:`load_snapshot`.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+    step : int or None
+    reason : dict
+        ``"kind"`` (``"loss"``, ``"grad"``, ``"weights"``, ``"scale"``, ``"manual"``),
+        ``"message"``, and what the guard measured (``loss``, ``grad_norm``,
+        ``nonfinite_grads``, ``grad_norms`` per parameter, ...).
+    model : torch.nn.Module or None
+        The rebuilt model holding the stored state (a copy; ``None`` without ``model=``
+        or a trusted recipe).
+    model_state : dict of str to Tensor
+    inputs, target
+        The batch as stored (on ``map_location``).
+    history : list of dict
+    environment : dict
+    time : float
+        When it was written (seconds since the epoch).
+    recipe, loss_fn_spec : dict or None
+    optimizer_state, scaler_state, scheduler_state : dict or None
+    rng : dict or None
+        Stored RNG states (see :meth:`restore_rng`).
+    version : int
+        The format version of the file.
+
+    Every field of the snapshot table (``nbdebug.core.snapshot.format.FIELDS``) is an
+    attribute (fields newer than the file hold their defaults).
+    """
+
+    # one attribute per field of the snapshot table (format.FIELDS), set by
+    # __init__ from the payload; annotated here for type checkers
+    step: int | None
+    time: float
+    reason: dict[str, Any]
+    model_state: dict[str, torch.Tensor]
+    model_class: str | None
+    model_training: bool
+    module_training: dict[str, bool]
+    inputs: Any
+    target: Any
+    optimizer_state: dict[str, Any] | None
+    optimizer_class: str | None
+    optimizer_params: list[str | None] | None
+    scaler_state: dict[str, Any] | None
+    scheduler_state: dict[str, Any] | None
+    scheduler_class: str | None
+    rng: dict[str, Any] | None
+    history: list[dict[str, Any]]
+    environment: dict[str, Any]
+    recipe: dict[str, Any] | None
+    loss_fn_spec: dict[str, Any] | None
+    dropped: list[str]
+    rank: int | None
+    world_size: int | None
+    local_first: bool | None
+    culprit_ranks: list[int]
+    rank_kinds: dict[str, list[str]]
+    fingerprints: dict[str, Any] | None
+    trainer: dict[str, Any] | None
+    autocast: dict[str, Any] | None
+
+    def __init__(
+        self,
+        payload: dict[str, Any],
+        path: Path | None = None,
+        model: torch.nn.Module | None = None,
+        *,
+        trust_recipe: bool = False,
+    ):
+        self.path = path
+        self.version: int = payload["version"]
+        for name, value in snapshot_attributes(payload).items():
+            setattr(self, name, value)
+        self.time = float(self.time)
+        self.model = model
+        self.trust_recipe = trust_recipe
+
+    @classmethod
+    def from_payload(
+        cls,
+        payload: Any,
+        path: str | os.PathLike[str] | None = None,
+        model: torch.nn.Module | None = None,
+        *,
+        trust_recipe: bool = False,
+    ) -> Snapshot:
+        """The snapshot held by a loaded snapshot dictionary (``torch.load`` of a file).
+
+        The dictionary is checked against the field table
+        (:func:`~nbdebug.core.snapshot.format.validate_payload`); the fields that an older
+        format version lacks get their defaults.
+
+        Parameters
+        ----------
+        payload : dict
+        path : str or PathLike, optional
+            Where it was read from (named in errors, kept as :attr:`path`).
+        model : torch.nn.Module, optional
+            The module to replay on, used as it is (:func:`load_snapshot` gives a copy).
+        trust_recipe : bool
+            As for :func:`load_snapshot`.
+
+        Returns
+        -------
+        Snapshot
+
+        Raises
+        ------
+        SnapshotError
+            Not a snapshot dictionary, a newer format, a missing field or a corrupt value.
+        """
+        where = Path(path) if path is not None else None
+        checked = validate_payload(payload, where if where is not None else "<snapshot>")
+        return cls(checked, where, model, trust_recipe=trust_recipe)
+
+    # ----------------------------------------------------------------- views
+    @property
+    def kind(self) -> str:
+        return str(self.reason.get("kind", ""))
+
+    @property
+    def message(self) -> str:
+        return str(self.reason.get("message", ""))
+
+    @property
+    def recorded_failure(self) -> str | None:
+        """What the run recorded at this step, in words ("a non-finite loss at step 7");
+        ``None`` for a snapshot written by hand (kind ``"manual"``) or of an unknown kind."""
+        what = RECORDED.get(self.kind)
+        if what is None:
+            return None
+        return what if self.step is None else f"{what} at step {self.step}"
+
+    @property
+    def datetime(self) -> _dt.datetime:
+        return _dt.datetime.fromtimestamp(self.time)
+
+    def history_frame(self) -> pd.DataFrame:
+        """The guard's history as a DataFrame: one row per step, columns ``step``, ``loss``,
+        ``grad_norm``, ``param_norm``, ``lr``, ``scale`` (floats; NaN where not recorded),
+        ``skipped`` (bool), then any other recorded columns (``nonfinite``, ``time``)."""
+        from ..guard.history import history_frame  # the guard writes the rows it reads
+
+        return history_frame(self.history)
+
+    def param_norms(self) -> dict[str, float]:
+        """L2 norm (computed in float64) of every floating tensor of the stored model state."""
+        out = {}
+        for k, v in self.model_state.items():
+            if v.is_floating_point() or v.is_complex():
+                x = v.detach().abs() if v.is_complex() else v.detach()
+                out[k] = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+        return out
+
+    # ----------------------------------------------------------------- replay
+    def reset_model(self) -> torch.nn.Module:
+        """Load the stored state into :attr:`model` again, in the stored dtypes, and set
+        its train flags: the model's, and those of the submodules whose flag differed
+        (:attr:`module_training`, a BatchNorm frozen in eval).
+
+        A model built in float32 for a step that ran with half-precision weights
+        (``model.half()``, Lightning's ``precision="16-true"``) gets those weights in
+        their own dtype (``load_state_dict`` alone would cast them to float32 and replay
+        another step). The model is nbdebug's own (a copy or the factory's), never the
+        caller's."""
+        model = self._need_model()
+        model.load_state_dict(self.model_state)
+        own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        with torch.no_grad():
+            for name, stored in self.model_state.items():
+                t = own.get(name)
+                if t is not None and t.dtype != stored.dtype and stored.is_floating_point():
+                    t.data = stored.to(device=t.device, copy=True)
+        model.train(self.model_training)
+        modules = dict(model.named_modules())
+        for name, flag in self.module_training.items():
+            if name in modules:
+                modules[name].training = flag
+        return model
+
+    def _need_model(self) -> torch.nn.Module:
+        if self.model is not None:
+            return self.model
+        hint = ""
+        if self.recipe is not None:
+            hint = (
+                f", or trust_recipe=True to build it with the recorded recipe "
+                f"{self.recipe['factory']!r}"
+            )
+        err = SnapshotError(
+            f"this snapshot was loaded without a model: give load_snapshot(path, "
+            f"model=...) (a module or a "
+            f"zero-argument factory for {self.model_class}){hint}."
+        )
+        err.needs_model = True
+        raise err
+
+    def loss_fn(self) -> Any:
+        """The recorded loss function, rebuilt (``None`` when none was recorded)."""
+        return build_loss(self.loss_fn_spec, trust=self.trust_recipe)
+
+    def replay_loss_fn(self, loss_fn: Any, call: str) -> Any:
+        """``loss_fn`` when given, else the recorded one; a :class:`SnapshotError` naming
+        ``call`` (how to pass one) when there is neither but the snapshot has a target."""
+        if loss_fn is None:
+            loss_fn = build_loss(self.loss_fn_spec, trust=self.trust_recipe, call=call)
+        if loss_fn is None and self.target is not None:
+            raise SnapshotError(
+                f"this snapshot recorded no loss function but has a target: pass {call}."
+            )
+        return loss_fn
+
+    def restore_rng(self) -> None:
+        """Set the global torch / CUDA / numpy / Python RNGs to the stored states."""
+        if self.rng is None:
+            return
+        st = rng_from_payload(self.rng)
+        if st.cuda is not None and not (
+            torch.cuda.is_available() and len(st.cuda) == torch.cuda.device_count()
+        ):
+            st.cuda = None
+        st.restore()
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the failing step over :attr:`model`'s parameters, with its state
+        (moments, step counts) and hyper-parameters loaded. ``torch.optim`` classes are
+        imported directly; others need ``trust_recipe=True``."""
+        model = self._need_model()
+        if (
+            self.optimizer_state is None
+            or self.optimizer_class is None
+            or self.optimizer_params is None
+        ):
+            raise SnapshotError("this snapshot holds no optimizer state.")
+        if not is_trusted(self.optimizer_class) and not self.trust_recipe:
+            raise SnapshotError(
+                f"the optimizer class {self.optimizer_class!r} lies outside torch: "
+                f"load with trust_recipe=True."
+            )
+        try:
+            cls = import_object(self.optimizer_class)
+            named = dict(model.named_parameters())
+            names = iter(self.optimizer_params)
+            groups = []
+            for g in self.optimizer_state["param_groups"]:
+                hyper = {k: v for k, v in g.items() if k != "params"}
+                groups.append({**hyper, "params": [named[str(next(names))] for _ in g["params"]]})
+            opt: torch.optim.Optimizer = cls(groups)
+            opt.load_state_dict(self.optimizer_state)
+            return opt
+        except Exception as e:
+            raise SnapshotError(
+                f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
+            ) from e
+
+    def trace(self, loss_fn: Any = None, *, autocast: bool = True) -> Trace:
+        """Replay the failing step: reload the stored weights and train flag, set the RNGs
+        to the step's states, and run :func:`nbdebug.trace` on the stored batch (moved to
+        the model's device), under the step's autocast state (``self.autocast``: the
+        same dtype, on the model's device type). The caller's RNG states are put back
+        afterwards.
+
+        Parameters
+        ----------
+        loss_fn : callable, optional
+            Overrides the recorded loss function.
+        autocast : bool
+            ``False``: replay in the model's own dtypes even when the step ran under
+            autocast.
+
+        Raises
+        ------
+        TypeError
+            An ``autocast`` that is not a bool (a dtype: the replay takes the recorded one).
+        SnapshotError
+            The step ran under an autocast dtype (bfloat16, float16) that this machine's
+            device does not support.
+
+        Returns
+        -------
+        nbdebug.Trace
+        """
+        from ..trace import trace_step
+
+        check_flag(autocast, "autocast")
+        model = self.reset_model()
+        loss_fn = self.replay_loss_fn(loss_fn, "snap.trace(loss_fn=...)")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        inputs = to_device(self.inputs, device)
+        target = to_device(self.target, device)
+        if isinstance(loss_fn, torch.nn.Module):
+            loss_fn = loss_fn.to(device)
+        forward, backward = replay_contexts(self.autocast if autocast else None, device)
+        caller = RngState.capture()
+        try:
+            self.restore_rng()
+            return trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
+        finally:
+            caller.restore()
+
+    def __repr__(self) -> str:
+        model = (
+            type(self.model).__qualname__
+            if self.model is not None
+            else f"{self.model_class} (not built)"
+        )
+        name = self.path.name if self.path is not None else "<memory>"
+        return (
+            f"Snapshot({name}: step {self.step}, {self.kind}: {shorten(self.message)}; "
+            f"model {model}, "
+            f"batch {describe(self.inputs)}, history {count_text(len(self.history), 'row')})"
+        )

@@ -1,0 +1,35 @@
+"""Providers that a layer beside or above core hands core lazily, by name.
+
+Core never imports analysis or the UI. Where core needs what those layers provide (the
+health checks behind ``NaNGuard(checks=True)``), ``import nbdebug`` adds a *source* here: a
+zero-argument callable that imports the provider's module and registers it. Core runs the
+sources of a name (:func:`load_sources`) the first time it needs that provider, so nothing
+is imported before it is used. This module imports nothing, so ``import nbdebug`` stays
+cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["GUARD_CHECKS", "add_source", "load_sources"]
+
+#: the name of the provider of ``NaNGuard(checks=True | int | dict)``
+GUARD_CHECKS = "guard checks"
+
+_SOURCES: dict[str, list[Callable[[], None]]] = {}
+
+
+def add_source(name: str, source: Callable[[], None]) -> None:
+    """``source()`` registers a provider of ``name``; it runs (once) when core first needs
+    one (:func:`load_sources`)."""
+    _SOURCES.setdefault(name, []).append(source)
+
+
+def load_sources(name: str) -> bool:
+    """Run the next source of ``name``; ``False`` when none is left."""
+    waiting = _SOURCES.get(name)
+    if not waiting:
+        return False
+    waiting.pop(0)()
+    return True
