@@ -1,7 +1,7 @@
 """L2 norms of many tensors at once: one fused kernel per (device, dtype) group.
 
 The one home of "norm of every parameter / gradient": :func:`nbdebug.trace`'s parameter
-health, :class:`~nbdebug.core.guard.NaNGuard`'s total gradient and weight norms, and the
+health, :class:`nbdebug.NaNGuard`'s total gradient and weight norms, and the
 health checks all call these.
 
 >>> device_norms([w, b])              # [tensor(3.1), tensor(0.2)]: on their devices, no sync

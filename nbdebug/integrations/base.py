@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..core.guard import GuardOptions, NaNGuard
+from ..core.stats import has_nonfinite
 
 __all__ = [
     "StepBatch",
@@ -116,12 +117,6 @@ def _binds(signature: inspect.Signature, keywords: Mapping[str, Any]) -> bool:
     return True
 
 
-def _finite(loss: Any) -> bool:
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return bool(torch.isfinite(loss.detach()).all())
-    return True
-
-
 class StepBatch:
     """The micro-batch an optimizer step is reported with: the first one whose loss was not
     finite, else the last one (gradient accumulation feeds several per step)."""
@@ -144,7 +139,7 @@ class StepBatch:
         if self.bad:
             return
         self.loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        self.bad = not _finite(self.loss)
+        self.bad = has_nonfinite(self.loss)
 
 
 def make_guard(

@@ -8,7 +8,7 @@ Finding(error log_of_nonpositive at the loss: n_nan=1, n_inf=0, phase=loss, op=T
 ``check`` takes a :class:`~nbdebug.core.trace.result.Trace`, a
 :class:`~nbdebug.core.snapshot.Snapshot` (replayed when it has a model), a
 ``(model, inputs)`` / ``(model, inputs, target)`` tuple or a model with ``inputs=`` (traced
-with :func:`nbdebug.trace`), or a :class:`~nbdebug.core.guard.NaNGuard` (the cheap checks
+with :func:`nbdebug.trace`), or a :class:`nbdebug.NaNGuard` (the cheap checks
 on its live model, optimizer and history). ``NaNGuard(..., checks=True)`` runs the cheap
 checks every ``CHECK_EVERY`` steps and records their findings in its history (``"checks"``
 of a row), so a snapshot tells what went wrong before the NaN.
@@ -30,7 +30,7 @@ one ``check_skipped`` finding per missing need. Adding a health check: write it 
 family module of this package (``data``, ``origin``, ``forward``, ``precision``, ``grad``,
 ``optim``), list it in a ``FAMILIES`` tuple with its codes and needs, give a new
 code its row in :data:`~nbdebug.analysis.checks.codes.CODES`, and test it in
-``tests/test_checks.py``. A :class:`~nbdebug.core.guard.NaNGuard` source is checked on its
+``tests/test_checks.py``. A :class:`nbdebug.NaNGuard` source is checked on its
 live model by :func:`~nbdebug.analysis.checks.guard.guard_findings`.
 """
 
@@ -108,6 +108,18 @@ class SchedulerLike(Protocol):
 @dataclass(frozen=True)
 class CheckOptions:
     """The keyword arguments of :func:`check` (see there), validated.
+
+    Attributes
+    ----------
+    inputs, target : optional
+        The batch and its labels (for a trace or snapshot source: enable the data checks).
+    loss_fn : callable, optional
+    optimizer : torch.optim.Optimizer, optional
+    scaler : torch.amp.GradScaler, optional
+    scheduler : torch.optim.lr_scheduler.LRScheduler, optional
+    history : NaNGuard, list of dict or pandas.DataFrame, optional
+    clip_norm : float, optional
+        The gradient-clipping norm the training loop uses.
 
     Raises
     ------

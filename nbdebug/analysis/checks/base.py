@@ -297,7 +297,20 @@ def _plural(k: int, word: str) -> str:
 
 class Findings(list[Finding]):
     """A list of :class:`Finding`, sorted by severity then position in the trace, with a
-    table view (what :func:`nbdebug.check` returns)."""
+    table view (what :func:`nbdebug.check` returns).
+
+    Attributes
+    ----------
+    counts : dict of str to int
+        Findings per severity (``"error"``, ``"warning"``, ``"info"``).
+    ok : bool
+        No error and no warning.
+
+    Examples
+    --------
+    >>> found = nbdebug.check(model, inputs=x, target=y, loss_fn=F.cross_entropy)
+    >>> found.summary(), found.to_frame()
+    """
 
     @property
     def counts(self) -> dict[str, int]:
@@ -367,17 +380,6 @@ def skipped(checks: Iterable[str], why: str, **evidence: object) -> Finding:
         {"checks": names, **evidence},
         f"not checked: {why}.",
     )
-
-
-def finite_number(v: object) -> bool:
-    """A finite real number (``None``, ``bool`` and what ``float()`` refuses are not): a
-    value read from a history row."""
-    if v is None or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(float(v))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
 
 
 def module_label(module: str | None, module_type: str = "") -> str:

@@ -29,7 +29,16 @@ SEVERITIES: Final[tuple[Severity, ...]] = ("error", "warning", "info")
 
 
 class CheckCode(Vocab):
-    """What a finding found (``Finding.code``); one row of :data:`CODES` each."""
+    """What a finding found (``Finding.code``); one row of :data:`CODES` each.
+
+    A ``str`` enum: ``CheckCode.DEAD_RELU == "dead_relu"``. Its family, severities,
+    one-line meaning and the version it appeared in are in :data:`CODES` (the table that
+    ``docs/checks.md`` and the :func:`nbdebug.check` docstring are generated from).
+
+    Examples
+    --------
+    >>> [f for f in nbdebug.check(tr) if f.code is nbdebug.CheckCode.DEAD_RELU]
+    """
 
     NONFINITE_INPUT = "nonfinite_input"
     LABEL_OUT_OF_RANGE = "label_out_of_range"

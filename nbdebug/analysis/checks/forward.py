@@ -31,7 +31,7 @@ from .base import (
     module_label,
 )
 from .codes import CheckCode
-from .origin import corrupted_origin, origin_findings
+from .origin import origin_findings
 
 SOFTMAX_TYPES = frozenset({"Softmax", "LogSoftmax", "Softmin", "Softmax2d"})
 RELU_TYPES = frozenset({"ReLU", "ReLU6"})
@@ -74,7 +74,7 @@ def weight_findings(params: Iterable[ParamInfo], view: TraceView | None = None) 
                 module=p.module,
             )
         )
-    if o is not None and o.param and o.param not in named and corrupted_origin(o):
+    if o is not None and o.param and o.param not in named and o.corrupted:
         out.append(
             Finding(
                 CheckCode.NONFINITE_WEIGHT,

@@ -14,6 +14,7 @@ import torch
 
 from ...core.norms import fused_norms
 from ...core.state import unique_parameters
+from ...core.stats import count_nonfinite, is_finite_number
 from ...core.text import dtype_name, fmt_num
 from ...core.trace.events import ParamInfo
 from ...core.vocab import Phase
@@ -26,7 +27,6 @@ from .base import (
     CheckContext,
     CheckFamily,
     Finding,
-    finite_number,
     skipped,
 )
 from .codes import CheckCode
@@ -52,9 +52,9 @@ def live_param_infos(model: torch.nn.Module) -> list[ParamInfo]:
         if p.grad is not None:
             g_norm = float(gn[gi])
             if not math.isfinite(g_norm):
-                g_nan, g_inf = _count(grads[gi])
+                g_nan, g_inf = count_nonfinite(grads[gi])
             gi += 1
-        w_nan, w_inf = (0, 0) if math.isfinite(float(n)) else _count(p.detach())
+        w_nan, w_inf = (0, 0) if math.isfinite(float(n)) else count_nonfinite(p.detach())
         out.append(
             ParamInfo(
                 name=name,
@@ -78,16 +78,6 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
     if g.is_sparse:
         return g.coalesce().values()
     return g
-
-
-def _count(t: torch.Tensor) -> tuple[int, int]:
-    t = t.detach()
-    if t.is_complex():
-        t = t.abs()
-    if not t.is_floating_point():
-        return 0, 0
-    n_nan = int(torch.isnan(t).sum())
-    return n_nan, int(torch.isinf(t).sum())
 
 
 def total_grad_norm(params: Sequence[ParamInfo]) -> float | None:
@@ -300,7 +290,7 @@ def history_grad_findings(
     norms = [
         float(r["grad_norm"])
         for r in history[-HISTORY_WINDOW:]
-        if finite_number(r.get("grad_norm"))
+        if is_finite_number(r.get("grad_norm"))
     ]
     if len(norms) < HISTORY_MIN_ROWS:
         return []

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ...core.norms import fused_norms
+from ...core.stats import is_finite_number
 from ...core.text import dtype_name, fmt_num
 from .base import (
     ADAM_SIGMA,
@@ -42,7 +43,6 @@ from .base import (
     CheckFamily,
     Finding,
     OptimParam,
-    finite_number,
     position,
 )
 from .codes import CheckCode
@@ -250,7 +250,7 @@ def lr_findings(history: Sequence[Mapping[str, Any]]) -> list[Finding]:
     lr curve changes regime: warm-up end, decay start, a step decay, a restart); the
     boundary is a warning when the loss rises ``LR_BOUNDARY_LOSS_RISE`` x (or goes
     non-finite) within ``LR_BOUNDARY_WINDOW`` rows after it."""
-    pts = [(i, r) for i, r in enumerate(history) if finite_number(r.get("lr"))]
+    pts = [(i, r) for i, r in enumerate(history) if is_finite_number(r.get("lr"))]
     if len(pts) < 3:
         return []
     lr = np.array([float(r["lr"]) for _, r in pts])
@@ -361,10 +361,10 @@ def _loss_rise(
 ) -> float | None:
     if not after:
         return None
-    if any(r.get("loss") is not None and not finite_number(r.get("loss")) for r in after):
+    if any(r.get("loss") is not None and not is_finite_number(r.get("loss")) for r in after):
         return math.inf
-    b = [float(r["loss"]) for r in before if finite_number(r.get("loss"))]
-    a = [float(r["loss"]) for r in after if finite_number(r.get("loss"))]
+    b = [float(r["loss"]) for r in before if is_finite_number(r.get("loss"))]
+    a = [float(r["loss"]) for r in after if is_finite_number(r.get("loss"))]
     if not a or not b:
         return None
     base = float(np.median(b))
@@ -379,7 +379,7 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
     ``CLIP_ALWAYS_SHARE`` of the last steps) and ``grad_clip_never_on`` (it never did)."""
     if clip_norm is None:
         clip_norm = next(
-            (float(r["clip_norm"]) for r in reversed(history) if finite_number(r.get("clip_norm"))),
+            (float(r["clip_norm"]) for r in reversed(history) if is_finite_number(r.get("clip_norm"))),
             None,
         )
     if clip_norm is None or clip_norm <= 0:
@@ -388,7 +388,7 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
         [
             float(r["grad_norm"])
             for r in history[-HISTORY_WINDOW:]
-            if finite_number(r.get("grad_norm"))
+            if is_finite_number(r.get("grad_norm"))
         ]
     )
     if len(norms) < CLIP_MIN_STEPS:
@@ -441,7 +441,7 @@ def scaler_findings(
     """``grad_scaler_collapse``: the scale fell ``SCALER_FALLS`` times in a row, or
     ``SCALER_SKIPS`` of the last ``SCALER_WINDOW`` steps were skipped (warning); the scale
     is below ``SCALER_MIN_SCALE`` (error)."""
-    scales = [float(r["scale"]) for r in history if finite_number(r.get("scale"))]
+    scales = [float(r["scale"]) for r in history if is_finite_number(r.get("scale"))]
     if scale_now is None and scales:
         scale_now = scales[-1]
     falls = 0
@@ -451,7 +451,7 @@ def scaler_findings(
         else:
             break
     recent = list(history[-SCALER_WINDOW:])
-    skips = sum(1 for r in recent if r.get("skipped") and finite_number(r.get("scale")))
+    skips = sum(1 for r in recent if r.get("skipped") and is_finite_number(r.get("scale")))
     ev = {
         "scale": scale_now,
         "consecutive_falls": falls,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.optable import OpFamily, base_name, op_family
 from ...core.text import fmt_num, rows_text
 from ...core.trace.events import Event
 from ...core.trace.result import Trace
@@ -22,78 +23,10 @@ from .base import (
 )
 from .codes import CheckCode
 
-LOG_OPS = frozenset(
-    {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "xlogy", "lgamma", "digamma", "acosh"}
-)
-EXP_OPS = frozenset({"exp", "exp2", "expm1", "cosh", "sinh", "ldexp"})
-DIV_OPS = frozenset(
-    {
-        "div",
-        "truediv",
-        "rtruediv",
-        "itruediv",
-        "true_divide",
-        "divide",
-        "reciprocal",
-        "floor_divide",
-        "fmod",
-        "remainder",
-    }
-)
-#: ops that float16 autocast runs in float16, casting float32 inputs first (inside the op,
-#: so a finite input over 65504 shows as the op itself making Inf, or NaN as inf*w - inf*w)
-AUTOCAST_FP16_OPS = frozenset(
-    {
-        "linear",
-        "matmul",
-        "mm",
-        "bmm",
-        "mv",
-        "addmm",
-        "addmv",
-        "addr",
-        "addbmm",
-        "baddbmm",
-        "einsum",
-        "chain_matmul",
-        "multi_dot",
-        "vecdot",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "conv_tbc",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-        "convolution",
-        "prelu",
-        "lstm_cell",
-        "gru_cell",
-        "rnn_tanh_cell",
-        "rnn_relu_cell",
-    }
-)
-#: dtype casts: an Inf one of them makes from finite values overflowed the target dtype
-CAST_OPS = frozenset({"to", "half", "type", "copy", "to_copy"})
-
-
-def op_kind(op: str | None) -> str:
-    """``"torch.log"`` -> ``"log"``; ``"Tensor.__truediv__"`` -> ``"truediv"``."""
-    if not op:
-        return ""
-    return op.rsplit(".", 1)[-1].strip("_")
-
-
 def root_op(o: Event) -> str | None:
     """The operation that made the origin's first non-finite value: the root of its chain
     (``o.chain[0].op``), else the event's own ``op``."""
     return o.chain[0].op if o.chain else o.op
-
-
-def corrupted_origin(o: Event) -> bool:
-    """Whether the origin is a module whose own parameter or buffer already held NaN/Inf:
-    a forward origin names a parameter (``o.param``) only then."""
-    return o.phase == Phase.FORWARD and o.param is not None
 
 
 # --------------------------------------------------------------------------- the origin
@@ -104,7 +37,7 @@ class _Origin:
     event: Event
     where: str
     made_by: str | None
-    kinds: set[str]
+    families: set[OpFamily | None]
     evidence: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -130,20 +63,20 @@ def origin_findings(view: TraceView) -> list[Finding]:
     if o.phase == Phase.INPUT:
         return []  # the data checks name the rows (nonfinite_input)
     bad_params = {p.name for p in tr.params if p.n_nan or p.n_inf}
-    if o.param and (o.param in bad_params or corrupted_origin(o)):
+    if o.param and (o.param in bad_params or o.corrupted):
         return []  # nonfinite_weight names it
     made_by = root_op(o)
-    facts = _Origin(o, where_of(view, o), made_by, {op_kind(o.op), op_kind(made_by)})
+    facts = _Origin(o, where_of(view, o), made_by, {op_family(o.op), op_family(made_by)})
     facts.evidence = {"n_nan": o.stats.n_nan, "n_inf": o.stats.n_inf, "phase": o.phase}
     if o.op:
         facts.evidence["op"] = o.op
     if o.source:
         facts.evidence["source"] = o.source
-    if facts.kinds & LOG_OPS:
+    if facts.families & {OpFamily.LOG, OpFamily.SQRT}:
         return [_log_finding(facts)]
-    if facts.kinds & EXP_OPS:
+    if OpFamily.EXP in facts.families:
         return [_exp_finding(view, facts)]
-    if facts.kinds & DIV_OPS:
+    if OpFamily.DIV in facts.families:
         facts.evidence["threshold"] = "denominator == 0"
         advice = (
             f"{made_by} divided by zero{facts.rows} (0/0 gives NaN, x/0 Inf): add an epsilon "
@@ -192,7 +125,7 @@ def _log_finding(facts: _Origin) -> Finding:
     op, rows = facts.made_by or "log/sqrt", facts.rows
     back = facts.event.phase == Phase.BACKWARD
     facts.evidence["threshold"] = "input <= 0" if not back else "input == 0 (infinite derivative)"
-    if "sqrt" in op:
+    if op_family(facts.made_by) == OpFamily.SQRT:
         # a square root's input must be >= 0 by construction: clamping it hides the bug
         # and zeroes the gradient of the clamped rows (lesson 02's exercise shows it)
         advice = (
@@ -277,15 +210,16 @@ def fp16_overflow(view: TraceView, o: Event, ran: str | None) -> bool:
     root = o.chain[0] if o.chain else None
     if o.phase != Phase.FORWARD or root is None:
         return False
-    kind = op_kind(root.op)
+    family = op_family(root.op)
     if root.value == "inf":
         return ran == "float16" or (
-            kind in CAST_OPS and (kind == "half" or _float16_within(view, o))
+            family == OpFamily.CAST
+            and (base_name(root.op) == "half" or _float16_within(view, o))
         )
     largest = largest_reaching(view, o)
     return (
         ran == "float16"
-        and kind in AUTOCAST_FP16_OPS
+        and family == OpFamily.MATMUL
         and largest is not None
         and largest > FP16_MAX
     )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ...core.batch import check_model
+from ...core.stats import count_nonfinite
 from ...core.text import count_text, dtype_name
 from .base import Finding, Findings, sort_findings
 from .codes import CheckCode
@@ -111,18 +112,16 @@ def _mismatch(own: Mapping[str, object], sd: Mapping[str, object]) -> list[Findi
 
 def _nonfinite_tensor(k: str, v: torch.Tensor) -> list[Finding]:
     """``nonfinite_weight``: NaN/Inf stored in the checkpoint."""
-    bad = ~torch.isfinite(v.detach())
-    n_bad = int(bad.sum())
-    if not n_bad:
+    n_nan, n_inf = count_nonfinite(v)
+    if not n_nan + n_inf:
         return []
-    n_nan = int(torch.isnan(v.detach()).sum())
     return [
         Finding(
             CheckCode.NONFINITE_WEIGHT,
             "error",
             f"checkpoint tensor {k}",
             # the keys a live weight's finding has (checks/forward.py)
-            {"n_nan": n_nan, "n_inf": n_bad - n_nan, "numel": v.numel(), "threshold": 0},
+            {"n_nan": n_nan, "n_inf": n_inf, "numel": v.numel(), "threshold": 0},
             "the checkpoint stores NaN/Inf in this tensor: it was saved "
             "after the run diverged; "
             "load an earlier checkpoint.",

@@ -8,40 +8,41 @@ import linecache
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ...core.optable import OpFamily
 from ...core.vocab import FixKind
 from .fix import LOCALITY, Fix, Replay
-from .rewrite import FAMILIES, Family, RewriteMode
+from .rewrite import FAMILIES, RewriteMode, op_family
 
 __all__ = ["EpsilonFix", "rewrite_line"]
 
-_TEMPLATES: dict[Family, str] = {
-    "div": "x / (d + eps)",
-    "log": "torch.log(x.clamp_min(eps))",
-    "sqrt": "torch.sqrt(x.clamp_min(eps))",
-    "exp": "torch.exp(x - x.amax(dim=-1, keepdim=True))  # or torch.logsumexp / F.softmax",
-    "softmax": "p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0",
+_TEMPLATES: dict[OpFamily, str] = {
+    OpFamily.DIV: "x / (d + eps)",
+    OpFamily.LOG: "torch.log(x.clamp_min(eps))",
+    OpFamily.SQRT: "torch.sqrt(x.clamp_min(eps))",
+    OpFamily.EXP: "torch.exp(x - x.amax(dim=-1, keepdim=True))  # or torch.logsumexp / F.softmax",
+    OpFamily.SOFTMAX: "p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0",
 }
-_CHANGES: dict[Family, str] = {
-    "div": "an epsilon in the denominator of the division",
-    "log": "log(x.clamp_min(eps))",
-    "sqrt": "sqrt(x.clamp_min(eps))",
-    "exp": "exp(x - max) (the overflow-safe softmax)",
-    "softmax": "softmax with fully masked rows zeroed",
+_CHANGES: dict[OpFamily, str] = {
+    OpFamily.DIV: "an epsilon in the denominator of the division",
+    OpFamily.LOG: "log(x.clamp_min(eps))",
+    OpFamily.SQRT: "sqrt(x.clamp_min(eps))",
+    OpFamily.EXP: "exp(x - max) (the overflow-safe softmax)",
+    OpFamily.SOFTMAX: "softmax with fully masked rows zeroed",
 }
-_METHODS = ("log", "sqrt", "exp")
+_METHODS = (OpFamily.LOG, OpFamily.SQRT, OpFamily.EXP)
 
 
 class _Rewriter(ast.NodeTransformer):
     """Writes the epsilon into every operation of ``family`` of a parsed line."""
 
-    def __init__(self, family: str, eps: float):
+    def __init__(self, family: OpFamily, eps: float):
         self.family = family
         self.eps = ast.Constant(eps)
         self.done = False
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
         self.generic_visit(node)
-        div = self.family == "div" and isinstance(node.op, ast.Div)
+        div = self.family == OpFamily.DIV and isinstance(node.op, ast.Div)
         if div and not isinstance(node.right, ast.Constant):
             node.right = ast.BinOp(node.right, ast.Add(), self.eps)
             self.done = True
@@ -51,20 +52,20 @@ class _Rewriter(ast.NodeTransformer):
         self.generic_visit(node)
         f = node.func
         name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-        if self.family == "div" and name == "normalize":  # F.normalize(x, eps=0): its eps
+        if self.family == OpFamily.DIV and name == "normalize":  # F.normalize(x, eps=0): its eps
             node.keywords = [k for k in node.keywords if k.arg != "eps"]
             node.args = node.args[:3]  # input, p, dim (eps is the fourth)
             node.keywords.append(ast.keyword("eps", self.eps))
             self.done = True
             return node
         family = self.family
-        if family not in _METHODS or name not in (family, family + "_", "rsqrt"):
+        if family not in _METHODS or op_family(name) != family:
             return node
         base = node.args[0] if node.args else getattr(f, "value", None)
         if base is None:
             return node
         shifted: ast.expr
-        if family == "exp":
+        if family == OpFamily.EXP:
             amax = ast.parse("_.amax(dim=-1, keepdim=True)").body[0].value  # type: ignore[attr-defined]
             amax.func.value = base
             shifted = ast.BinOp(base, ast.Sub(), amax)
@@ -78,7 +79,7 @@ class _Rewriter(ast.NodeTransformer):
         return node
 
 
-def rewrite_line(line: str, family: str, eps: float) -> str | None:
+def rewrite_line(line: str, family: OpFamily | str, eps: float) -> str | None:
     """The source ``line`` with every operation of ``family`` on it rewritten (the epsilon
     in place), or ``None`` when the line cannot be parsed or holds no such operation.
     Every one, as the replay patches them all: which of two ``log`` calls on a line got
@@ -91,7 +92,7 @@ def rewrite_line(line: str, family: str, eps: float) -> str | None:
         tree = ast.parse(text)
     except SyntaxError:
         return None
-    rewriter = _Rewriter(family, eps)
+    rewriter = _Rewriter(OpFamily(family), eps)
     new = rewriter.visit(tree)
     if not rewriter.done:
         return None
@@ -125,7 +126,7 @@ class EpsilonFix(Fix):
     def __init__(
         self,
         module: str | None,
-        family: Family,
+        family: OpFamily | str,
         *,
         source: str | None = None,
         filename: str | None = None,
@@ -134,10 +135,11 @@ class EpsilonFix(Fix):
     ):
         super().__init__()
         if family not in FAMILIES:
-            raise ValueError(f"family must be one of {sorted(FAMILIES)}; got {family!r}.")
+            allowed = sorted(f.value for f in FAMILIES)
+            raise ValueError(f"family must be one of {allowed}; got {family!r}.")
         self.module = module
-        self.family: Family = family
-        self.op = family
+        self.family = OpFamily(family)
+        self.op = self.family
         self.source = source
         self.filename = filename
         self.eps = eps
@@ -191,7 +193,7 @@ class EpsilonFix(Fix):
         line = self._line()
         if not line:
             return f"{where}\n{template}"
-        new = rewrite_line(line, self.family, eps) if self.family != "softmax" else None
+        new = rewrite_line(line, self.family, eps) if self.family != OpFamily.SOFTMAX else None
         if new:
             return f"{where}\n# was: {line.strip()}\n{new.strip()}"
         return f"{where}: {line.strip()}\n{template}"

@@ -3,10 +3,10 @@ learning rate for the update) and ``scaler`` (a GradScaler with a lower scale)."
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ...core.stats import is_finite_number
 from ...core.vocab import FixKind
 from .fix import Fix, Replay
 
@@ -32,7 +32,7 @@ class ClipGradFix(Fix):
 
     def __init__(self, max_norm: float, *, why: str = "the recent gradient norm"):
         super().__init__()
-        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+        if not (is_finite_number(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be a positive finite number; got {max_norm!r}.")
         self.max_norm = float(max_norm)
         self.why = why

@@ -1,15 +1,15 @@
 """Reading the guard's history for a diagnosis (its rows as
-:func:`nbdebug.core.guard.history.parse_history` reads them): the recent healthy reference
+:func:`nbdebug.parse_history` reads them): the recent healthy reference
 band, whether the loss diverged over the steps before, and which earlier step to look at
 when the weights were already bad."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 
 from ...core.guard.history import HistoryRow
+from ...core.stats import is_finite_number
 from ...core.text import fmt_num
 from .result import Reference
 
@@ -17,22 +17,12 @@ __all__ = [
     "FAR",
     "diverging",
     "earlier_step",
-    "finite_number",
     "reference",
 ]
 
 #: A finite fix whose loss or gradient norm is this many times off the history (or a
 #: loss that grew this many times over the steps) is "far".
 FAR = 100.0
-
-
-def finite_number(v: object) -> bool:
-    """``v`` is an int or float (not a bool) and finite."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _number(v: object) -> float:
-    return float(v) if isinstance(v, (int, float)) else math.nan
 
 
 def reference(history: Sequence[HistoryRow], last: int = 20) -> Reference:
@@ -43,15 +33,15 @@ def reference(history: Sequence[HistoryRow], last: int = 20) -> Reference:
         for h in history
         if not h.get("skipped")
         and not h.get("nonfinite")
-        and finite_number(h.get("loss"))
-        and finite_number(h.get("grad_norm"))
+        and is_finite_number(h.get("loss"))
+        and is_finite_number(h.get("grad_norm"))
     ][-last:]
     if not good:
         return Reference()
-    lrs = [_number(h["lr"]) for h in good if finite_number(h.get("lr"))]
+    lrs = [_number(h.get("lr")) for h in good if is_finite_number(h.get("lr"))]
     return Reference(
-        loss=statistics.median(_number(h["loss"]) for h in good),
-        grad_norm=statistics.median(_number(h["grad_norm"]) for h in good),
+        loss=statistics.median(_number(h.get("loss")) for h in good),
+        grad_norm=statistics.median(_number(h.get("grad_norm")) for h in good),
         lr=statistics.median(lrs) if lrs else None,
     )
 
@@ -60,9 +50,9 @@ def diverging(history: Sequence[HistoryRow], last: int = 10) -> str:
     """Why the steps before this one point at the learning rate (the loss grew ``FAR``
     times over the last healthy rows), or ""."""
     losses = [
-        (h.get("step"), _number(h["loss"]))
+        (h.get("step"), _number(h.get("loss")))
         for h in history[-last:]
-        if isinstance(h.get("loss"), (int, float)) and math.isfinite(_number(h["loss"]))
+        if is_finite_number(h.get("loss"))
     ]
     if len(losses) < 2:
         return ""
@@ -77,6 +67,11 @@ def diverging(history: Sequence[HistoryRow], last: int = 10) -> str:
     )
 
 
+def _number(v: object) -> float:
+    """A value :func:`~nbdebug.core.stats.is_finite_number` accepted, as a float."""
+    return float(v)  # type: ignore[arg-type]
+
+
 def _step_of(h: HistoryRow) -> int | None:
     s = h.get("step")
     return int(s) if isinstance(s, (int, float)) else None
@@ -85,7 +80,7 @@ def _step_of(h: HistoryRow) -> int | None:
 def _first_bad(rows: Sequence[HistoryRow]) -> HistoryRow | None:
     """The first row whose weight norm, else whose loss or gradient norm, is not finite."""
     bad = next(
-        (h for h in rows if h.get("param_norm") is not None and not finite_number(h["param_norm"])),
+        (h for h in rows if h.get("param_norm") is not None and not is_finite_number(h["param_norm"])),
         None,
     )
     if bad is None:
@@ -93,7 +88,7 @@ def _first_bad(rows: Sequence[HistoryRow]) -> HistoryRow | None:
             (
                 h
                 for h in rows
-                if not finite_number(h.get("loss")) or not finite_number(h.get("grad_norm"))
+                if not is_finite_number(h.get("loss")) or not is_finite_number(h.get("grad_norm"))
             ),
             None,
         )

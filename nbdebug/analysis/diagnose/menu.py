@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...core.optable import OpFamily
 from ...core.trace import Event, Trace
 from ...core.vocab import Phase
 from .fix import Fix
@@ -13,7 +14,7 @@ from .fix_float32 import Float32Fix
 from .fix_optim import ClipGradFix, LowerLRFix, ScalerFix
 from .fix_pseudo import WeightsCorrupted
 from .fix_rows import DropRowsFix
-from .rewrite import Family, op_family
+from .rewrite import op_family
 
 __all__ = ["MenuContext", "Probed", "menu"]
 
@@ -23,7 +24,7 @@ class Probed:
     """A fixable operation the probe saw make a non-finite value."""
 
     module: str | None  # None: the loss
-    family: Family
+    family: OpFamily
     source: str | None  # "file.py:line"
     filename: str | None
 

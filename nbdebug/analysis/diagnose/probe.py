@@ -8,11 +8,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ...core.optable import OpFamily
 from ...core.batch import named_tensors
+from ...core.stats import count_nonfinite
 from ...core.trace.frames import source_text
 from ...core.trace.ops import composite_body
 from .menu import Probed
-from .rewrite import Family, caller_line, func_family, underflows
+from .rewrite import caller_line, func_family, underflows
 
 __all__ = ["ProbeMode", "nonfinite_kinds"]
 
@@ -21,11 +23,10 @@ def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> set[str]:
     """Which kinds of non-finite value the tensors hold: a subset of ``{"nan", "inf"}``."""
     k: set[str] = set()
     for t in tensors:
-        if t.numel() == 0:
-            continue
-        if bool(torch.isnan(t).any()):
+        n_nan, n_inf = count_nonfinite(t)
+        if n_nan:
             k.add("nan")
-        if bool(torch.isinf(t).any()):
+        if n_inf:
             k.add("inf")
     return k
 
@@ -39,7 +40,7 @@ class ProbeMode(torch.overrides.TorchFunctionMode):
         self,
         module: str | None,
         found: list[Probed],
-        families: Sequence[Family],
+        families: Sequence[OpFamily],
         sites: dict[str, str],
     ):
         super().__init__()
@@ -68,7 +69,7 @@ class ProbeMode(torch.overrides.TorchFunctionMode):
         self.sites.setdefault(src, where[0])
         ins = [t for _, t in named_tensors((args, kwargs)) if t.is_floating_point()]
         made = nonfinite_kinds(outs) - nonfinite_kinds(ins)
-        if fam == "exp" and underflows(outs[0]):
+        if fam == OpFamily.EXP and underflows(outs[0]):
             made.add("underflow")
         seen = Probed(self.module, fam, src, where[0])
         if made and seen not in self.found:

@@ -11,18 +11,19 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from ...core.batch import named_tensors
+from ...core.optable import OpFamily, op_row
+from ...core.stats import has_nan, has_nonfinite
 from ...core.trace.frames import user_frame
 from ...core.trace.ops import composite_body
 
 __all__ = [
     "FAMILIES",
-    "Family",
     "RewriteMode",
     "caller_line",
     "default_eps",
@@ -31,56 +32,30 @@ __all__ = [
     "underflows",
 ]
 
-Family = Literal["div", "log", "sqrt", "exp", "softmax"]
-
-#: The fixable families, in the order the probe looks for them.
-FAMILIES: tuple[Family, ...] = ("div", "log", "sqrt", "exp", "softmax")
-
-#: Operation name (without ``torch.``/``Tensor.`` and dunder marks) -> its family.
-_OPS: dict[str, Family] = {
-    "div": "div",
-    "truediv": "div",
-    "rtruediv": "div",
-    "rdiv": "div",
-    "true_divide": "div",
-    "divide": "div",
-    "div_": "div",
-    "truediv_": "div",
-    "idiv": "div",
-    "itruediv": "div",
-    "reciprocal": "div",
-    "log": "log",
-    "log2": "log",
-    "log10": "log",
-    "log_": "log",
-    "sqrt": "sqrt",
-    "rsqrt": "sqrt",
-    "sqrt_": "sqrt",
-    "exp": "exp",
-    "exp_": "exp",
-    "exp2": "exp",
-    "softmax": "softmax",
-    "log_softmax": "softmax",
-    "scaled_dot_product_attention": "softmax",
-}
+#: The fixable families, in the order the probe looks for them: the operations of
+#: :data:`nbdebug.core.optable.OP_TABLE` marked ``eps_fixable`` in these families.
+FAMILIES: tuple[OpFamily, ...] = (
+    OpFamily.DIV,
+    OpFamily.LOG,
+    OpFamily.SQRT,
+    OpFamily.EXP,
+    OpFamily.SOFTMAX,
+)
 
 _RECIPROCALS = ("reciprocal", "reciprocal_")
 _REVERSED = ("__rtruediv__", "__rdiv__", *_RECIPROCALS)
 
 
-def op_family(op: str | None) -> Family | None:
+def op_family(op: str | None) -> OpFamily | None:
     """The fixable family of an operation name (``"Tensor.__truediv__"`` -> ``"div"``,
     ``"torch.log"`` -> ``"log"``, ``"torch.nn.functional.softmax"`` -> ``"softmax"``), or
-    ``None`` when an epsilon or clamp cannot fix it."""
-    if not op:
-        return None
-    name = op.split("(")[0].strip().rsplit(".", 1)[-1]
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-    return _OPS.get(name) or _OPS.get(name.lstrip("_"))
+    ``None`` when an epsilon or clamp cannot fix it (its row in
+    :data:`~nbdebug.core.optable.OP_TABLE` is not ``eps_fixable``)."""
+    row = op_row(op)
+    return row.family if row is not None and row.eps_fixable else None
 
 
-def func_family(func: Callable[..., Any]) -> Family | None:
+def func_family(func: Callable[..., Any]) -> OpFamily | None:
     """:func:`op_family` of a torch callable (as a torch function mode receives it)."""
     try:
         name = resolve_name(func) or getattr(func, "__name__", "")
@@ -111,15 +86,6 @@ def underflows(out: object) -> bool:
     return bool((out == 0).all(dim=-1).any())
 
 
-def _bad(t: object) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and (t.is_floating_point() or t.is_complex())
-        and t.numel() > 0
-        and not bool(torch.isfinite(t).all())
-    )
-
-
 def _away_from_zero(d: torch.Tensor, eps: float) -> torch.Tensor:
     """``d + eps`` where ``d >= 0`` and ``d - eps`` where ``d < 0``."""
     return d + torch.where(d < 0, -eps, eps).to(d.dtype)
@@ -140,7 +106,7 @@ class RewriteMode(TorchFunctionMode):
     ``calls`` counts the rewritten calls; ``lines`` collects the callers' ``(file, line)``.
     """
 
-    def __init__(self, family: Family, eps: float | None = None):
+    def __init__(self, family: OpFamily, eps: float | None = None):
         super().__init__()
         self.family = family
         self.eps = eps
@@ -160,11 +126,11 @@ class RewriteMode(TorchFunctionMode):
             with self:
                 return body(*args, **kwargs)
         rewrite = {
-            "div": self._div,
-            "log": self._clamped,
-            "sqrt": self._clamped,
-            "exp": self._exp,
-            "softmax": self._softmax,
+            OpFamily.DIV: self._div,
+            OpFamily.LOG: self._clamped,
+            OpFamily.SQRT: self._clamped,
+            OpFamily.EXP: self._exp,
+            OpFamily.SOFTMAX: self._softmax,
         }[self.family]
         return rewrite(func, list(args), dict(kwargs))
 
@@ -211,7 +177,7 @@ class RewriteMode(TorchFunctionMode):
     def _exp(self, func: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
         x = args[0] if args else kwargs.get("input")
-        if isinstance(x, torch.Tensor) and not _bad(x) and (_bad(out) or underflows(out)):
+        if isinstance(x, torch.Tensor) and not has_nonfinite(x) and (has_nonfinite(out) or underflows(out)):
             self._note()
             if x.dim() == 0:
                 return torch.exp(x.clamp_max(math.log(torch.finfo(x.dtype).max)))
@@ -223,7 +189,7 @@ class RewriteMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         x = args[0] if args else kwargs.get("input", kwargs.get("query"))
         outs = [t for _, t in named_tensors(out)]
-        if not outs or not bool(torch.isnan(outs[0]).any()):
+        if not outs or not has_nan(outs[0]):
             return out
         o = outs[0]
         scores = x if isinstance(x, torch.Tensor) and x.shape == o.shape else None

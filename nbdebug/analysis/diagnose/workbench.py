@@ -13,17 +13,18 @@ from typing import Any
 
 import torch
 
+from ...core.optable import OpFamily
 from ...core.batch import batch_size, call_model, compute_loss, named_tensors
 from ...core.norms import total_norm
 from ...core.snapshot import ResolvedStep, replay_contexts
 from ...core.state import PreservedState, unique_parameters
+from ...core.stats import has_nonfinite
 from ...core.text import first_line
 from ...core.trace import Trace, trace_step
 from .fix import ContextFactory, FixLike, Replay
 from .menu import Probed
 from .probe import ProbeMode
 from .result import StepOutcome
-from .rewrite import Family
 
 __all__ = ["Workbench", "training_step"]
 
@@ -147,7 +148,7 @@ class Workbench:
             self.reset()
 
     def probe(
-        self, module: str | None, families: Sequence[Family]
+        self, module: str | None, families: Sequence[OpFamily]
     ) -> tuple[list[Probed], dict[str, str]]:
         """Run the forward (and the loss) once with ``module`` (``None``: the loss) watched:
         the fixable operations whose output holds a kind of non-finite value that their
@@ -182,11 +183,7 @@ class Workbench:
             *self.model.named_parameters(),
             *((n, b) for n, b in self.model.named_buffers() if b.is_floating_point()),
         ]
-        if not named:
-            return []
-        with torch.no_grad():
-            flags = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
-        return [n for (n, _), ok in zip(named, flags) if not ok]
+        return [n for n, t in named if has_nonfinite(t)]
 
 
 _PLAIN = (int, float, bool, str, type(None), tuple)
@@ -275,14 +272,6 @@ def _norm(tensors: Sequence[torch.Tensor]) -> float:
     return float(total_norm(ts, device=ts[0].device, dtype=torch.float64))
 
 
-def _forward_finite(output: object) -> bool:
-    return all(
-        bool(torch.isfinite(t).all())
-        for _, t in named_tensors(output)
-        if t.is_floating_point() and t.numel()
-    )
-
-
 def training_step(
     r: Replay, autocast: ContextFactory = nullcontext, backward: ContextFactory = nullcontext
 ) -> StepOutcome:
@@ -297,7 +286,7 @@ def training_step(
     with torch.enable_grad():
         with autocast():
             output = call_model(r.model, r.inputs)
-            out.forward = _forward_finite(output)
+            out.forward = not any(has_nonfinite(t) for _, t in named_tensors(output))
             loss = compute_loss(output, r.target, r.loss_fn)
         out.loss = float(loss.detach().float())
         out.loss_finite = math.isfinite(out.loss)

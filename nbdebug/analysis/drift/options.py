@@ -166,6 +166,24 @@ class DriftOptions:
 
     Build it from the flat keyword names with :meth:`build`; change some with
     :meth:`replace`. Invalid values raise ``ValueError`` when the value is made.
+
+    Attributes
+    ----------
+    explain : ExplainOptions
+        Which SHAP explainer, on how many samples.
+    significance : SignificanceOptions
+        The tests, their level and the multiple-testing correction.
+    clusters : ClusterOptions
+        How explanations are clustered by sample.
+    inputs : InputOptions
+        How the two batches are read (one-hot groups, NaN policy).
+    random_state : int
+    progress : bool
+
+    Examples
+    --------
+    >>> opts = nbdebug.DriftOptions.build(alpha=0.01, explainer="tree")
+    >>> nbdebug.drift(model, X_ref, X_new, options=opts)
     """
 
     explain: ExplainOptions = field(default_factory=ExplainOptions)

@@ -5,7 +5,6 @@ expected and what was given."""
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -15,6 +14,7 @@ import torch
 from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten_with_path
 
 from ...core.batch import describe
+from ...core.stats import is_finite_number
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -99,11 +99,11 @@ class GradcheckOptions:
         ValueError
             In one sentence, for the first bad option: what was expected and what was given.
         """
-        if not _is_number(self.eps) or not math.isfinite(self.eps) or self.eps <= 0:
+        if not is_finite_number(self.eps) or self.eps <= 0:
             raise ValueError(f"eps must be > 0 and finite; got {self.eps!r}.")
         for name in ("atol", "rtol"):
             v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v) or v < 0:
+            if not is_finite_number(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0; got {v!r}.")
         if self.wrt not in WRT:
             raise ValueError(f"wrt must be one of {WRT}; got {self.wrt!r}.")
@@ -134,10 +134,6 @@ GRADCHECK_KEYWORDS: Final = (
     "random_state",
     "native_check",
 )
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _is_int(v: object) -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from ...core.batch import describe, named_tensors
+from ...core.stats import has_nonfinite
 from ...core.text import first_line
 from .inputs import GradcheckOptions, Template, leaf_name
 
@@ -167,7 +168,7 @@ def make_problem(
                 continue
             # the sweep differentiates every finite float input (an additive -inf mask is a
             # constant)
-            if leaf.requires_grad if not options.all_float else bool(torch.isfinite(leaf).all()):
+            if leaf.requires_grad if not options.all_float else not has_nonfinite(leaf):
                 specs.append(("leaf", idx))
                 names.append(leaf_name(path))
                 diff.append(leaves[idx])  # type: ignore[arg-type]  # a tensor's copy

@@ -36,6 +36,7 @@ import torch
 
 from ...core.options import options_from, refuse_unknown
 from ...core.state import RngState
+from ...core.stats import count_nonfinite
 from ...core.text import count_text, dtype_name, first_line
 from .inputs import (
     GRADCHECK_KEYWORDS,
@@ -287,7 +288,7 @@ def check_pairs(
                     "gradients."
                 )
     for name, a in zip(problem.out_names or [], f0):
-        bad = int((~torch.isfinite(a)).sum())
+        bad = sum(count_nonfinite(a))
         if bad:
             raise ValueError(
                 f"{problem.fn_name} returned {count_text(bad, 'non-finite value')} in {name} "

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 from ...core.batch import batch_size, call_model, check_inputs, check_model
 from ...core.options import options_from
 from ...core.state import RngState, preserved
+from ...core.stats import count_nonfinite
 from ...core.text import first_line
 from ...core.trace.capture import clone_structure
 from ...core.trace.hooks import HookSet, hookable_named_modules
@@ -34,7 +35,22 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
 class SweepOptions:
-    """The keyword arguments of :func:`gradcheck_modules` (see there)."""
+    """The keyword arguments of :func:`gradcheck_modules` (see there).
+
+    Attributes
+    ----------
+    rows : int
+        Batch rows of each module's recorded input that are checked.
+    eps, atol, rtol : float
+        Finite-difference step and tolerances.
+    max_elements : int
+        Elements per input checked.
+    fast : bool
+        ``torch.autograd.gradcheck``'s fast mode.
+    random_state : int
+    progress : callable, optional
+        ``progress(done, total, module_name)``.
+    """
 
     rows: int = 2
     eps: float = 1e-6
@@ -156,7 +172,7 @@ def iter_module_checks(
                     if p.is_floating_point() and p.requires_grad
                 ]
                 # (NaN only: an -inf attention mask is a constant input, and is checked)
-                bad_in = sum(int(torch.isnan(t).sum()) for t in floats)
+                bad_in = sum(count_nonfinite(t)[0] for t in floats)
                 if not floats and not own:
                     row["reason"] = "no floating-point input or parameter to differentiate"
                 elif bad_in:

@@ -17,7 +17,17 @@ PRUNE = ("threshold_margin", "global", "noise_rate")
 @dataclass(frozen=True)
 class LabelOptions:
     """How :func:`nbdebug.find_label_issues` finds and ranks label issues (each option is
-    described there). Invalid values raise ``ValueError`` when the value is made."""
+    described there). Invalid values raise ``ValueError`` when the value is made.
+
+    Attributes
+    ----------
+    method : str
+    cv : int
+    random_state : int
+    tau : float
+    rank_by : str
+    prune : str
+    """
 
     method: str = "confident_learning"
     cv: int = 5

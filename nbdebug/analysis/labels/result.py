@@ -97,6 +97,18 @@ class LabelIssues(pd.DataFrame):
     The :class:`LabelNoise` estimate travels in ``attrs["label_noise"]`` (pandas carries
     ``attrs`` through slicing, sorting and copying), also reachable as ``df.label_issues``.
     ``summary()``, ``ok``, ``to_frame()`` and ``show()`` read it.
+
+    Attributes
+    ----------
+    noise : LabelNoise
+        The estimate behind the table (flagged and estimated counts, the noise rate).
+    ok : bool
+        No sample is flagged.
+
+    Examples
+    --------
+    >>> issues = nbdebug.find_label_issues(y, pred_probs=p)
+    >>> issues.summary(), issues.to_frame().head()
     """
 
     @property

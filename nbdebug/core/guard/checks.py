@@ -6,7 +6,7 @@ a layer beside core that imports it). ``import nbdebug`` hands their module to
 :mod:`nbdebug.core.sources` as the source of :data:`~nbdebug.core.sources.GUARD_CHECKS`,
 imported on the first :func:`resolve_checks` that needs it, which registers its resolver
 (:func:`register_checks`). So there is one
-guard class, :class:`~nbdebug.core.guard.NaNGuard`, whatever path it is imported from.
+guard class, :class:`nbdebug.NaNGuard`, whatever path it is imported from.
 """
 
 from __future__ import annotations

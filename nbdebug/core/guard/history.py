@@ -1,5 +1,5 @@
 """The guard's history: one row per checked step (:class:`HistoryRow`), written by
-:class:`~nbdebug.core.guard.NaNGuard`, stored in its snapshots, and read back by
+:class:`nbdebug.NaNGuard`, stored in its snapshots, and read back by
 :func:`parse_history` (the one reader of a ``history=`` argument) and
 :func:`history_frame` (the table)."""
 

@@ -1,4 +1,4 @@
-"""The options of :class:`~nbdebug.core.guard.NaNGuard`, in the groups a user thinks in.
+"""The options of :class:`nbdebug.NaNGuard`, in the groups a user thinks in.
 
 :class:`GuardOptions` is made of one frozen group each for what the guard checks
 (:class:`WatchOptions`), what it does with a bad step (:class:`FailureOptions`), its
@@ -251,7 +251,7 @@ GROUPS: dict[str, type] = {
 
 @dataclass(frozen=True)
 class GuardOptions:
-    """Every option of a :class:`~nbdebug.core.guard.NaNGuard`, by group.
+    """Every option of a :class:`nbdebug.NaNGuard`, by group.
 
     Attributes
     ----------

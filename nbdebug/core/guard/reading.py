@@ -13,6 +13,7 @@ import torch
 
 from ..norms import fused_norms, total_norm
 from ..parallel import local_tensor
+from ..stats import count_nonfinite, has_nonfinite
 from ..vocab import FailureKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -237,8 +238,7 @@ class StepMeter:
 def _bad_of(pairs: Sequence[tuple[str, torch.Tensor]]) -> BadCounts:
     out = {}
     for name, t in pairs:
-        fin = torch.isfinite(t)
-        if not bool(fin.all()):
-            n_nan = int(torch.isnan(t).sum())
-            out[name] = {"nan": n_nan, "inf": int(t.numel() - int(fin.sum()) - n_nan)}
+        if has_nonfinite(t):  # (one pass over the finite ones; counted only where not)
+            n_nan, n_inf = count_nonfinite(t)
+            out[name] = {"nan": n_nan, "inf": n_inf}
     return out

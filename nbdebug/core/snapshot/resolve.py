@@ -130,7 +130,7 @@ def resolve_step(
     optimizer : torch.optim.Optimizer, optional
         A model source's live optimizer (over the model's parameters).
     history : NaNGuard, list of dict or DataFrame, optional
-        The run's history rows (see :func:`nbdebug.core.guard.history.parse_history`).
+        The run's history rows (see :func:`nbdebug.parse_history`).
     options : ResolveOptions, optional
 
     Returns

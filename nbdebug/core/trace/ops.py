@@ -1,7 +1,7 @@
 """Torch operations by name, and composite torch functions opened up.
 
 :func:`op_name` names a torch callable as a chain shows it (``torch.log``,
-``Tensor.div``); :func:`composite_body` gives a composite function written in Python
+``Tensor.div``; :mod:`nbdebug.core.optable` gives its family); :func:`composite_body` gives a composite function written in Python
 (``F.normalize``, ``F.multi_head_attention_forward``, ``scaled_dot_product_attention``'s
 math path) with its body visible to a ``TorchFunctionMode``, so the op named is the
 elementary one.
@@ -19,7 +19,7 @@ from torch.overrides import resolve_name
 
 from ..text import code_name
 
-__all__ = ["base_name", "composite_body", "descendable", "op_name", "shadow"]
+__all__ = ["composite_body", "descendable", "op_name", "shadow"]
 
 _COMPOSITE_MODULES = ("torch.nn.functional", "torch.functional")
 
@@ -35,10 +35,6 @@ def op_name(func: object) -> str:
     if name.startswith("torch.Tensor."):
         name = name[len("torch.") :]
     return name
-
-
-def base_name(name: str) -> str:
-    return name.rsplit(".", 1)[-1].strip("_")
 
 
 #: a torch callable as a ``TorchFunctionMode`` receives it

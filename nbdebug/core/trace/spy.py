@@ -31,7 +31,8 @@ from ..stats import has_nan, has_nonfinite, row_dim, row_flags
 from ..vocab import NonFinite
 from .events import Chain, ChainLink
 from .frames import user_source
-from .ops import base_name, descendable, op_name, shadow
+from ..optable import base_name
+from .ops import descendable, op_name, shadow
 
 #: a torch function or method as a ``TorchFunctionMode`` receives it
 TorchCallable = Callable[..., object]
