@@ -91,13 +91,16 @@ _EXPORTS: dict[str, str] = {
     "compare_ranks": "nbdebug.analysis.ranks",
     "RanksReport": "nbdebug.analysis.ranks",
     "RankRow": "nbdebug.analysis.ranks",
+    "compare_replays": "nbdebug.analysis.compare",
     "debug": "nbdebug.widgets.app",
     "Debugger": "nbdebug.widgets.app",
 }
 
 # result objects of core and analysis show themselves through the panels that the widgets
-# layer registers: on the first show(), not before (``import nbdebug`` stays UI-free)
+# layer registers: on the first show(), not before (``import nbdebug`` stays UI-free); a
+# Trace's panel is the debugger, which only the app composes
 add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.display").register_viewers())
+add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.app").register_viewers())
 # NaNGuard(checks=True | int | dict) means the health checks of the analysis layer: imported
 # by the first guard that needs them (core never imports analysis)
 add_source(

@@ -156,17 +156,25 @@ def _factory(spec: str, kwargs_json: str | None) -> Callable[[], torch.nn.Module
 
 def _load(args: argparse.Namespace) -> tuple[Snapshot, Trace | None, str | None]:
     """(snapshot, trace or None, a note when there is no trace)."""
-    from .core.snapshot import SnapshotError, import_object, load_snapshot
+    from .core.snapshot import SnapshotError, import_object
+    from .core.snapshot.resolve import Caller, resolve_source
     from .core.trace.result import TraceError
+    from .core.vocab import SourceKind
 
     if args.model_kwargs and not args.model:
         raise UsageError("--model-kwargs needs --model.")
     model = _factory(args.model, args.model_kwargs) if args.model else None
+    # a file; the step is shown without a model too ("Not replayed: no model")
+    files = Caller("nbdebug", frozenset({SourceKind.SNAPSHOT}))
     try:
         with _cwd_importable():
-            snap = load_snapshot(args.path, model, trust_recipe=args.trust_recipe)
+            src = resolve_source(
+                args.path, model=model, trust_recipe=args.trust_recipe, caller=files
+            )
     except (SnapshotError, TypeError) as e:
         raise UsageError(str(e)) from None
+    snap = src.snapshot
+    assert snap is not None  # a file: a directory is read as one, which says what it is
     loss_fn = None
     if args.loss:
         try:

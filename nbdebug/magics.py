@@ -124,7 +124,9 @@ def _magic(line: str) -> None:
     name holding a path or a ``Snapshot``), ``--model`` is the architecture (a module or a
     zero-argument factory) and ``--loss`` overrides the recorded loss function. Without
     arguments it opens the snapshot of the last ``nbdebug.NonFiniteError`` raised in this
-    session, as ``%debug`` does for the last exception.
+    session, as ``%debug`` does for the last exception. A name may also hold a recorded
+    ``Trace`` or a ``(model, batch[, target])`` tuple: what it holds is told apart by
+    :func:`nbdebug.core.snapshot.resolve_source`, as for ``nbdebug.debug``.
 
     The panel has a header (model, parameters, batch, loss and where the first NaN/Inf was
     produced) and tabs: Step (walk through the forward and backward pass), Layers
@@ -226,7 +228,7 @@ def _open(line: str) -> Any:
     """Parse a ``%nbdebug`` line and build the debugger; bad input raises MagicUsageError."""
     import torch
 
-    from .widgets.app import debug
+    from .core.snapshot.resolve import source_kind
 
     shell = _STATE.shell
     ns: dict[str, Any] = shell.user_ns if shell is not None else {}
@@ -237,86 +239,78 @@ def _open(line: str) -> Any:
         err = _last_error()
         if err is None:
             raise MagicUsageError(f"no NonFiniteError has been raised in this session. {USAGE}")
-        path = getattr(err, "path", None)
-        if path is None:
-            raise MagicUsageError(
-                "the last NonFiniteError has no snapshot file (err.path is None)."
-            )
         loss_fn = _loss(opts["loss"], ns) if "loss" in opts else None
-        return _snapshot(path, model, loss_fn)
+        return _debug(err, (None, None), model, loss_fn)
 
     first = args[0]
-    value: Any = None
-    if _NAME.match(first):
-        try:
-            value = _lookup(first, ns)
-        except KeyError:
-            if not (first.endswith(".nbsnap") or os.path.exists(first)):
-                also = " nor a file or folder here" if "." in first else ""
-                raise MagicUsageError(
-                    f"name {first!r} is not defined in the notebook{also}."
-                ) from None
-            value = first  # a file name (step-1.nbsnap, crash.pt) or a folder of snapshots
-    elif first.endswith(".nbsnap") or os.sep in first or os.path.exists(first):
-        value = first  # a snapshot path, or a directory of them
-    else:
+    value = _first_value(first, ns)
+    if source_kind(value) is None:
         raise MagicUsageError(
-            f"{first!r} is neither a name from the notebook nor a snapshot path: give the "
-            f"magic names (assign it first, e.g. m = {first}). {USAGE}"
+            f"{first} is of type {type(value).__qualname__}: expected a torch.nn.Module, a "
+            f"Snapshot, a snapshot path or a Trace. {USAGE}"
         )
-    if isinstance(value, torch.nn.Module):
+    batch: tuple[object, object] = (None, None)
+    if isinstance(value, torch.nn.Module):  # the names after it are its batch
         if len(args) < 2:
             raise MagicUsageError(f"the batch is missing after {first}. {USAGE}")
         if len(args) > 3:
             raise MagicUsageError(f"too many names: {' '.join(args)}. {USAGE}")
         if "model" in opts:
             raise MagicUsageError("--model is for snapshots; the model is the first name here.")
-        batch = _resolve(args[1], ns, "batch")
         target = _resolve(args[2], ns, "target") if len(args) > 2 else None
-        loss_fn = _loss(opts["loss"], ns) if "loss" in opts else None
-        try:
-            return debug(value, batch, target, loss_fn)
-        except (TypeError, ValueError) as e:
-            raise MagicUsageError(str(e)) from None
-    from .core.snapshot import Snapshot, SnapshotError
-
-    if not isinstance(value, (Snapshot, str, os.PathLike)):
-        raise MagicUsageError(
-            f"{first} is of type {type(value).__qualname__}: expected a torch.nn.Module, a "
-            f"Snapshot or a snapshot path. {USAGE}"
-        )
-    if len(args) > 1:
+        batch = (_resolve(args[1], ns, "batch"), target)
+    elif len(args) > 1:
         raise MagicUsageError(f"a snapshot takes no batch or target (it holds its own). {USAGE}")
-
     loss_fn = _loss(opts["loss"], ns) if "loss" in opts else None
-    if isinstance(value, Snapshot):
+    return _debug(value, batch, model, loss_fn)
+
+
+def _first_value(first: str, ns: dict[str, Any]) -> Any:
+    """The first word of the line: a notebook name's value, else a path."""
+    if _NAME.match(first):
         try:
-            return debug(value, loss_fn=loss_fn)
-        except SnapshotError as e:
-            raise MagicUsageError(str(e)) from None
-    return _snapshot(value, model, loss_fn)
+            return _lookup(first, ns)
+        except KeyError:
+            if not (first.endswith(".nbsnap") or os.path.exists(first)):
+                also = " nor a file or folder here" if "." in first else ""
+                raise MagicUsageError(
+                    f"name {first!r} is not defined in the notebook{also}."
+                ) from None
+            return first  # a file name (step-1.nbsnap, crash.pt) or a folder of snapshots
+    if first.endswith(".nbsnap") or os.sep in first or os.path.exists(first):
+        return first  # a snapshot path, or a directory of them
+    raise MagicUsageError(
+        f"{first!r} is neither a name from the notebook nor a snapshot path: give the "
+        f"magic names (assign it first, e.g. m = {first}). {USAGE}"
+    )
 
 
-def _snapshot(
-    path: str | os.PathLike[str],
+def _debug(
+    value: Any,  # a notebook name's value
+    batch: tuple[object, object],
     model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
-    loss_fn: Callable[..., Any] | None = None,
+    loss_fn: Callable[..., object] | None,
 ) -> Any:
-    from .core.snapshot import SnapshotError
+    """``nbdebug.debug`` of the line's source; its errors as one MagicUsageError (a
+    snapshot without a model names ``--model``)."""
+    from .core.snapshot import Snapshot, SnapshotError
     from .widgets.app import debug
 
-    p = os.fspath(path)
-    if not os.path.exists(p):
+    path = value if isinstance(value, (str, os.PathLike)) else None
+    if isinstance(value, (Snapshot, BaseException)):  # a NonFiniteError names its file
+        path = getattr(value, "path", None)
+    p = None if path is None else os.fspath(path)
+    if p is not None and not isinstance(value, Snapshot) and not os.path.exists(p):
         raise MagicUsageError(f"no such file: {p}")
     try:
-        return debug(p, model=model, loss_fn=loss_fn)
+        return debug(value, *batch, loss_fn, model=model)
     except SnapshotError as e:
         if e.needs_model:
             raise MagicUsageError(
-                f"{p} was loaded without a model: give --model NAME (a module, or a "
-                "zero-argument factory, in the notebook's namespace)."
+                f"{p or 'the snapshot'} was loaded without a model: give --model NAME (a "
+                "module, or a zero-argument factory, in the notebook's namespace)."
             ) from None
         msg = str(e)  # most name the file already
-        raise MagicUsageError(msg if p in msg else f"{p}: {msg}") from None
+        raise MagicUsageError(msg if p is None or p in msg else f"{p}: {msg}") from None
     except (TypeError, ValueError) as e:
         raise MagicUsageError(str(e)) from None

@@ -1,6 +1,8 @@
-"""core.snapshot.resolve_step: every form a user hands nbdebug as "a step" (a model and
-batch, a Snapshot, a NonFiniteError, a snapshot path, a directory of snapshots) resolves to
-one ResolvedStep; each bad input is one clear sentence. Also the one history parser."""
+"""core.snapshot.resolve_source and resolve_step: every form a user hands nbdebug (a
+recorded Trace, a model and batch, a Snapshot, a NonFiniteError, a snapshot path, a
+directory of snapshots) is told apart in one place and resolves to one Source (or one
+ResolvedStep to replay); each bad input is one clear sentence, the same at every entry point
+(check, diagnose, debug, %nbdebug, the nbdebug command). Also the one history parser."""
 
 from __future__ import annotations
 
@@ -16,8 +18,16 @@ from torch import nn
 import nbdebug
 from nbdebug.core.guard import HistoryRow, NonFiniteError, parse_history
 from nbdebug.core.snapshot import ResolvedStep, TrainingObjects, resolve_step
-from nbdebug.core.snapshot.resolve import ResolveOptions
-from nbdebug.core.vocab import FailureKind
+from nbdebug.core.snapshot.resolve import (
+    STEP_KINDS,
+    Caller,
+    ResolveOptions,
+    SourceError,
+    resolve_source,
+    source_kind,
+)
+from nbdebug.core.trace import TraceError
+from nbdebug.core.vocab import FailureKind, SourceKind
 
 
 def _mlp() -> nn.Sequential:
@@ -201,3 +211,196 @@ def test_save_snapshot_takes_the_training_objects_as_one_value(tmp_path: Path) -
     assert snap.optimizer_class == "torch.optim.adam:Adam" and snap.step == 4
     with pytest.raises(TypeError, match="got optimizer twice"):
         nbdebug.save_snapshot(tmp_path, TrainingObjects(model, opt), optimizer=opt)
+
+
+# ---------------------------------------------------------------------- resolve_source
+def _snapshot_at(path: Path, step: int) -> Path:
+    x, y = _batch()
+    return nbdebug.save_snapshot(path, _mlp(), x, y, step=step, loss_fn=F.mse_loss)
+
+
+def test_resolve_source_tells_each_kind_apart(tmp_path: Path) -> None:
+    model = _mlp()
+    x, y = _batch()
+    tr = nbdebug.trace(model, x, y, F.mse_loss)
+    for source, kind in [
+        (tr, SourceKind.TRACE),
+        (model, SourceKind.MODEL),
+        ((model, x), SourceKind.MODEL),
+        ([model, x, y], SourceKind.MODEL),
+        (tmp_path, SourceKind.DIRECTORY),
+        (tmp_path / "step.nbsnap", SourceKind.SNAPSHOT),
+        (str(tmp_path / "missing"), SourceKind.SNAPSHOT),
+        (NonFiniteError("m", path=None, step=1, reason={}), SourceKind.SNAPSHOT),
+        ((1, 2), None),
+        (3.5, None),
+    ]:
+        assert source_kind(source) is kind, source
+    # a recorded trace, with what was given beside it
+    t = resolve_source(tr, x)
+    assert t.kind is SourceKind.TRACE and t.trace is tr and t.inputs is x and t.error is None
+    err = TraceError("ValueError in head: boom", trace=tr)
+    assert resolve_source(err).trace is tr and resolve_source(err).error == str(err)
+    # a model and its batch: the user's module as it is, untouched
+    m = resolve_source(model, x, y)
+    assert m.kind is SourceKind.MODEL and m.model is model and m.inputs is x and m.target is y
+    tup = resolve_source((model, x, y))
+    assert tup.model is model and tup.inputs is x and tup.target is y
+
+
+def test_resolve_source_keeps_a_compiled_module_as_the_user_gave_it() -> None:
+    model = _mlp()
+    compiled = torch.compile(model)  # compiles on the first call only
+    x, _ = _batch()
+    assert resolve_source(compiled, x).model is compiled
+    assert resolve_step(compiled, x).model is model  # the replay runs the module it wraps
+
+
+def test_resolve_source_loads_a_snapshot_with_or_without_its_model(tmp_path: Path) -> None:
+    guard, _ = _failing_guard(tmp_path)
+    [path] = guard.snapshots
+    bare = resolve_source(path)
+    assert bare.kind is SourceKind.SNAPSHOT and bare.snapshot is not None
+    assert bare.snapshot.model is None and bare.snapshot.step == 2
+    built = resolve_source(path, _mlp)  # the factory in the batch's place
+    assert built.snapshot is not None and built.snapshot.model is not None
+    # a Snapshot loaded without one is loaded again with the model given
+    again = resolve_source(bare.snapshot, model=_mlp)
+    assert again.snapshot is not None and again.snapshot.model is not None
+    with pytest.raises(NonFiniteError) as info:
+        _failing_guard(tmp_path / "raise", on_nonfinite="raise")
+    by_error = resolve_source(info.value, model=_mlp)
+    assert by_error.snapshot is not None and by_error.snapshot.path == info.value.path
+    # a caller that needs the model: one error with needs_model set
+    with pytest.raises(nbdebug.SnapshotError, match="was loaded without a model") as missing:
+        resolve_source(path, caller=Caller("debug", need_model=True))
+    assert missing.value.needs_model and "debug(..., model=...)" in str(missing.value)
+
+
+def test_resolve_source_lists_a_directory_and_knows_per_rank_files(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    late = _snapshot_at(plain / "step-000000009.nbsnap", 9)
+    early = _snapshot_at(plain / "step-000000002.nbsnap", 2)
+    (plain / "step-000000000.nbsnap").write_bytes(b"not a snapshot")
+    d = resolve_source(plain)
+    assert d.kind is SourceKind.DIRECTORY and d.directory == plain
+    assert d.files == (early, late) and not d.per_rank  # readable ones, earliest first
+    ranks = tmp_path / "ranks"
+    files = [_snapshot_at(ranks / f"step-000000003-rank{r}.nbsnap", 3) for r in (1, 0)]
+    _snapshot_at(ranks / "step-000000007-rank0.nbsnap", 7)
+    r = resolve_source(ranks, model=_mlp)
+    assert r.per_rank and set(r.files[:2]) == set(files) and r.factory is _mlp
+    # a caller that takes files only reads the directory as one, which says what it is
+    with pytest.raises(nbdebug.SnapshotError, match="is a directory, not a snapshot file"):
+        resolve_source(plain, caller=Caller("nbdebug", frozenset({SourceKind.SNAPSHOT})))
+
+
+def test_resolve_source_each_bad_input_is_one_sentence(tmp_path: Path) -> None:
+    guard, _ = _failing_guard(tmp_path)
+    path = guard.snapshots[0]
+    x, y = _batch()
+    tr = nbdebug.trace(_mlp(), x, y, F.mse_loss)
+    step_only = Caller("diagnose", STEP_KINDS)
+    cases = [
+        (
+            SourceError,
+            r"^resolve_source\(\) expects a Trace, a Snapshot",
+            lambda: resolve_source(3.5),
+        ),
+        (
+            SourceError,
+            r"^diagnose\(\) expects a Snapshot.*; got Trace\.$",
+            lambda: resolve_source(tr, caller=step_only),
+        ),
+        (SourceError, "needs the batch: inputs is missing", lambda: resolve_source(_mlp())),
+        (SourceError, "takes no model=", lambda: resolve_source(_mlp(), x, model=_mlp)),
+        (SourceError, "takes no model=: the trace", lambda: resolve_source(tr, model=_mlp)),
+        (SourceError, "inputs were given twice", lambda: resolve_source((_mlp(), x), x)),
+        (SourceError, "target was given twice", lambda: resolve_source((_mlp(), x, y), None, y)),
+        (
+            SourceError,
+            r"resolve_source\(path\) takes no inputs or target",
+            lambda: resolve_source(path, x),
+        ),
+        (
+            SourceError,
+            r"\(directory\) takes no inputs or target",
+            lambda: resolve_source(tmp_path, x),
+        ),
+        (
+            SourceError,
+            "a Snapshot carries its batch",
+            lambda: resolve_source(nbdebug.load_snapshot(path), None, y),
+        ),
+        (SourceError, "carries no partial trace", lambda: resolve_source(TraceError("boom"))),
+        (ValueError, "the batch is empty", lambda: resolve_source(_mlp(), torch.empty(0, 4))),
+    ]  # a missing file, an empty directory, an error without a snapshot: see below
+    for exc, words, call in cases:
+        with pytest.raises(exc, match=words) as info:
+            call()
+        text = str(info.value)
+        assert text.endswith("."), text
+    # a SourceError is both: the entry points raised TypeError or ValueError before
+    assert issubclass(SourceError, TypeError) and issubclass(SourceError, ValueError)
+
+
+# ---------------------------------------------------------------------- every entry point
+def _entry_point_errors(source: Path | str, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """The one-line error each entry point gives for ``source``."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nbdebug.cli import main
+
+    said: dict[str, str] = {}
+    for name, call in [
+        ("check", lambda: nbdebug.check(source)),
+        ("diagnose", lambda: nbdebug.diagnose(source, model=_mlp)),
+        ("debug", lambda: nbdebug.debug(source, model=_mlp)),
+    ]:
+        with pytest.raises((nbdebug.SnapshotError, TypeError, ValueError)) as info:
+            call()
+        said[name] = str(info.value)
+    sh = InteractiveShell.instance()
+    sh.user_ns["make"] = _mlp
+    sh.run_cell("%load_ext nbdebug")
+    try:
+        capsys.readouterr()
+        sh.run_line_magic("nbdebug", f"{source} --model make")
+        said["%nbdebug"] = capsys.readouterr().err.strip().removeprefix("nbdebug: ")
+    finally:
+        sh.run_cell("%unload_ext nbdebug")
+        sh.user_ns.pop("make", None)
+    assert main(["inspect", str(source)]) == 2
+    said["nbdebug inspect"] = capsys.readouterr().err.strip().removeprefix("nbdebug: error: ")
+    return said
+
+
+def test_every_entry_point_gives_the_same_sentence_for_the_same_bad_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "broken.nbsnap").write_bytes(b"\x00 not a snapshot")
+    garbage = tmp_path / "garbage.nbsnap"
+    garbage.write_bytes(b"\x00 not a snapshot either")
+    for source, sentence in [
+        (empty, f"the directory {empty} holds no readable snapshot file."),
+        (garbage, f"{garbage} is not a snapshot: it is not a torch.save zip archive"),
+    ]:
+        said = _entry_point_errors(source, capsys)
+        assert set(said) == {"check", "diagnose", "debug", "%nbdebug", "nbdebug inspect"}
+        for name, text in said.items():
+            assert text.startswith(sentence), (name, text)
+        assert len(set(said.values())) == 1, said
+    # a path that does not exist: one sentence; the magic words it its own way (its line
+    # names a file: "no such file: PATH", pinned by tests/test_magics.py)
+    missing = tmp_path / "missing.nbsnap"
+    said = _entry_point_errors(missing, capsys)
+    magic = said.pop("%nbdebug")
+    assert set(said.values()) == {f"{missing}: no such file."}, said
+    assert magic == f"no such file: {missing}"
+    # the error of a guard that wrote no snapshot
+    err = NonFiniteError("m", path=None, step=1, reason={})
+    for call in (nbdebug.check, nbdebug.diagnose, nbdebug.debug):
+        with pytest.raises(nbdebug.SnapshotError, match=r"^this NonFiniteError carries no"):
+            call(err)

@@ -65,6 +65,15 @@ def trained(tmp_path):
     return model, opt, sched, x, y
 
 
+def write_torch_save(payload: dict, path: Path) -> Path:
+    """Write a snapshot in the format of versions 1-4 (a torch.save zip archive): files
+    written before the safetensors layout still load."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:  # as nbdebug wrote them: the archive is named "archive"
+        torch.save(payload, f)
+    return path
+
+
 def _save(tmp_path, trained, **kw):
     model, opt, sched, x, y = trained
     args = {
@@ -290,7 +299,7 @@ def test_replay_uses_the_stored_rng(tmp_path):
 def test_damaged_tensor_bytes_are_refused(tmp_path, trained):
     # bytes changed inside a stored tensor leave a readable archive: the record's CRC-32
     # is what tells, and a replay of such a file would be a different step
-    good = _save(tmp_path, trained)
+    good = _save(tmp_path, trained, write=write_torch_save)
     data = good.read_bytes()
     weight = trained[0].fc1.weight.detach().numpy().tobytes()
     at = data.find(weight)
@@ -309,7 +318,7 @@ def test_damaged_tensor_bytes_are_refused(tmp_path, trained):
     from torch.utils.serialization import config
 
     with config.patch({"save.compute_crc32": False}):
-        plain = _save(tmp_path / "nocrc", trained)
+        plain = _save(tmp_path / "nocrc", trained, write=write_torch_save)
     with zipfile.ZipFile(plain) as z:
         assert {i.CRC for i in z.infolist()} == {0}
     snap = load_snapshot(plain, Net())
@@ -343,7 +352,7 @@ def test_checksums_hold_for_tied_and_equal_tensors(tmp_path):
 
 
 def _payload(path: Path) -> dict:
-    return torch.load(path, weights_only=True)
+    return snapmod.read_archive(path)
 
 
 def test_a_bad_map_location_is_named_not_the_file(tmp_path, trained):
@@ -551,7 +560,7 @@ def cuda_tagged():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="simulates a CUDA file on a CPU-only machine")
 def test_gpu_snapshot_loads_on_cpu(tmp_path, trained, cuda_tagged):
     cuda_tagged["on"] = True
-    path = _save(tmp_path, trained)
+    path = _save(tmp_path, trained, write=write_torch_save)
     cuda_tagged["on"] = False
     # the file really is a CUDA file: a plain load on this machine fails ...
     with pytest.raises(RuntimeError, match="CUDA"):
@@ -622,6 +631,7 @@ def small_snapshot(tmp_path_factory) -> tuple[bytes, int]:
         history=[{"step": 0, "loss": 1.0}],
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         loss_fn=nn.functional.cross_entropy,
+        write=write_torch_save,
     )
     with zipfile.ZipFile(p) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))

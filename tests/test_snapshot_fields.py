@@ -19,6 +19,7 @@ from nbdebug.core.snapshot import (
     SnapshotError,
     list_snapshots,
     load_snapshot,
+    read_archive,
     read_payload,
     save_snapshot,
 )
@@ -78,7 +79,7 @@ def _future_fields(since: int, *, required: bool = True) -> tuple[Field, ...]:
 
 def test_a_file_of_today_loads_after_a_field_is_added(tmp_path, monkeypatch):
     old, model, x = _write_today(tmp_path)
-    raw = torch.load(old, weights_only=True)
+    raw = read_archive(old)
     assert raw["version"] == FORMAT_VERSION and "node" not in raw
 
     monkeypatch.setattr(fmt, "FIELDS", _future_fields(FORMAT_VERSION + 1))
@@ -101,14 +102,14 @@ def test_a_file_of_today_loads_after_a_field_is_added(tmp_path, monkeypatch):
 
     # the new writer stores the producer's values under the next version
     new = save_snapshot(tmp_path / "new.nbsnap", model, x, step=8, node=1, future_ranks=[1])
-    raw_new = torch.load(new, weights_only=True)
+    raw_new = read_archive(new)
     assert raw_new["version"] == FORMAT_VERSION + 1
     assert raw_new["node"] == 1 and raw_new["future_ranks"] == [1]
     snap_new = load_snapshot(new)
     assert snap_new.node == 1 and snap_new.version == FORMAT_VERSION + 1  # type: ignore[attr-defined]
     # ... and a producer that gives nothing gets the defaults written
     plain = save_snapshot(tmp_path / "plain.nbsnap", model, x, step=9)
-    raw_plain = torch.load(plain, weights_only=True)
+    raw_plain = read_archive(plain)
     assert raw_plain["node"] is None and raw_plain["future_ranks"] == []
 
     # today's nbdebug refuses the newer file in one clear sentence
@@ -125,7 +126,7 @@ def test_a_file_of_today_loads_after_a_field_is_added(tmp_path, monkeypatch):
 
 def test_required_and_optional_new_fields(tmp_path, monkeypatch):
     old, _model, _x = _write_today(tmp_path)
-    raw = torch.load(old, weights_only=True)
+    raw = read_archive(old)
     nxt = FORMAT_VERSION + 1
     monkeypatch.setattr(fmt, "FIELDS", _future_fields(nxt))
     # a file of the new version must hold a required new field ...
@@ -173,7 +174,7 @@ def test_the_writer_checks_fields_against_the_table(tmp_path, monkeypatch):
 
 def test_the_file_holds_exactly_the_table(tmp_path):
     old, _model, _x = _write_today(tmp_path)
-    raw = torch.load(old, weights_only=True)
+    raw = read_archive(old)
     assert list(raw) == ["format", "version", *(f.key for f in FIELDS)]
     snap = load_snapshot(old)
     for f in FIELDS:
@@ -187,7 +188,7 @@ def test_the_file_holds_exactly_the_table(tmp_path):
 
 def test_from_payload_matches_load_snapshot(tmp_path):
     old, _model, _x = _write_today(tmp_path)
-    raw = torch.load(old, weights_only=True)
+    raw = read_archive(old)
     snap = Snapshot.from_payload(raw, old)
     ref = load_snapshot(old)
     assert snap.path == old and snap.model is None

@@ -292,6 +292,34 @@ def test_layers_tab_sorts_the_parameter_table(bad_dbg):
     assert "nbdebug-bad" not in lay.table.value.split("</style>", 1)[1]
 
 
+def test_layers_table_marks_the_ratios_checks_flag_not_a_bias_or_layernorm_weight():
+    """One vanishing/exploding rule (``param_verdict``) for the Layers table and Checks:
+    a bias and a LayerNorm weight with a ratio far outside the band are not judged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with torch.no_grad():
+        model[0].bias.fill_(0.5)
+    w = torch.randn(8, 4)
+
+    def loss_fn(out):
+        return (out * w).sum() * 1e4
+
+    dbg = debug(model, torch.randn(8, 4), loss_fn=loss_fn)
+    ratios = {p.name: p.ratio for p in dbg.trace.params}
+    # the step is one whose 1-D parameters have ratios the band would call exploding
+    assert ratios["0.bias"] > EXPLODING and ratios["1.weight"] > EXPLODING
+    flagged = {
+        f.param
+        for f in nbdebug.check(dbg.trace, loss_fn=loss_fn)
+        if f.code in ("vanishing_gradient", "exploding_gradient")
+    }
+    rows = dbg.layers.table.value.split("<tr class=")[1:]
+    names = list(dbg.layers.sorted_frame().index)
+    marked = {n for n, row in zip(names, rows) if row.startswith("'nbdebug-warn")}
+    assert flagged == {"0.weight"}
+    assert marked == flagged
+
+
 def test_healthy_model_and_rerun_after_a_fix(batch):
     x, y = batch
     m = LogNet()
@@ -624,3 +652,19 @@ def test_histogram_title_counts_nan_in_the_whole_tensor():
     assert histogram_title(ev).endswith("; 1 NaN/Inf in all")
     assert f"a sample of {ev.hist.total} of 32000 values" in histogram_title(ev)
     assert ev.hist.total <= 1024
+
+
+def test_a_trace_shows_itself_as_the_debugger(batch):
+    """The result protocol: ``Trace.show()`` is the debugger's widget (registered by the
+    app, the one widget module that composes the debugger), ``ok`` and ``summary()``
+    its verdict and one line, ``to_frame()`` its events."""
+    x, y = batch
+    tr = nbdebug.trace(LogNet(), x, y, F.cross_entropy)
+    panel = tr.show(backend="output")
+    assert isinstance(panel, ipw.VBox) and "nbdebug-debugger" in panel._dom_classes
+    assert tr.ok is False and tr.summary().startswith("NaN produced in")
+    assert len(tr.to_frame()) == len(tr.events)
+    healthy = nbdebug.trace(LogNet(bad=False), x, y, F.cross_entropy)
+    assert healthy.ok is True and healthy.summary() == "healthy"
+    header = healthy.show().children[1].children[0].value
+    assert debug(healthy).header.value == header

@@ -62,6 +62,7 @@ class FailureKind(Vocab):
     WEIGHTS = "weights"  # a weight is non-finite before the step
     SCALE = "scale"  # the grad scaler's scale collapsed
     RANK = "rank"  # another rank of a distributed run failed
+    SPIKE = "spike"  # the loss or gradient norm spiked (finite; the spike detector)
 
 
 class FixKind(Vocab):
@@ -93,3 +94,12 @@ class NonFinite(Vocab):
 
     NAN = "NaN"
     INF = "inf"
+
+
+class SourceKind(Vocab):
+    """What a user handed nbdebug as a step (:func:`nbdebug.core.snapshot.resolve_source`)."""
+
+    TRACE = "trace"  # a recorded Trace (or a TraceError's partial trace)
+    SNAPSHOT = "snapshot"  # a Snapshot, a snapshot file's path or a NonFiniteError
+    DIRECTORY = "directory"  # a directory of snapshot files
+    MODEL = "model"  # a model and its batch (or a (model, inputs[, target]) tuple)

@@ -148,8 +148,9 @@ else:
         no AdamW moment or weight-decay change), so the step is a no-op for the weights.
         The learning-rate scheduler still steps and ``state.global_step`` still counts it.
         The skip is logged to the ``"nbdebug"`` Python logger, and the Trainer logs that
-        step (``control.should_log``) with ``nbdebug/skipped`` (1.0) and
-        ``nbdebug/skipped_step`` added: in ``state.log_history`` and for the callbacks
+        step (``control.should_log``) with ``nbdebug/skipped`` (1.0),
+        ``nbdebug/skipped_step`` and the guard's skip counters ``nbdebug/skips`` (in all)
+        and ``nbdebug/skips_in_row`` added: in ``state.log_history`` and for the callbacks
         after this one (the console printer, and reporters added after it; those of
         ``report_to``, which the Trainer puts first, see that row without it). The Trainer
         logs an update under the step count after it (``global_step + 1``); the snapshot,
@@ -398,14 +399,14 @@ else:
             self.guard.set_snapshot_field("autocast", self._autocast_seen)  # None: none seen
             self._autocast_seen = None
             ok = self.guard.check(loss, inputs=inputs, step=step)
-            if ok or self.guard.on_nonfinite == "continue":
+            if ok or not self.guard.history[-1].get("skipped"):
                 return
             self.skipped.append(step)
             self._unlogged += 1
             _log.warning(
-                "nbdebug: step %d made a no-op (non-finite %s); snapshot %s",
+                "nbdebug: step %d made a no-op (%s); snapshot %s",
                 step,
-                self.guard.history[-1].get("nonfinite"),
+                self.guard.history[-1].get("skip_reason"),
                 self.guard.snapshots[-1] if self.guard.snapshots else None,
             )
 
@@ -423,6 +424,8 @@ else:
                 added = {
                     "nbdebug/skipped": float(self._unlogged),
                     "nbdebug/skipped_step": float(self.skipped[-1]),
+                    "nbdebug/skips": float(self.guard.skips.total) if self.guard else 0.0,
+                    "nbdebug/skips_in_row": float(self.guard.skips.in_row) if self.guard else 0.0,
                 }
                 logs.update(added)
                 history = getattr(state, "log_history", None)

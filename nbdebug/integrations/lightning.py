@@ -51,8 +51,9 @@ else:
         Lightning then still calls ``optimizer.step()``, and a torch optimizer skips each
         parameter whose ``.grad`` is ``None`` (no update, no momentum or Adam moment
         change, no weight decay), so the step is a no-op for the weights. The skip
-        is logged to the trainer's loggers as ``nbdebug/skipped`` (1.0) at the step, and
-        to the ``"nbdebug"`` Python logger.
+        is logged to the trainer's loggers as ``nbdebug/skipped`` (1.0) at the step, with
+        the guard's skip counters ``nbdebug/skips`` (in all) and ``nbdebug/skips_in_row``,
+        and to the ``"nbdebug"`` Python logger.
 
         The optimizer's learning-rate scheduler still steps (Lightning steps it after the
         optimizer). Lightning's gradient clipping (``gradient_clip_val``) is left out of a
@@ -210,18 +211,26 @@ else:
             self.record_global_step(step)
             if self.guard.check(loss, inputs=inputs, target=target, step=step):
                 return
-            if self.guard.on_nonfinite == "continue":
+            row = self.guard.history[-1]
+            if not row.get("skipped"):  # on_nonfinite="continue": recorded, not skipped
                 return
             if trainer.gradient_clip_val is not None:  # Lightning clips next: nothing to clip
                 self._clip_val = trainer.gradient_clip_val
                 trainer.gradient_clip_val = None
             self.skipped.append(step)
-            reason = self.guard.history[-1].get("nonfinite")
+            reason = row.get("skip_reason")
             _log.warning(
-                "nbdebug: step %d skipped (non-finite %s); snapshot %s",
+                "nbdebug: step %d skipped (%s); snapshot %s",
                 step,
                 reason,
                 self.guard.snapshots[-1] if self.guard.snapshots else None,
             )
             for logger in trainer.loggers:
-                logger.log_metrics({"nbdebug/skipped": 1.0}, step=step)
+                logger.log_metrics(
+                    {
+                        "nbdebug/skipped": 1.0,
+                        "nbdebug/skips": float(self.guard.skips.total),
+                        "nbdebug/skips_in_row": float(self.guard.skips.in_row),
+                    },
+                    step=step,
+                )

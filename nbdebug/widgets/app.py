@@ -7,7 +7,9 @@
 
 ``debug`` takes a model and a batch (the conventions of :func:`nbdebug.trace`), a
 :class:`~nbdebug.core.snapshot.Snapshot`, the path of a snapshot file (with ``model=``),
-or an already recorded :class:`~nbdebug.core.trace.result.Trace`.
+a directory of per-rank snapshots, or an already recorded
+:class:`~nbdebug.core.trace.result.Trace` (:func:`~nbdebug.core.snapshot.resolve_source`
+tells them apart). A Trace's ``show()`` is its debugger (:func:`register_viewers`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from __future__ import annotations
 import html
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
+from ..core.batch import LossFn
+from ..core.display import register_viewer
 from ..core.options import options_from
+from ..core.snapshot.load import ModelSource
+from ..core.snapshot.resolve import Caller, resolve_source
 from ..core.trace.events import Event
 from ..core.trace.result import Trace, TraceError
 from ..figures.palette import RED
@@ -37,11 +43,22 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
+    from ..core.guard import NonFiniteError
     from ..core.snapshot import Snapshot
     from .ranks import RanksDebugger
 
     #: what :func:`debug` opens
-    DebugSource = torch.nn.Module | Snapshot | str | os.PathLike[str] | Trace
+    DebugSource = (
+        torch.nn.Module
+        | tuple[torch.nn.Module, Any]
+        | tuple[torch.nn.Module, Any, Any]
+        | Snapshot
+        | NonFiniteError
+        | str
+        | os.PathLike[str]
+        | Trace
+        | TraceError
+    )
 
 TraceSource = Callable[[], Trace]
 
@@ -264,9 +281,9 @@ class Debugger:
             raise ValueError(f"no tab named {title!r}; the tabs are {titles}.")
         self.tabs.selected_index = titles.index(title)
 
-    def _on_tab_shown(self, change: Any) -> None:
+    def _on_tab_shown(self, change: Mapping[str, object]) -> None:
         index = change["new"]
-        if index is not None and 0 <= index < len(self.tabs.children):
+        if isinstance(index, int) and 0 <= index < len(self.tabs.children):
             fit_figures(self.tabs.children[index])
 
     def _layout_tabs(self) -> None:
@@ -368,11 +385,11 @@ class Debugger:
 
 def debug(
     obj: DebugSource,
-    inputs: Any = None,
-    target: Any = None,
-    loss_fn: Callable[..., Any] | None = None,
+    inputs: object = None,
+    target: object = None,
+    loss_fn: LossFn | None = None,
     *,
-    model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    model: ModelSource | None = None,
     backend: str | None = None,
     **options: Any,
 ) -> Debugger | RanksDebugger:
@@ -380,18 +397,20 @@ def debug(
 
     Parameters
     ----------
-    obj : torch.nn.Module, Snapshot, str or os.PathLike, or Trace
+    obj : torch.nn.Module, tuple, Snapshot, NonFiniteError, str, os.PathLike, Trace or TraceError
         A model (then ``inputs`` is its batch: a tensor, tuple/list or dict, as for
-        :func:`nbdebug.trace`), a snapshot, the path of a snapshot file, a directory of a
-        distributed run's per-rank snapshots (``step-...-rankN.nbsnap``: a
+        :func:`nbdebug.trace`; or a ``(model, inputs[, target])`` tuple), a snapshot (or
+        the error a guard raised: its snapshot), the path of a snapshot file, a directory
+        of a distributed run's per-rank snapshots (``step-...-rankN.nbsnap``: a
         :class:`~nbdebug.widgets.ranks.RanksDebugger` with a rank selector and the
-        :func:`nbdebug.compare_ranks` table in its header), or a recorded trace.
+        :func:`nbdebug.compare_ranks` table in its header), or a
+        recorded trace (a ``TraceError``'s partial one).
     inputs, target, loss_fn
         As for :func:`nbdebug.trace` (model only; a snapshot takes ``loss_fn`` to override
         the recorded loss function).
     model : torch.nn.Module or callable, optional
-        For a snapshot path: the architecture (a module or a zero-argument factory), passed
-        to :func:`nbdebug.load_snapshot`.
+        For a snapshot path (or a Snapshot loaded without one): the architecture (a module
+        or a zero-argument factory), passed to :func:`nbdebug.load_snapshot`.
     backend : {"auto", "figurewidget", "output"}, optional
         How figures are drawn (see :mod:`nbdebug.widgets.plot`).
     reference : array, DataFrame or tensor, optional
@@ -412,50 +431,44 @@ def debug(
     Debugger or RanksDebugger
         A directory gives a :class:`~nbdebug.widgets.ranks.RanksDebugger`. A model that
         raises gives a debugger showing the ``TraceError`` message and the partial trace.
-    """
-    import torch
 
+    Raises
+    ------
+    SourceError
+        A source of another form, a model without its batch, a batch beside a snapshot
+        (a ``TypeError``, see :func:`~nbdebug.core.snapshot.resolve_source`).
+    SnapshotError
+        A file that cannot be read, a directory without a readable snapshot, a snapshot
+        without a model (``needs_model`` set).
+    """
     opts = options_from(DebugOptions, options, where="debug()", also=DEBUG_KEYWORDS)
     tabs = TabContext(options=opts, backend=backend)
-    if model is not None and not isinstance(obj, (str, os.PathLike)):
-        raise TypeError("model= is for a snapshot path; pass a model as the first argument.")
-    if isinstance(obj, Trace):
+    src = resolve_source(obj, inputs, target, model=model, caller=DEBUG_SOURCE)
+    if src.trace is not None:
         if (
-            inputs is not None
-            or target is not None
+            src.inputs is not None
+            or src.target is not None
             or loss_fn is not None
             or opts.reference is not None
         ):
             raise TypeError(
                 "debug(trace) takes no inputs/target/loss_fn: the trace is already recorded."
             )
-        dbg = Debugger(obj, backend=backend)
+        dbg = Debugger(src.trace, error=src.error, backend=backend)
         add_feature_tabs(dbg, TabContext(backend=backend))
         return dbg
-    if isinstance(obj, torch.nn.Module):
-        if inputs is None:
-            raise TypeError("debug(model, inputs, ...) needs the batch: inputs is missing.")
-        return _debug_model(obj, replace(tabs, inputs=inputs, target=target, loss_fn=loss_fn))
-    if isinstance(obj, (str, os.PathLike)) and os.path.isdir(obj):
-        if inputs is not None or target is not None:
-            raise TypeError("debug(directory) takes no inputs or target: the snapshots hold them.")
-        return _debug_directory(obj, model, loss_fn, backend)
-    if isinstance(obj, (str, os.PathLike)):
-        from ..core.snapshot import load_snapshot
+    if src.model is not None:
+        ctx = replace(tabs, inputs=src.inputs, target=src.target, loss_fn=loss_fn)
+        return _debug_model(src.model, ctx)
+    if src.snapshot is not None:
+        return _debug_snapshot(src.snapshot, replace(tabs, loss_fn=loss_fn))
+    assert src.directory is not None  # the per-rank files of a distributed step
+    return _debug_directory(src.directory, src.factory, loss_fn, backend)
 
-        obj = load_snapshot(obj, model=model)
-    from ..core.snapshot import Snapshot
 
-    if isinstance(obj, Snapshot):
-        if inputs is not None or target is not None:
-            raise TypeError(
-                "debug(snapshot) takes no inputs or target: the snapshot holds its batch."
-            )
-        return _debug_snapshot(obj, replace(tabs, loss_fn=loss_fn))
-    raise TypeError(
-        "debug expects a torch.nn.Module with its batch, a Snapshot, a snapshot path or a Trace; "
-        f"got {type(obj).__qualname__}."
-    )
+#: what :func:`debug` opens (:func:`~nbdebug.core.snapshot.resolve_source`); a snapshot
+#: needs its model
+DEBUG_SOURCE = Caller("debug", need_model=True)
 
 
 #: the keyword arguments of :func:`debug`'s signature (its options are DebugOptions')
@@ -499,8 +512,8 @@ def _debug_snapshot(snap: Snapshot, ctx: TabContext) -> Debugger:
 
 def _debug_directory(
     directory: str | os.PathLike[str],
-    model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
-    loss_fn: Callable[..., Any] | None,
+    model: ModelSource | None,
+    loss_fn: LossFn | None,
     backend: str | None,
 ) -> RanksDebugger:
     """The debugger over a distributed run's per-rank snapshots in ``directory``."""
@@ -512,3 +525,18 @@ def _debug_directory(
         return one
 
     return RanksDebugger(directory, open_rank, model=model, loss_fn=loss_fn)
+
+
+def trace_panel(trace: Trace, *, backend: str | None = None) -> widgets.Widget:
+    """The debugger's widget for a recorded ``Trace`` (``trace.show()``): what
+    ``nbdebug.debug(trace)`` shows."""
+    dbg = debug(trace, backend=backend)
+    assert isinstance(dbg, Debugger)  # a trace: one debugger
+    return dbg.widget
+
+
+def register_viewers() -> None:
+    """Register the debugger as the viewer of a ``Trace`` (the other results' panels are
+    registered by :func:`nbdebug.widgets.display.register_viewers`; no panel file but
+    this one composes the debugger)."""
+    register_viewer("Trace", trace_panel)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import ipywidgets as widgets
 
-from ..analysis.checks.grad import ratio_verdict
+from ..analysis.checks.grad import RatioVerdict, param_verdicts, ratio_verdict
 from ..core.trace.result import PARAMS_COLUMNS, Trace
 from ..figures.layers import EXPLODING, VANISHING, ratio_figure
 from .plot import PlotView
@@ -42,16 +43,29 @@ def _shown(row: Any, col: str) -> str:
     return _cell(v)
 
 
-def params_table_html(frame: Any, selected: str | None = None) -> str:
+def params_table_html(
+    frame: Any,
+    selected: str | None = None,
+    verdicts: Mapping[str, RatioVerdict] | None = None,
+) -> str:
     """HTML table of a ``Trace.params_frame()`` (already sorted); rows with a non-finite
-    weight or gradient, or a ratio outside the healthy band, are marked, and the
-    ``selected`` parameter is highlighted."""
+    weight or gradient, or a vanishing or exploding ratio, are marked, and the
+    ``selected`` parameter is highlighted.
+
+    ``verdicts`` (parameter name -> :func:`~nbdebug.analysis.checks.grad.param_verdict`)
+    says which ratios are vanishing or exploding: the Layers panel passes the trace's, so
+    the table marks the parameters Checks flags (a bias or a norm scale is not judged).
+    Without it a row's ratio is judged alone (``ratio_verdict``)."""
     head = "".join(f"<th>{c}</th>" for c in ("name", *_SHOWN))
     body = []
     for name, row in frame.iterrows():
         bad = row["n_nan"] or row["n_inf"] or row["grad_n_nan"] or row["grad_n_inf"]
-        r = row["ratio"]
-        off = ratio_verdict(r) in ("vanishing", "exploding")
+        verdict = (
+            verdicts.get(str(name), "not judged")
+            if verdicts is not None
+            else ratio_verdict(row["ratio"])
+        )
+        off = verdict in ("vanishing", "exploding")
         cls = "nbdebug-bad" if bad else ("nbdebug-warn" if off else "")
         if name == selected:
             cls += " nbdebug-selected"
@@ -76,6 +90,9 @@ class LayersPanel:
         One of ``SORT_COLUMNS``.
     descending : ipywidgets.Checkbox
     table : ipywidgets.HTML
+    verdicts : dict of str to RatioVerdict
+        Each parameter's ``param_verdict``: the rule the table's marking and the plot's
+        colours share with the health checks.
     plot : PlotView
         ``ratio_figure(trace)``.
     """
@@ -83,6 +100,7 @@ class LayersPanel:
     def __init__(self, trace: Trace, *, backend: str | None = None):
         self.trace = trace
         self._frame = trace.params_frame()
+        self.verdicts = param_verdicts(trace.params, trace.module_types)
         self.selected: str | None = None
         self.sort_by = widgets.Dropdown(
             options=list(SORT_COLUMNS), value="name", description="sort by"
@@ -114,7 +132,7 @@ class LayersPanel:
         if not len(self._frame):
             self.table.value = "<i>the model has no parameters</i>"
             return
-        self.table.value = params_table_html(self.sorted_frame(), self.selected)
+        self.table.value = params_table_html(self.sorted_frame(), self.selected, self.verdicts)
 
     def select(self, name: str) -> None:
         """Highlight parameter ``name`` (e.g. from a health-check finding)."""

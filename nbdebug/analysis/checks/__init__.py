@@ -13,7 +13,7 @@ from __future__ import annotations
 from .api import FAMILIES, CheckOptions, check, check_state_dict
 from .base import CHECK_EVERY, Finding, Findings
 from .codes import CODES, CheckCode, CheckGroup, Code
-from .grad import RatioVerdict, judged, param_verdict, ratio_verdict
+from .grad import RatioVerdict, judged, param_verdict, param_verdicts, ratio_verdict
 from .guard import GuardChecks, parse_checks
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "check_state_dict",
     "judged",
     "param_verdict",
+    "param_verdicts",
     "parse_checks",
     "ratio_verdict",
 ]

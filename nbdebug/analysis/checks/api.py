@@ -42,12 +42,15 @@ from typing import Any, Protocol
 
 import torch
 
-from ...core.batch import LossError, check_inputs, check_model
+from ...core.batch import LossError
 from ...core.guard import NaNGuard, parse_history
 from ...core.options import options_from
 from ...core.snapshot import Snapshot, SnapshotError
+from ...core.snapshot.load import ModelSource
+from ...core.snapshot.resolve import Caller, expected_forms, resolve_source, source_kind
 from ...core.trace import trace as run_trace
 from ...core.trace.result import Trace, TraceError
+from ...core.vocab import SourceKind
 from . import data, forward, grad, guard, optim, precision
 from .base import (
     CHECK_EVERY,
@@ -138,6 +141,7 @@ class CheckOptions:
     scheduler: SchedulerLike | None = None
     history: object = None
     clip_norm: float | None = None
+    model: ModelSource | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clip_norm", check_clip_norm(self.clip_norm))
@@ -157,9 +161,12 @@ def check(source: object, **options: Any) -> Findings:
 
     Parameters
     ----------
-    source : Trace, Snapshot, (model, inputs[, target]), torch.nn.Module or NaNGuard
+    source : Trace, Snapshot, path, (model, inputs[, target]), torch.nn.Module or NaNGuard
         A module needs ``inputs=``; a model and batch are traced with
-        :func:`nbdebug.trace` (one forward + backward; the model is left as it was).
+        :func:`nbdebug.trace` (one forward + backward; the model is left as it was). A
+        snapshot path (or a NonFiniteError, its snapshot) is loaded with ``model=``, and
+        replayed when it has one. :func:`nbdebug.core.snapshot.resolve_source` tells the
+        forms apart.
     inputs : Tensor, tuple/list or dict, optional
         The batch (for a Trace source: enables ``constant_feature``).
     target : optional
@@ -177,6 +184,9 @@ def check(source: object, **options: Any) -> Findings:
         ``skipped``). A Snapshot brings its own.
     clip_norm : float, optional
         The ``max_norm`` of your gradient clipping (for the clipping checks).
+    model : torch.nn.Module or callable, optional
+        For a snapshot path (or a Snapshot loaded without one): the architecture (a
+        module, copied, or a zero-argument factory), as for :func:`nbdebug.load_snapshot`.
 
     Returns
     -------
@@ -279,33 +289,41 @@ def check(source: object, **options: Any) -> Findings:
     )
     history = opts.history
     ctx.history = None if history is None else [dict(r) for r in parse_history(history)]
-    model = _resolve_source(ctx, source)
+    model = _resolve_source(ctx, source, opts.model)
     _resolve_training(ctx, model, opts)
     ctx.view = TraceView(ctx.trace) if ctx.trace is not None else None
     return sort_findings(run_families(ctx, FAMILIES))
 
 
-def _resolve_source(ctx: CheckContext, source: object) -> torch.nn.Module | None:
+#: what :func:`check` takes through :func:`~nbdebug.core.snapshot.resolve_source` (a
+#: NaNGuard it checks itself; a directory is read as a file, which says it is one)
+CHECK_SOURCE = Caller("check", frozenset({SourceKind.TRACE, SourceKind.SNAPSHOT, SourceKind.MODEL}))
+
+
+def _resolve_source(
+    ctx: CheckContext, source: object, model: ModelSource | None
+) -> torch.nn.Module | None:
     """Fill ``ctx.trace`` (and the batch, the loss, the history a snapshot brings) from
     ``source``; returns the live model when there is one."""
-    if isinstance(source, TraceError):
-        if source.trace is None:
-            raise ValueError("this TraceError carries no partial trace to check.")
-        ctx.trace = source.trace
-        ctx.found.append(_trace_error(str(source)))
+    kind = source_kind(source)
+    if kind is None:
+        forms = expected_forms(CHECK_SOURCE.accept, also=("a NaNGuard",))
+        raise TypeError(f"source must be {forms}; got {type(source).__qualname__}.")
+    # a batch given beside a snapshot is what the checks read (the replay keeps its own)
+    x, y = (None, None) if kind is SourceKind.SNAPSHOT else (ctx.inputs, ctx.target)
+    src = resolve_source(source, x, y, model=model, caller=CHECK_SOURCE)
+    if src.trace is not None:
+        ctx.trace = src.trace
+        error = src.error or src.trace.error  # a partial trace (as the debugger holds it)
+        if error:
+            ctx.found.append(_trace_error(error))
         return None
-    if isinstance(source, Trace):
-        ctx.trace = source
-        if source.error:  # the partial trace of a step that raised (as the debugger holds it)
-            ctx.found.append(_trace_error(source.error))
-        return None
-    if isinstance(source, Snapshot):
-        return _resolve_snapshot(ctx, source)
-    model = _model_of(ctx, source)
-    check_model(model)
-    check_inputs(ctx.inputs)
-    x, y = ctx.inputs, ctx.target
-    early = data.labels_before_trace(model, x, y, ctx.loss_fn)
+    if src.snapshot is not None:
+        return _resolve_snapshot(ctx, src.snapshot)
+    net = src.model
+    assert net is not None  # a model and its batch
+    x, y = ctx.inputs, ctx.target = src.inputs, src.target
+    early = data.labels_before_trace(net, x, y, ctx.loss_fn)
     if early:
         ctx.found += early
         ctx.missing["trace"] = (
@@ -314,33 +332,8 @@ def _resolve_source(ctx: CheckContext, source: object) -> torch.nn.Module | None
         )
         ctx.target = None  # judged already
     else:
-        ctx.trace = _traced(ctx, lambda lf: run_trace(model, x, y, lf))
-    return model
-
-
-def _model_of(ctx: CheckContext, source: object) -> torch.nn.Module:
-    """The model of a ``(model, inputs[, target])`` tuple or a model with ``inputs=``."""
-    if (
-        isinstance(source, (tuple, list))
-        and len(source) in (2, 3)
-        and isinstance(source[0], torch.nn.Module)
-    ):
-        ctx.inputs = source[1]
-        if len(source) == 3:
-            if ctx.target is not None:
-                raise ValueError("target was given twice: in the source tuple and as target=.")
-            ctx.target = source[2]
-        return source[0]
-    if isinstance(source, torch.nn.Module):
-        if ctx.inputs is None:
-            raise ValueError(
-                "check(model) needs the batch: pass inputs=... (or a (model, inputs) tuple)."
-            )
-        return source
-    raise TypeError(
-        "source must be a Trace, a Snapshot, a NaNGuard, a (model, inputs) tuple or a "
-        f"model with inputs=...; got {type(source).__qualname__}."
-    )
+        ctx.trace = _traced(ctx, lambda lf: run_trace(net, x, y, lf))
+    return net
 
 
 def _resolve_snapshot(ctx: CheckContext, snap: Snapshot) -> torch.nn.Module | None:

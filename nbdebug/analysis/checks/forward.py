@@ -313,24 +313,8 @@ def _loss_input_findings(view: TraceView, loss_fn: LossFn | None) -> list[Findin
         return []
     name = loss_name(loss_fn)
     position = view.loss_event if view.loss_event is not None else out.index
-    findings: list[Finding] = []
-
-    def loss_warning(
-        code: CheckCode, evidence: dict[str, object], advice: str, fix: str
-    ) -> Finding:
-        where = "the loss (model output)"
-        return Finding(
-            code,
-            "warning",
-            where,
-            evidence,
-            advice,
-            fix=fix,
-            event=out.index,
-            module="",
-            position=float(position),
-        )
-
+    # (code, evidence, advice, fix) of each warning about what reaches the loss
+    found: list[tuple[CheckCode, dict[str, object], str, str]] = []
     poisson_exp = "poisson" in name and bool(getattr(loss_fn, "log_input", True))
     if not is_torch_loss(loss_fn) or poisson_exp:
         lim = exp_limit(out.dtype)
@@ -355,7 +339,7 @@ def _loss_input_findings(view: TraceView, loss_fn: LossFn | None) -> list[Findin
                 "scale the logits."
             )
             fix = "loss = F.cross_entropy(logits, y)"
-            findings.append(loss_warning(CheckCode.EXP_OVERFLOW_RISK, evidence, advice, fix))
+            found.append((CheckCode.EXP_OVERFLOW_RISK, evidence, advice, fix))
     if ("binary_cross_entropy" in name or name == "bceloss") and "logits" not in name:
         s = out.stats
         if s.min <= 0 or s.max >= 1:
@@ -370,8 +354,14 @@ def _loss_input_findings(view: TraceView, loss_fn: LossFn | None) -> list[Findin
                 "use binary_cross_entropy_with_logits."
             )
             fix = "loss = F.binary_cross_entropy_with_logits(logits, y)"
-            findings.append(loss_warning(CheckCode.LOG_OF_NONPOSITIVE, bce, advice, fix))
-    return findings
+            found.append((CheckCode.LOG_OF_NONPOSITIVE, bce, advice, fix))
+    where, at = "the loss (model output)", float(position)
+    return [
+        Finding(
+            code, "warning", where, ev, advice, fix=fix, event=out.index, module="", position=at
+        )
+        for code, ev, advice, fix in found
+    ]
 
 
 def _origin(ctx: CheckContext) -> list[Finding]:

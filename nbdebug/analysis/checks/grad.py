@@ -6,7 +6,7 @@ measured on a live model (:func:`live_param_infos`, one fused norm per device)."
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -155,6 +155,14 @@ def param_verdict(p: ParamInfo, module_type: str = "") -> RatioVerdict:
     return ratio_verdict(p.grad_norm / p.norm)
 
 
+def param_verdicts(
+    params: Sequence[ParamInfo], module_types: Mapping[str, str]
+) -> dict[str, RatioVerdict]:
+    """:func:`param_verdict` of every parameter (``module_types``: module name -> its
+    class name, as ``Trace.module_types``), by parameter name."""
+    return {p.name: param_verdict(p, module_types.get(p.module, "")) for p in params}
+
+
 #: The codes of the gradient checks of one step.
 GRAD_CODES = (
     CheckCode.NONFINITE_GRADIENT,
@@ -185,8 +193,8 @@ def grad_findings(
     out += _nonfinite_gradients(params, pos)
     for p in params:
         verdict = param_verdict(p, types.get(p.module, ""))
-        if verdict in ("vanishing", "exploding"):
-            out.append(_ratio_finding(p, verdict == "vanishing", float(pos(p.name))))
+        if verdict in _RATIO_FINDINGS:
+            out.append(_ratio_finding(p, verdict, float(pos(p.name))))
     return out
 
 
@@ -246,37 +254,36 @@ def _nonfinite_gradients(params: Sequence[ParamInfo], pos: Callable[[str], float
     ]
 
 
-def _ratio_finding(p: ParamInfo, vanishing: bool, at: float) -> Finding:
+#: verdict -> (code, threshold, fix, advice about the ``{ratio}``) of a judged parameter
+_RATIO_FINDINGS: dict[RatioVerdict, tuple[CheckCode, float, str, str]] = {
+    "vanishing": (
+        CheckCode.VANISHING_GRADIENT,
+        VANISHING_RATIO,
+        "",
+        "grad/weight norm ratio {ratio}: this layer barely learns; add normalisation or "
+        "residual connections, check for saturated or dead activations before it, or raise "
+        "its learning rate.",
+    ),
+    "exploding": (
+        CheckCode.EXPLODING_GRADIENT,
+        EXPLODING_RATIO,
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
+        "grad/weight norm ratio {ratio}: one step would move this weight far beyond its "
+        "size; clip the gradient norm and lower the learning rate.",
+    ),
+}
+
+
+def _ratio_finding(p: ParamInfo, verdict: RatioVerdict, at: float) -> Finding:
     """The vanishing or exploding finding of a judged parameter."""
     assert p.grad_norm is not None
     ratio = p.grad_norm / p.norm
-    ev = {"grad_norm": p.grad_norm, "weight_norm": p.norm, "ratio": ratio}
-    if vanishing:
-        code, threshold, fix = CheckCode.VANISHING_GRADIENT, VANISHING_RATIO, ""
-        advice = (
-            f"grad/weight norm ratio {fmt_num(ratio)}: this layer barely learns; add "
-            "normalisation or residual connections, check for saturated or dead activations "
-            "before it, or raise its learning rate."
-        )
-    else:
-        code, threshold = CheckCode.EXPLODING_GRADIENT, EXPLODING_RATIO
-        fix = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"
-        advice = (
-            f"grad/weight norm ratio {fmt_num(ratio)}: one step would move this weight far "
-            "beyond its size; clip the gradient norm and lower the learning rate."
-        )
-    evidence = {**ev, "threshold": threshold}
+    code, threshold, fix, advice = _RATIO_FINDINGS[verdict]
+    ev = {"grad_norm": p.grad_norm, "weight_norm": p.norm, "ratio": ratio, "threshold": threshold}
+    text = advice.format(ratio=fmt_num(ratio))
     where = f"parameter {p.name}"
     return Finding(
-        code,
-        "warning",
-        where,
-        evidence,
-        advice,
-        fix=fix,
-        param=p.name,
-        module=p.module,
-        position=at,
+        code, "warning", where, ev, text, fix=fix, param=p.name, module=p.module, position=at
     )
 
 

@@ -55,7 +55,10 @@ The package, one job per module: :mod:`.guard` (:class:`NaNGuard`), :mod:`.optio
 options by group), :mod:`.reading` (what a step reads), :mod:`.verdict` (what it decides),
 :mod:`.history` (the rows it records), :mod:`.writer` (its snapshots), :mod:`.failure`
 (:class:`NonFiniteError`), :mod:`.forms` (``guard.step``, ``guard.wrap``), :mod:`.checks`
-(the health checks it is given), :mod:`.agreement` and :mod:`.replicas` (distributed runs).
+(the health checks it is given), :mod:`.spike` and :mod:`.spike_watch` (the spike
+detector and what the guard does on a spike), :mod:`.skips` (skip counters, limits and
+``skip_batches.json``), :mod:`.objects` (the training objects it is given),
+:mod:`.agreement` and :mod:`.replicas` (distributed runs).
 """
 
 from .agreement import RankAgreement, RankError
@@ -76,12 +79,17 @@ from .options import (
 )
 from .reading import StepReading
 from .replicas import ReplicaMismatch, fingerprint, first_mismatch, replica_differences
+from .skips import SKIP_BATCHES, SkipCounter, load_skip_batches
+from .spike import SPIKE_ACTIONS, SpikeDetector, SpikeFinding, SpikeSettings
+from .spike_watch import SpikeWatch
 from .verdict import Verdict
 from .writer import SnapshotWriter
 
 __all__ = [
     "ACTIONS",
     "HISTORY_COLUMNS",
+    "SKIP_BATCHES",
+    "SPIKE_ACTIONS",
     "DistributedOptions",
     "FailureOptions",
     "GuardOptions",
@@ -95,8 +103,13 @@ __all__ = [
     "RankError",
     "ReplicaMismatch",
     "ScalerOptions",
+    "SkipCounter",
     "SnapshotOptions",
     "SnapshotWriter",
+    "SpikeDetector",
+    "SpikeFinding",
+    "SpikeSettings",
+    "SpikeWatch",
     "StepChecks",
     "StepReading",
     "Verdict",
@@ -105,6 +118,7 @@ __all__ = [
     "first_mismatch",
     "history_frame",
     "last_error",
+    "load_skip_batches",
     "parse_history",
     "register_checks",
     "replica_differences",

@@ -9,7 +9,7 @@ import dataclasses
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,56 +22,25 @@ from ..snapshot.replay import autocast_state
 from ..snapshot.write import Scaler, Scheduler, TrainingObjects
 from ..state import BufferCopies, RngState, unique_parameters
 from ..text import fmt_num
-from ..vocab import FailureKind
 from .agreement import RankAgreement, local_bits
 from .checks import StepChecks, resolve_checks
 from .failure import NonFiniteError, record_error
 from .forms import GuardedStep, guarded_step, wrap_step
 from .history import HistoryRow, history_frame
+from .objects import check_optimizer_of, training_objects
 from .options import GuardOptions
 from .reading import Loss, StepMeter, StepReading
 from .replicas import ReplicaMismatch
-from .verdict import Decider, Verdict, failure_message
+from .skips import SkipCounter, batch_ids, record_skip_batch, skip_error
+from .spike import SpikeFinding
+from .spike_watch import SpikeWatch
+from .verdict import Decider, Verdict, failure_reason
 from .writer import SnapshotWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["NaNGuard"]
-
-
-def _check_optimizer_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """An optimizer over none of the model's parameters is another model's (one over some
-    parameters outside the model, such as a learned temperature, is fine)."""
-    if optimizer is None:
-        return
-    own = {id(p) for p in model.parameters()}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    if own and held and not any(id(p) in own for p in held):
-        raise ValueError(
-            f"the optimizer holds {len(held)} parameter(s), none of them the model's: "
-            "expected the optimizer built over this model's parameters (model.parameters())."
-        )
-
-
-def _training_objects(
-    optimizer: object, scaler: object, scheduler: object
-) -> tuple[torch.optim.Optimizer | None, Scaler | None, Scheduler | None]:
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "optimizer must be a torch.optim.Optimizer or None; got "
-            f"{type(optimizer).__qualname__}."
-        )
-    if scaler is not None and not isinstance(scaler, Scaler):
-        raise TypeError(
-            f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__qualname__}."
-        )
-    if scheduler is not None and not isinstance(scheduler, Scheduler):
-        raise TypeError(
-            "scheduler must have a state_dict() (an LR scheduler); got "
-            f"{type(scheduler).__qualname__}."
-        )
-    return optimizer, scaler, scheduler
 
 
 def _option(group: str, name: str) -> Any:
@@ -160,6 +129,15 @@ class NaNGuard:
         background thread, so that a run that goes on (``on_nonfinite="continue"``) is
         not blocked by the disk. :meth:`close` waits for the writes and raises the first
         error; a process that exits waits for them too.
+    spike : bool, float, dict or SpikeSettings
+        The spike detector (:mod:`nbdebug.core.guard.spike`), on by default: a finite step
+        whose loss or gradient norm has a robust z-score above 6 against the last 128
+        healthy steps is a spike (a finding in the row's ``"spikes"`` and
+        :attr:`spike_findings`). A z threshold, ``{"z", "window", "warmup"}``; ``False``: off.
+    on_spike : {"snapshot", "skip", "raise", "ignore"}
+        ``"snapshot"``: a snapshot of kind ``"spike"`` and the step goes on; ``"skip"``:
+        also skip the update (``False``); ``"raise"``: :class:`NonFiniteError`
+        (``kind="spike"``); ``"ignore"``: only the finding. Distributed: ``"ignore"``.
     autocast : torch.dtype, str or None
         The autocast dtype the step's forward runs in (``torch.float16``,
         ``torch.bfloat16`` or their names), for a loop whose ``check()`` comes after the
@@ -180,6 +158,8 @@ class NaNGuard:
         Every option, by group (:mod:`nbdebug.core.guard.options`); also readable flat
         (``guard.patience``, ``guard.directory``, ...).
     checks : StepChecks or None
+    spikes : SpikeWatch or None
+        The spike detector and what it found (``None``: ``spike=False``).
     agreement : RankAgreement or None
         The distributed agreement (``None``: this process decides alone).
 
@@ -206,10 +186,8 @@ class NaNGuard:
         if isinstance(model, torch.nn.Module):
             model = unwrap_data_parallel(model)
         self.model = check_model(model)
-        self.optimizer, self.scaler, self.scheduler = _training_objects(
-            optimizer, scaler, scheduler
-        )
-        _check_optimizer_of(self.model, self.optimizer)
+        self.optimizer, self.scaler, self.scheduler = training_objects(optimizer, scaler, scheduler)
+        check_optimizer_of(self.model, self.optimizer)
         self.options = opts = GuardOptions.from_settings(options, **settings)
         self.writer = SnapshotWriter(opts.snapshots)
         self.checks: StepChecks | None = resolve_checks(opts.checks.checks)
@@ -239,11 +217,21 @@ class NaNGuard:
         self.agreement = RankAgreement.create(
             wrapper, list(self.model.named_parameters()), opts.distributed, opts.agreed()
         )
+        self.skips = SkipCounter()
+        self._ids: list[int] | None = None
+        self.spikes = SpikeWatch.create(
+            opts, distributed=self.agreement is not None, params=self.meter.params
+        )
 
     @property
     def replica_findings(self) -> list[ReplicaMismatch]:
         """The replica check's findings so far (empty when it is off)."""
         return self.agreement.replica_findings if self.agreement is not None else []
+
+    @property
+    def spike_findings(self) -> list[SpikeFinding]:
+        """The spike detector's findings so far (the last ``history``; empty when off)."""
+        return list(self.spikes.findings) if self.spikes is not None else []
 
     @property
     def scaler_streak(self) -> int:
@@ -275,6 +263,7 @@ class NaNGuard:
         inputs: Any = None,
         target: Any = None,
         step: int | None = None,
+        ids: Sequence[int] | torch.Tensor | None = None,
     ) -> bool:
         """Check one step after its backward and before the optimizer step.
 
@@ -286,6 +275,9 @@ class NaNGuard:
             The batch; stored in the snapshot when the step is not finite.
         step : int, optional
             The step number (default: one more than the last).
+        ids : sequence of int or Tensor, optional
+            The dataset index of each batch row: a skipped batch's go into
+            ``skip_batches.json`` (:mod:`nbdebug.core.guard.skips`).
 
         Called inside a ``torch.autocast`` block, the guard records its state (device
         type, dtype) and its snapshots replay under it (``snap.autocast``); outside it,
@@ -305,6 +297,7 @@ class NaNGuard:
         NonFiniteError
             ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
         """
+        self._ids = batch_ids(ids, inputs)
         step = self._step_number(step)
         device_type = self.meter.device.type
         if torch.is_autocast_enabled(device_type):
@@ -321,8 +314,7 @@ class NaNGuard:
         if self.checks is not None:  # health checks, recorded in the row (e.g. row["checks"])
             row.update(self.checks.run(self, reading, failing=verdict.kind is not None))  # type: ignore[typeddict-item]
         if verdict.kind is None:
-            self._passed()
-            return True
+            return self._passed(reading, row, (inputs, target), verdict.scaler_skip)
         return self._fail(verdict, row, (inputs, target))
 
     def _step_number(self, step: object) -> int:
@@ -408,66 +400,71 @@ class NaNGuard:
         that another rank found non-finite fails here too, ``kind="rank"``."""
         return self.decider.decide(reading, self.meter)
 
-    def _passed(self) -> None:
+    def _passed(
+        self, reading: StepReading, row: HistoryRow, batch: tuple[Any, Any], scaler_skip: bool
+    ) -> bool:
         self.bad_streak = 0
         self._streak_first = None
+        go_on = True
+        if self.spikes is not None and not scaler_skip:
+            go_on = self.spikes.watch(reading, row, batch, self)
+        self._account(row, batch)
         self.mark_step_start()
-        self.ok = True
+        self.ok = go_on
+        return go_on
 
     def _fail(self, verdict: Verdict, row: HistoryRow, batch: tuple[Any, Any]) -> bool:
         kind, reading, action = verdict.kind, verdict.reading, self.on_nonfinite
         assert kind is not None
-        message, reason, distributed = self._reason(verdict)
+        message, reason, distributed = failure_reason(verdict, action)
         row["nonfinite"] = kind
-        row["skipped"] = action != "continue"
-        path = self._write(reading.step, reason, batch, distributed)
+        goes_on = action == "continue"
+        row["skipped"] = not goes_on
+        path = self.write_step(reading.step, reason, batch, distributed, goes_on=goes_on)
         self.bad_streak += 1
         if self._streak_first is None:
             self._streak_first = (path, reading.step, reason)
-        if action != "continue":
+        if path is not None:
+            row["snapshot"] = str(path)
+        if not goes_on:
             self.clear_grads()
         self.ok = False
+        self._account(row, batch)
         self.mark_step_start()
         too_many = self.patience is not None and self.bad_streak > self.patience
         if action == "raise" or too_many:
             raise record_error(self._error(message, raised=action == "raise"))
         return False
 
-    def _reason(self, verdict: Verdict) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-        """The failure's message, the snapshot's ``reason`` and the distributed record."""
-        kind, detail, reading = verdict.kind, verdict.detail, verdict.reading
-        assert kind is not None
-        message = failure_message(kind, reading.step, reading.loss, detail)
-        detail.pop("message_extra", None)
-        distributed = detail.pop("distributed", None)  # snapshot fields of their own
-        if distributed is not None and kind != FailureKind.RANK:
-            message += (
-                f" (rank {distributed['rank']} of {distributed['world_size']}; culprit rank(s) "
-                f"{distributed['culprit_ranks']}: every rank skips this step)"
-            )
-        reason: dict[str, Any] = {
-            "kind": kind,
-            "message": message,
-            "step": reading.step,
-            "loss": reading.loss,
-            "grad_norm": reading.grad_norm,
-            "param_norm": reading.param_norm,
-            "scale": reading.scale,
-            "action": self.on_nonfinite,
-            **detail,
-        }
-        return message, reason, distributed
+    def _account(self, row: HistoryRow, batch: tuple[Any, Any]) -> None:
+        """Count the step's skip (the row's counters), note a skipped batch's dataset
+        indices in ``skip_batches.json``, and stop past ``max_skips_in_row`` /
+        ``max_skip_fraction``: :class:`NonFiniteError` with a snapshot."""
+        self.skips.record(row)
+        if row["skipped"] and self._ids is not None:
+            record_skip_batch(self.writer.directory, row["step"], row["skip_reason"], self._ids)
+        why = self.skips.over(self.options.failure)
+        if why is None:
+            return
+        reason = self.skips.stop_reason(why, row["step"])
+        path = row.get("snapshot") or self.write_step(
+            row["step"], reason, batch, None, goes_on=False
+        )
+        raise record_error(skip_error(reason, Path(path) if path else None))
 
-    def _write(
+    def write_step(
         self,
         step: int,
         reason: dict[str, Any],
         batch: tuple[Any, Any],
         distributed: dict[str, Any] | None,
+        *,
+        goes_on: bool,
     ) -> Path | None:
-        """The snapshot of the failing step, with the RNG states and buffers as they were
-        at its start; ``None`` when it was not written."""
-        action = self.on_nonfinite
+        """The snapshot of the failing (or spiking) step, with the RNG states and buffers as
+        they were at its start; ``None`` when it was not written. ``goes_on``: the step's
+        update is applied (its buffer writes stay), else they are put back."""
+        action = reason["action"]
         rng = self._rng  # the states at the start of the failing step (torch, numpy, Python)
         if rng.cuda is None:  # CUDA was first used during the step
             rng = dataclasses.replace(rng, cuda=RngState.capture().cuda)
@@ -480,8 +477,8 @@ class NaNGuard:
             # snapshot holds them as they were at the start of the step, and a skipped
             # step leaves the model as if the batch never came
             reason["buffers_written"] = written
-            reason["buffers_restored"] = action != "continue"
-            if action == "continue":
+            reason["buffers_restored"] = not goes_on
+            if goes_on:
                 as_at_start = buffers.swapped_in()
             else:
                 buffers.restore()
@@ -589,6 +586,7 @@ class NaNGuard:
         )
         return (
             f"NaNGuard({type(self.model).__qualname__}, on_nonfinite={self.on_nonfinite!r}, "
-            f"patience={self.patience}, {where}, {len(self.snapshots)} snapshot(s) in "
+            f"patience={self.patience}, {where}, {self.skips.summary()}, "
+            f"{len(self.snapshots)} snapshot(s) in "
             f"{self.directory})"
         )

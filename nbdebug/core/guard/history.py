@@ -53,6 +53,14 @@ class HistoryRow(TypedDict, total=False):
         The health checks' findings (``NaNGuard(checks=...)``).
     adam : dict
         The Adam moments the health checks measured.
+    spikes : list of dict
+        The spike detector's findings on this step (:class:`~nbdebug.core.guard.spike.
+        SpikeFinding` as data: ``signal``, ``value``, ``median``, ``z``, ``threshold``,
+        ``window``, ``history``, ``message``).
+    spike_status : dict
+        Per signal, why the spike detector could not score it (no gradients yet, no loss).
+    snapshot : str
+        The snapshot written at this (spike) step.
     """
 
     step: int
@@ -68,6 +76,9 @@ class HistoryRow(TypedDict, total=False):
     replicas: str
     checks: list[dict[str, Any]]
     adam: dict[str, list[float]]
+    spikes: list[dict[str, Any]]
+    spike_status: dict[str, str]
+    snapshot: str
 
 
 def parse_history(history: object) -> list[HistoryRow]:

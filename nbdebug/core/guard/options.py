@@ -29,6 +29,8 @@ from ..batch import check_flag, check_loss_fn
 from ..options import grouped_options
 from ..snapshot.data import parse_recipe
 from .checks import resolve_checks
+from .skips import check_limits
+from .spike import SPIKE_ACTIONS, SpikeAction, SpikeSettings, spike_settings
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
@@ -69,10 +71,16 @@ class WatchOptions:
         such as ``nbdebug.GuardChecks(every=50)``); ``False``/``None``: off.
     param_norm_every : int
         Measure the total weight norm every this many checks (and on every bad step).
+    spike : bool, float, dict or SpikeSettings
+        The spike detector (:mod:`nbdebug.core.guard.spike`): ``True`` (default: robust
+        z-score above 6 against the last 128 healthy steps, warm-up 32), a z threshold, a
+        dict ``{"z": ..., "window": ..., "warmup": ...}`` or a :class:`SpikeSettings`;
+        ``False``/``None``: off.
     """
 
     checks: StepChecks | bool | int | Mapping[str, Any] | None = False
     param_norm_every: int = 10
+    spike: SpikeSettings | bool | float | Mapping[str, Any] | None = True
 
     def __post_init__(self) -> None:
         if not _positive_int(self.param_norm_every):
@@ -80,6 +88,12 @@ class WatchOptions:
                 f"param_norm_every must be a positive int; got {self.param_norm_every!r}."
             )
         resolve_checks(self.checks)  # validates (the guard resolves its own copy)
+        spike_settings(self.spike)  # validates
+
+    @property
+    def spike_settings(self) -> SpikeSettings | None:
+        """``spike`` as settings (``None``: the detector is off)."""
+        return spike_settings(self.spike)
 
 
 @dataclass(frozen=True)
@@ -92,14 +106,32 @@ class FailureOptions:
     patience : int or None
         Consecutive bad steps tolerated under ``"skip"``/``"continue"`` (``None``: never
         raise).
+    on_spike : {"snapshot", "skip", "raise", "ignore"}
+        What a spike (a finite step the spike detector flags) does: ``"snapshot"``
+        (default) writes a snapshot of kind ``"spike"`` and the step goes on; ``"skip"``
+        also skips the update (``check()`` returns ``False``); ``"raise"`` writes it and
+        raises :class:`NonFiniteError` (``kind="spike"``); ``"ignore"``: only the finding
+        in the history. One snapshot per run of consecutive spikes.
+    max_skips_in_row : int or None
+        More skipped updates in a row than this (the guard's, a spike's, a GradScaler
+        overflow's) stop the run: :class:`NonFiniteError` with a snapshot. ``None``: no limit.
+    max_skip_fraction : float or None
+        A share of skipped updates above this (judged from the 20th step, while skipping)
+        stops the run the same way. ``None``: no limit.
     """
 
     on_nonfinite: Action = "skip"
     patience: int | None = 1
+    on_spike: SpikeAction = "snapshot"
+    max_skips_in_row: int | None = None
+    max_skip_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {ACTIONS}; got {self.on_nonfinite!r}.")
+        if self.on_spike not in SPIKE_ACTIONS:
+            raise ValueError(f"on_spike must be one of {SPIKE_ACTIONS}; got {self.on_spike!r}.")
+        check_limits(self.max_skips_in_row, self.max_skip_fraction)
         p = self.patience
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(f"patience must be a non-negative int or None; got {p!r}.")

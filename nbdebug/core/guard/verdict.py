@@ -14,7 +14,7 @@ from ..vocab import FailureKind
 from .options import ScalerOptions
 from .reading import StepMeter, StepReading
 
-__all__ = ["Decider", "Verdict", "failure_message"]
+__all__ = ["Decider", "Verdict", "failure_message", "failure_reason"]
 
 
 @dataclass
@@ -132,3 +132,32 @@ def failure_message(
     if kind == FailureKind.RANK:
         return str(detail.get("message_extra", ""))
     return f"GradScaler scale collapsing at step {step}: {detail.get('message_extra', '')}"
+
+
+def failure_reason(
+    verdict: Verdict, action: str
+) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    """The failure's message, the snapshot's ``reason`` (``action``: ``on_nonfinite``)
+    and the distributed record."""
+    kind, detail, reading = verdict.kind, verdict.detail, verdict.reading
+    assert kind is not None
+    message = failure_message(kind, reading.step, reading.loss, detail)
+    detail.pop("message_extra", None)
+    distributed = detail.pop("distributed", None)  # snapshot fields of their own
+    if distributed is not None and kind != FailureKind.RANK:
+        message += (
+            f" (rank {distributed['rank']} of {distributed['world_size']}; culprit rank(s) "
+            f"{distributed['culprit_ranks']}: every rank skips this step)"
+        )
+    reason: dict[str, Any] = {
+        "kind": kind,
+        "message": message,
+        "step": reading.step,
+        "loss": reading.loss,
+        "grad_norm": reading.grad_norm,
+        "param_norm": reading.param_norm,
+        "scale": reading.scale,
+        "action": action,
+        **detail,
+    }
+    return message, reason, distributed

@@ -11,7 +11,8 @@ One module per job: :mod:`~.format` (the field table), :mod:`~.archive` (files o
 :mod:`~.data` (live objects as plain data), :mod:`~.write` (:func:`save_snapshot`),
 :mod:`~.load` (:func:`load_snapshot`), :mod:`~.snapshot` (:class:`Snapshot` and its
 replay), :mod:`~.replay` (autocast), :mod:`~.listing` (:func:`list_snapshots`) and
-:mod:`~.resolve` (:func:`resolve_step`: whatever a user hands nbdebug, as one step).
+:mod:`~.resolve` (:func:`resolve_source`: whatever a user hands nbdebug, told apart;
+:func:`resolve_step`: as one step to replay).
 
 Loading goes through ``torch.load(..., weights_only=True)``: no code from the file runs.
 The model architecture comes from the caller, or from the recorded recipe when the caller
@@ -24,7 +25,7 @@ from .format import FIELDS, FORMAT_VERSION, SUFFIX, Field, SnapshotError
 from .listing import earliest_snapshot, list_snapshots
 from .load import check_state_fits, load_snapshot
 from .replay import autocast_state, replay_autocast, replay_contexts
-from .resolve import ResolvedStep, resolve_step
+from .resolve import Caller, ResolvedStep, Source, SourceError, resolve_source, resolve_step
 from .snapshot import Snapshot
 from .write import TrainingObjects, save_snapshot
 
@@ -33,10 +34,13 @@ __all__ = [
     "FORMAT_VERSION",
     "RANK_NAME",
     "SUFFIX",
+    "Caller",
     "Field",
     "ResolvedStep",
     "Snapshot",
     "SnapshotError",
+    "Source",
+    "SourceError",
     "TrainingObjects",
     "atomic_save",
     "autocast_state",
@@ -49,6 +53,7 @@ __all__ = [
     "read_payload",
     "replay_autocast",
     "replay_contexts",
+    "resolve_source",
     "resolve_step",
     "save_snapshot",
     "unique_path",

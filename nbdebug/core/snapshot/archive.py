@@ -1,9 +1,13 @@
-"""Snapshot files on disk: names, atomic writes, and reading an archive safely.
+"""Snapshot files on disk: names, atomic writes, and reading a file safely.
 
-:func:`atomic_save` writes a file so that a crash leaves either no file or the whole one;
-:func:`read_archive` loads one with ``torch.load(..., weights_only=True)`` (no code from
-the file runs) after checking the zip archive and its checksums, and :func:`read_payload`
-validates it against the field table (:mod:`nbdebug.core.snapshot.format`).
+:func:`atomic_save` writes a snapshot (one safetensors file,
+:mod:`~nbdebug.core.snapshot.container`) so that a crash leaves either no file or the
+whole one. :func:`open_snapshot_file` reads one: a safetensors file from its header, its
+tensors mapped and read when used; a file of the older format (versions 1-4, a
+``torch.save`` zip archive) with ``torch.load(..., weights_only=True)`` after checking the
+zip archive and its checksums. No code from the file runs. :func:`read_archive` gives the
+whole dictionary, :func:`read_payload` validates it against the field table
+(:mod:`nbdebug.core.snapshot.format`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import warnings
 import zipfile
 import zlib
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +30,56 @@ import torch
 
 from ..batch import iter_tensors
 from ..text import first_line
-from .format import SUFFIX, SnapshotError, validate_payload
+from .container import TensorStore, is_container, materialize, read_document, write_container
+from .format import FIELDS, SUFFIX, Lives, SnapshotError, validate_payload
 
 _ZIP_MAGIC = b"PK\x03\x04"
+
+
+def open_snapshot_file(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
+) -> tuple[Any, TensorStore | None]:
+    """``(object, store)`` of the snapshot file at ``path``, not yet validated.
+
+    A safetensors snapshot (version 5 on) gives its dictionary with the tensors of the
+    lazy fields (:attr:`~nbdebug.core.snapshot.format.Lives.LAZY`: the model and optimizer
+    states) as :class:`~nbdebug.core.snapshot.format.TensorRef` that ``store`` reads; an
+    older file gives what ``torch.load(..., weights_only=True)`` gives, and no store.
+
+    Raises
+    ------
+    SnapshotError
+        The file is missing, empty, not a snapshot, truncated or corrupt, or holds Python
+        objects other than tensors and plain containers.
+    """
+    p, head = _head(path)
+    if head[:4] == _ZIP_MAGIC:
+        return _read_zip(p, map_location=map_location, mmap=mmap), None
+    payload, table = read_document(p)
+    store = TensorStore(p, table, map_location)
+    lazy = {f.key for f in FIELDS if f.lives is Lives.LAZY}
+    eager = {k: v for k, v in payload.items() if k not in lazy}
+    return {**payload, **materialize(eager, store)}, store
 
 
 def read_archive(
     path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
 ) -> Any:
-    """The object stored in the torch zip archive at ``path``, loaded with
-    ``weights_only=True`` (no code from the file runs), not yet validated.
+    """The whole object stored in the snapshot file at ``path`` (every tensor read), not
+    yet validated; see :func:`open_snapshot_file`."""
+    obj, store = open_snapshot_file(path, map_location=map_location, mmap=mmap)
+    return obj if store is None else materialize(obj, store)
 
-    Raises
-    ------
-    SnapshotError
-        The file is missing, empty, not a torch zip archive, truncated or corrupt, or
-        holds Python objects other than tensors and plain containers.
-    """
+
+def _head(path: str | os.PathLike[str]) -> tuple[Path, bytes]:
+    """The path and the first bytes of a snapshot file: one that can be read and begins
+    like a zip archive or a safetensors file."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike; got {type(path).__qualname__}.")
     p = Path(path)
     try:
         with open(p, "rb") as f:
-            head = f.read(4)
+            head = f.read(9)
     except FileNotFoundError as e:
         raise SnapshotError(f"{p}: no such file.") from e
     except IsADirectoryError as e:
@@ -58,10 +90,17 @@ def read_archive(
         raise SnapshotError(f"{p}: cannot read it ({first_line(e)}).") from e
     if not head:
         raise SnapshotError(f"{p} is empty (0 bytes): not a snapshot.")
-    if head != _ZIP_MAGIC:
+    if head[:4] != _ZIP_MAGIC and not is_container(head):
         raise SnapshotError(
-            f"{p} is not a snapshot: it is not a torch.save zip archive (it starts with {head!r})."
+            f"{p} is not a snapshot: it is not a torch.save zip archive or a safetensors "
+            f"file (it starts with {head[:4]!r})."
         )
+    return p, head
+
+
+def _read_zip(p: Path, *, map_location: Any, mmap: bool) -> Any:
+    """A snapshot of versions 1-4: ``torch.load(weights_only=True)`` of its zip archive,
+    after checking its records against their CRC-32s."""
     if not zipfile.is_zipfile(p):  # no end-of-archive record: cut short while written or copied
         raise SnapshotError(f"{p} is truncated or corrupt: its zip archive has no end record.")
     stored = _check_records(p, tensors=False)
@@ -168,7 +207,9 @@ def read_payload(
     path: str | os.PathLike[str], *, map_location: Any = "cpu", mmap: bool = False
 ) -> dict[str, Any]:
     """The validated dictionary stored in a snapshot file (no code runs), with the fields
-    that an older format lacks filled in with their defaults.
+    that an older format lacks filled in with their defaults. ``mmap``: a file of the
+    older format is memory-mapped, a safetensors one leaves the model and optimizer states
+    unread.
 
     Raises
     ------
@@ -176,7 +217,10 @@ def read_payload(
         The file is missing, empty, not a torch zip archive, truncated or corrupt, not a
         snapshot, written by a newer nbdebug, or lacks a key.
     """
-    obj = read_archive(path, map_location=map_location, mmap=mmap)
+    if mmap:  # the lazy fields' tensors are not read (TensorRef in their place)
+        obj = open_snapshot_file(path, map_location=map_location, mmap=True)[0]
+    else:
+        obj = read_archive(path, map_location=map_location)
     return validate_payload(obj, Path(path))
 
 
@@ -229,19 +273,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically: a temporary file in the same directory,
-    flushed and fsynced, renamed over ``path``, then the directory fsynced. A crash at any
-    point leaves either no file or the complete file under ``path`` (and never a
+def atomic_save(obj: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write the snapshot dictionary ``obj`` to ``path`` atomically (one safetensors file,
+    :func:`~nbdebug.core.snapshot.container.write_container`): a temporary file in the
+    same directory, fsynced, renamed over ``path``, then the directory fsynced. A crash at
+    any point leaves either no file or the complete file under ``path`` (and never a
     temporary file after an exception)."""
     path = Path(path)
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
+        os.close(fd)
+        write_container(obj, Path(tmp))
+        with open(tmp, "rb") as f:  # fsync flushes the file's pages, whichever fd wrote them
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

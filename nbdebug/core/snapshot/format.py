@@ -1,10 +1,14 @@
 """The snapshot file format: one table of fields drives the writer, the checks and the reader.
 
-A snapshot is one ``torch.save`` zip archive holding one dictionary of tensors and plain
-Python values: ``"format"`` (:data:`FORMAT`), ``"version"`` (the format version it was
-written in) and one entry per row of :data:`FIELDS`. Each row (a :class:`Field`) says the
-key, the accepted types, the default, the format version that introduced it, whether a
-file of that version or newer must hold it, and what it means in one line.
+A snapshot is one dictionary of tensors and plain Python values: ``"format"``
+(:data:`FORMAT`), ``"version"`` (the format version it was written in) and one entry per
+row of :data:`FIELDS`. Each row (a :class:`Field`) says the key, the accepted types, the
+default, the format version that introduced it, whether a file of that version or newer
+must hold it, where it lives in the file (:class:`Lives`) and what it means in one line.
+
+The file (version 5 on, :mod:`~nbdebug.core.snapshot.container`) is one safetensors
+file: the tensors are its tensors, the rest one JSON document in its header. Files of
+versions 1-4 are ``torch.save`` zip archives, read with ``weights_only=True``.
 
 - :func:`build_payload` (used by :func:`~nbdebug.core.snapshot.save_snapshot`) writes
   every row in table order, filling the rows its producer left out with their defaults;
@@ -48,24 +52,46 @@ already written hold it.
 
 from __future__ import annotations
 
-import datetime as _dt
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from ..state import RngState
 from ..text import first_line, shorten
+from .fieldchecks import (
+    check_autocast,
+    check_history,
+    check_model_state,
+    check_module_training,
+    check_optimizer,
+    check_reason,
+    check_recipe,
+    check_rng,
+    check_time,
+)
 
 FORMAT = "nbdebug-snapshot"
 SUFFIX = ".nbsnap"
 #: an import path ``"package.module:qualname"`` (a model factory, a loss, a class)
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 NoneType = type(None)
+
+
+class Lives(str, Enum):
+    """Where a field's value lives in a (version 5) file, and when it is read."""
+
+    #: plain data in the JSON header, read when the file is opened
+    JSON = "json"
+    #: structure in the JSON header, tensors in the safetensors data, read when opened
+    TENSORS = "tensors"
+    #: as TENSORS, but the tensors are read when the attribute is first used (the model
+    #: state and the optimizer state: the bulk of the file)
+    LAZY = "lazy"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class SnapshotError(Exception):
@@ -125,6 +151,9 @@ class Field:
     check : callable, optional
         ``check(value)`` raises ``ValueError`` saying what is wrong with a value of the
         right type (a structural check beyond the type).
+    lives : Lives
+        Where it lives in the file: plain JSON, or JSON with tensors read when the file
+        is opened, or when the attribute is first used (``Lives.LAZY``).
     """
 
     key: str
@@ -137,6 +166,7 @@ class Field:
     default_factory: Callable[[], Any] | None = None
     attr: str = ""
     check: Callable[[Any], None] | None = None
+    lives: Lives = Lives.JSON
 
     def __post_init__(self) -> None:
         where = f"snapshot field {self.key!r}"
@@ -185,105 +215,41 @@ class Field:
         return f"{self.key!r} should be {want}, got {type(value).__name__}"
 
 
-# checks beyond the type: each raises ValueError("what is wrong"), read after "is corrupt: "
-
-
-def _check_time(value: Any) -> None:
-    try:
-        _dt.datetime.fromtimestamp(float(value))
-    except (ValueError, OverflowError, OSError) as e:
-        raise ValueError(f"its time stamp {value!r} is not a date ({e})") from e
-
-
-def _check_reason(value: dict[str, Any]) -> None:
-    if not isinstance(value.get("kind"), str) or not isinstance(value.get("message"), str):
-        raise ValueError("its reason lacks a 'kind' and a 'message' string")
-
-
-def _check_model_state(value: dict[Any, Any]) -> None:
-    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        raise ValueError(f"model_state entries {bad[:5]} are not named tensors")
-
-
-def _check_optimizer(value: dict[str, Any] | None) -> None:
-    if value is not None and not isinstance(value.get("param_groups"), list):
-        raise ValueError("its optimizer state has no param_groups list")
-
-
-def _check_rng(value: dict[str, Any] | None) -> None:
-    if value is None:
-        return
-    try:
-        st = rng_from_payload(value)
-        st.cuda = None
-        caller = RngState.capture()
-        try:
-            st.restore()  # the only full check of the generators' own formats
-        finally:
-            caller.restore()
-    except Exception as e:
-        raise ValueError(f"its RNG state cannot be read ({first_line(e)})") from e
-
-
-def _check_history(value: list[Any]) -> None:
-    if not all(isinstance(h, dict) for h in value):
-        raise ValueError("history rows are not dictionaries")
-
-
-def _check_recipe(value: dict[str, Any] | None) -> None:
-    if value is not None and (
-        not isinstance(value.get("factory"), str) or not isinstance(value.get("kwargs"), dict)
-    ):
-        raise ValueError("its recipe is not {'factory': str, 'kwargs': dict}")
-
-
-def _check_autocast(value: dict[str, Any] | None) -> None:
-    if value is None:
-        return
-    if (
-        not isinstance(value.get("device_type"), str)
-        or not isinstance(value.get("dtype"), str)
-        or not isinstance(value.get("backward", False), bool)
-    ):
-        raise ValueError(
-            "its autocast state is not {'device_type': str, 'dtype': str[, 'backward': bool]}"
-        )
-
-
-def _check_module_training(value: dict[Any, Any]) -> None:
-    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, bool)]
-    if bad:
-        raise ValueError(f"maps submodule names to bools; got {bad[0]!r}: {value[bad[0]]!r}")
-
-
 #: The snapshot's fields, in the order they are written. Add a field: see the module doc.
 FIELDS: tuple[Field, ...] = (
     Field("step", (int, NoneType), "the training step (None: not known)", default=None),
-    Field("time", (float, int), "when it was written, seconds since the epoch", check=_check_time),
+    Field("time", (float, int), "when it was written, seconds since the epoch", check=check_time),
     Field(
         "reason",
         (dict,),
         "why it was written: {'kind': str, 'message': str, ...what the guard measured}",
-        check=_check_reason,
+        check=check_reason,
     ),
     Field(
         "model_state",
         (dict,),
         "the model's state_dict (parameters and buffers, on their devices)",
-        check=_check_model_state,
+        check=check_model_state,
+        lives=Lives.LAZY,
     ),
     Field("model_class", (str, NoneType), "the model's class as 'module:qualname'", default=None),
     Field("model_training", (bool,), "the model's train flag"),
-    Field("inputs", None, "the batch inputs (tensors, tuples, lists, dicts of them)", default=None),
-    Field("target", None, "the batch target (as inputs)", default=None),
+    Field(
+        "inputs",
+        None,
+        "the batch inputs (tensors, tuples, lists, dicts of them)",
+        default=None,
+        lives=Lives.TENSORS,
+    ),
+    Field("target", None, "the batch target (as inputs)", default=None, lives=Lives.TENSORS),
     Field(
         "optimizer",
         (dict, NoneType),
         "the optimizer's state_dict",
         default=None,
         attr="optimizer_state",
-        check=_check_optimizer,
+        check=check_optimizer,
+        lives=Lives.LAZY,
     ),
     Field(
         "optimizer_class", (str, NoneType), "the optimizer's class, 'module:qualname'", default=None
@@ -300,6 +266,7 @@ FIELDS: tuple[Field, ...] = (
         "the GradScaler's state_dict",
         default=None,
         attr="scaler_state",
+        lives=Lives.TENSORS,
     ),
     Field(
         "scheduler",
@@ -307,6 +274,7 @@ FIELDS: tuple[Field, ...] = (
         "the learning-rate scheduler's state_dict",
         default=None,
         attr="scheduler_state",
+        lives=Lives.TENSORS,
     ),
     Field(
         "scheduler_class", (str, NoneType), "the scheduler's class, 'module:qualname'", default=None
@@ -316,14 +284,15 @@ FIELDS: tuple[Field, ...] = (
         (dict, NoneType),
         "torch (CPU, CUDA), numpy and Python RNG states at the start of the step",
         default=None,
-        check=_check_rng,
+        check=check_rng,
+        lives=Lives.TENSORS,
     ),
     Field(
         "history",
         (list,),
         "the guard's rolling history, one dict per step",
         default_factory=list,
-        check=_check_history,
+        check=check_history,
     ),
     Field(
         "environment",
@@ -335,7 +304,7 @@ FIELDS: tuple[Field, ...] = (
         (dict, NoneType),
         "how to rebuild the model: {'factory': 'package.module:factory', 'kwargs': {...}}",
         default=None,
-        check=_check_recipe,
+        check=check_recipe,
     ),
     Field(
         "loss_fn",
@@ -343,6 +312,7 @@ FIELDS: tuple[Field, ...] = (
         "how to rebuild the loss: {'name': 'module:qualname', ...}",
         default=None,
         attr="loss_fn_spec",
+        lives=Lives.TENSORS,
     ),
     Field(
         "dropped",
@@ -395,6 +365,7 @@ FIELDS: tuple[Field, ...] = (
         "tensor (n, 2)}, compared across ranks by nbdebug.compare_ranks",
         since=2,
         default=None,
+        lives=Lives.TENSORS,
     ),
     Field(
         "trainer",
@@ -412,7 +383,7 @@ FIELDS: tuple[Field, ...] = (
         "(None: no autocast)",
         since=3,
         default=None,
-        check=_check_autocast,
+        check=check_autocast,
     ),
     Field(
         "module_training",
@@ -421,7 +392,16 @@ FIELDS: tuple[Field, ...] = (
         "BatchNorm frozen in eval inside a model in train mode)",
         since=4,
         default_factory=dict,
-        check=_check_module_training,
+        check=check_module_training,
+    ),
+    Field(
+        "layout",
+        (str,),
+        "how the file holds the values: 'safetensors' (one safetensors file, the rest JSON "
+        "in its header) or 'torch.save' (a zip archive, versions 1-4)",
+        since=5,
+        required=False,
+        default="torch.save",
     ),
 )
 
@@ -542,40 +522,3 @@ def validate_payload(obj: Any, path: Path | str = "<snapshot>") -> dict[str, Any
 def snapshot_attributes(payload: Mapping[str, Any]) -> dict[str, Any]:
     """``{Snapshot attribute: value}`` for every field of a validated payload."""
     return {f.attribute: payload[f.key] for f in FIELDS}
-
-
-def rng_to_payload(rng: RngState) -> dict[str, Any]:
-    """An :class:`RngState` as plain data (tensors, ints, floats): the ``rng`` field."""
-    name, keys, pos, has_gauss, cached = rng.numpy
-    version, state, gauss_next = rng.python
-    return {
-        "torch": rng.torch_cpu.clone(),
-        "cuda": [t.clone() for t in rng.cuda] if rng.cuda is not None else None,
-        "numpy": {
-            "name": str(name),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "python": [int(version), [int(v) for v in state], gauss_next],
-    }
-
-
-def rng_from_payload(d: Mapping[str, Any]) -> RngState:
-    """The inverse of :func:`rng_to_payload`."""
-    npd = d["numpy"]
-    keys = np.asarray(npd["keys"].numpy(), dtype=np.uint32)
-    version, state, gauss_next = d["python"]
-    return RngState(
-        torch_cpu=d["torch"].to(torch.uint8).cpu(),
-        cuda=[t.to(torch.uint8).cpu() for t in d["cuda"]] if d.get("cuda") is not None else None,
-        numpy=(
-            str(npd["name"]),
-            keys,
-            int(npd["pos"]),
-            int(npd["has_gauss"]),
-            float(npd["cached_gaussian"]),
-        ),
-        python=(int(version), tuple(int(v) for v in state), gauss_next),
-    )

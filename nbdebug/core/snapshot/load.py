@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,9 @@ import torch
 from ..batch import check_flag
 from ..state import RngState
 from ..text import first_line
-from .archive import read_archive
+from .archive import open_snapshot_file
 from .data import import_object
-from .format import SnapshotError
+from .format import SnapshotError, validate_payload
 from .snapshot import Snapshot
 
 __all__ = ["MapLocation", "ModelSource", "check_state_fits", "load_snapshot"]
@@ -134,8 +134,15 @@ def load_snapshot(
     *,
     trust_recipe: bool = False,
     map_location: MapLocation = "cpu",
+    modules: str | Sequence[str] | None = None,
 ) -> Snapshot:
     """Load a snapshot file; no code from the file runs.
+
+    Of a safetensors snapshot (format 5 on) only the header is read here: the history,
+    the reason, the batch, the RNG states and the tensor table (dtypes, shapes, non-finite
+    counts and norms of the weights). The model state is read when used (by the model
+    given here, by ``snap.model_state``), the optimizer state by ``snap.build_optimizer()``
+    only; each tensor's bytes are checked against the checksum recorded at write time.
 
     Parameters
     ----------
@@ -150,6 +157,11 @@ def load_snapshot(
     map_location : str, torch.device or callable
         Passed to ``torch.load``: where the tensors go (``"cpu"`` loads a GPU snapshot on a
         CPU-only machine).
+    modules : str or sequence of str, optional
+        Module names or ``fnmatch`` patterns (``"transformer.h.3"``, ``"encoder.*"``).
+        Without a model, ``snap.model_state`` holds (and reads) only these modules'
+        tensors. With a model the replay runs the whole forward, so every weight is read;
+        the patterns are then what ``snap.trace()`` records.
 
     Returns
     -------
@@ -163,16 +175,19 @@ def load_snapshot(
     """
     _check_map_location(map_location)
     check_flag(trust_recipe, "trust_recipe")
-    payload = read_archive(path, map_location=map_location)  # checks the path's type first
+    patterns = [modules] if isinstance(modules, str) else modules
+    if patterns is not None and not all(isinstance(m, str) for m in patterns):
+        raise TypeError(f"modules must be a str or a sequence of str; got {modules!r}.")
+    payload, store = open_snapshot_file(path, map_location=map_location)  # path type first
     where = Path(path)
-    snap = Snapshot.from_payload(payload, where, trust_recipe=trust_recipe)
+    checked = validate_payload(payload, where)
     caller_rng = RngState.capture()  # building a model draws initial weights
     try:
-        built = _build_model(model, snap.recipe, where, trust_recipe=trust_recipe)
+        built = _build_model(model, checked["recipe"], where, trust_recipe=trust_recipe)
     finally:
         caller_rng.restore()
+    snap = Snapshot(checked, where, built, trust_recipe=trust_recipe, store=store, modules=patterns)
     if built is not None:
         check_state_fits(built, snap.model_state, str(where))
-        snap.model = built
         snap.reset_model()
     return snap

@@ -5,7 +5,9 @@ and :meth:`Snapshot.trace`, which replays the step."""
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +17,12 @@ from ..batch import check_flag, describe
 from ..state import RngState
 from ..text import count_text, first_line, shorten
 from ..vocab import FailureKind
+from .container import TensorEntry, TensorStore, materialize
 from .data import build_loss, import_object, is_trusted, to_device
-from .format import SnapshotError, rng_from_payload, snapshot_attributes, validate_payload
+from .format import FIELDS, Lives, SnapshotError, snapshot_attributes, validate_payload
 from .replay import replay_contexts
+from .rngdata import rng_from_payload
+from .tensorref import TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -65,7 +70,10 @@ class Snapshot:
         The format version of the file.
 
     Every field of the snapshot table (``nbdebug.core.snapshot.format.FIELDS``) is an
-    attribute (fields newer than the file hold their defaults).
+    attribute (fields newer than the file hold their defaults). Of a safetensors file
+    (format 5 on), the model and optimizer states are read when first used
+    (``Lives.LAZY`` fields); :meth:`state_entries`, :meth:`nonfinite_state` and
+    :meth:`param_norms` come from the file's header without reading them.
     """
 
     # one attribute per field of the snapshot table (format.FIELDS), set by
@@ -99,6 +107,7 @@ class Snapshot:
     fingerprints: dict[str, Any] | None
     trainer: dict[str, Any] | None
     autocast: dict[str, Any] | None
+    layout: str
 
     def __init__(
         self,
@@ -107,14 +116,92 @@ class Snapshot:
         model: torch.nn.Module | None = None,
         *,
         trust_recipe: bool = False,
+        store: TensorStore | None = None,
+        modules: Sequence[str] | None = None,
     ):
         self.path = path
         self.version: int = payload["version"]
+        self._store = store
+        self._lazy: dict[str, Any] = {}
+        #: the module patterns a replay records (``snap.trace(modules=...)``'s default);
+        #: without a model, also the modules whose state :attr:`model_state` holds
+        self.modules = list(modules) if modules is not None else None
+        self._state_modules = self.modules if model is None else None
+        lazy = {f.attribute for f in FIELDS if f.lives is Lives.LAZY}
         for name, value in snapshot_attributes(payload).items():
-            setattr(self, name, value)
+            if store is not None and name in lazy:
+                self._lazy[name] = value
+            else:
+                setattr(self, name, value)
+        if self._state_modules is not None and "model_state" in self.__dict__:
+            self.model_state = {k: v for k, v in self.model_state.items() if self._kept(k)}
         self.time = float(self.time)
         self.model = model
         self.trust_recipe = trust_recipe
+
+    def __getattr__(self, name: str) -> Any:
+        # a lazy field (the model or optimizer state of a safetensors file), read once used
+        lazy = self.__dict__.get("_lazy")
+        if not lazy or name not in lazy:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = lazy[name]
+        if name == "model_state":
+            value = {k: v for k, v in value.items() if self._kept(k)}
+        value = materialize(value, self._store) if self._store is not None else value
+        setattr(self, name, value)
+        del lazy[name]
+        return value
+
+    def _kept(self, key: str) -> bool:
+        """Whether the state entry ``key`` is kept: it belongs to a module of
+        :attr:`modules` (a snapshot loaded without a model), or all are."""
+        if self._state_modules is None:
+            return True
+        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        return any(
+            fnmatch.fnmatchcase(owner, p) or owner == p or owner.startswith(p + ".")
+            for p in self._state_modules
+        )
+
+    # ----------------------------------------------------------------- without the weights
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read from the file so far (0 for a file of the older format, which
+        is read whole when loaded)."""
+        return self._store.bytes_read if self._store is not None else 0
+
+    def state_entries(self) -> dict[str, TensorEntry]:
+        """Every model state tensor as the file's header describes it (dtype, shape,
+        device, checksum, non-finite count, norm), without reading it. A file of the older
+        format records none: they are measured from the loaded tensors."""
+        refs = self._lazy.get("model_state")
+        if refs is not None and self._store is not None:
+            table = self._store.table
+            return {
+                k: table[r.name]
+                for k, r in refs.items()
+                if isinstance(r, TensorRef) and self._kept(k)
+            }
+        from .container import describe_tensor
+
+        return {k: describe_tensor(k, v) for k, v in self.model_state.items()}
+
+    def nonfinite_state(self) -> dict[str, int]:
+        """``{state key: number of NaN/Inf elements}`` of the model state tensors holding
+        any (recorded at write time: no weight is read)."""
+        return {k: e.nonfinite for k, e in self.state_entries().items() if e.nonfinite}
+
+    def verify(self) -> int:
+        """Read every tensor of the file and check it against the checksum recorded when
+        it was written (nothing is kept); the number of tensors checked.
+
+        Raises
+        ------
+        SnapshotError
+            A tensor's bytes do not match (naming it), or the file cannot be read."""
+        if self._store is None:  # the older format was checked when it was loaded
+            return len(self.model_state)
+        return self._store.verify()
 
     @classmethod
     def from_payload(
@@ -124,6 +211,8 @@ class Snapshot:
         model: torch.nn.Module | None = None,
         *,
         trust_recipe: bool = False,
+        store: TensorStore | None = None,
+        modules: Sequence[str] | None = None,
     ) -> Snapshot:
         """The snapshot held by a loaded snapshot dictionary (``torch.load`` of a file).
 
@@ -140,6 +229,10 @@ class Snapshot:
             The module to replay on, used as it is (:func:`load_snapshot` gives a copy).
         trust_recipe : bool
             As for :func:`load_snapshot`.
+        store : TensorStore, optional
+            Reads the tensors that the dictionary names (``TensorRef``) when used.
+        modules : sequence of str, optional
+            As for :func:`load_snapshot`.
 
         Returns
         -------
@@ -152,7 +245,7 @@ class Snapshot:
         """
         where = Path(path) if path is not None else None
         checked = validate_payload(payload, where if where is not None else "<snapshot>")
-        return cls(checked, where, model, trust_recipe=trust_recipe)
+        return cls(checked, where, model, trust_recipe=trust_recipe, store=store, modules=modules)
 
     # ----------------------------------------------------------------- views
     @property
@@ -185,7 +278,11 @@ class Snapshot:
         return history_frame(self.history)
 
     def param_norms(self) -> dict[str, float]:
-        """L2 norm (computed in float64) of every floating tensor of the stored model state."""
+        """L2 norm (computed in float64) of every floating tensor of the stored model state
+        (recorded at write time in a safetensors file: no weight is read)."""
+        entries = self.state_entries() if "model_state" in self._lazy else {}
+        if entries and all(e.norm is not None or not e.is_floating for e in entries.values()):
+            return {k: float(e.norm) for k, e in entries.items() if e.norm is not None}
         out = {}
         for k, v in self.model_state.items():
             if v.is_floating_point() or v.is_complex():
@@ -294,7 +391,13 @@ class Snapshot:
                 f"cannot rebuild the optimizer {self.optimizer_class!r}: {first_line(e)}"
             ) from e
 
-    def trace(self, loss_fn: Any = None, *, autocast: bool = True) -> Trace:
+    def trace(
+        self,
+        loss_fn: Any = None,
+        *,
+        autocast: bool = True,
+        modules: str | Sequence[str] | None = None,
+    ) -> Trace:
         """Replay the failing step: reload the stored weights and train flag, set the RNGs
         to the step's states, and run :func:`nbdebug.trace` on the stored batch (moved to
         the model's device), under the step's autocast state (``self.autocast``: the
@@ -308,6 +411,10 @@ class Snapshot:
         autocast : bool
             ``False``: replay in the model's own dtypes even when the step ran under
             autocast.
+        modules : str or sequence of str, optional
+            Record only these modules (as for :func:`nbdebug.trace`; default: the
+            ``modules=`` given to :func:`load_snapshot`). The forward runs the whole model,
+            so every weight is read all the same; the optimizer state is never read.
 
         Raises
         ------
@@ -315,15 +422,23 @@ class Snapshot:
             An ``autocast`` that is not a bool (a dtype: the replay takes the recorded one).
         SnapshotError
             The step ran under an autocast dtype (bfloat16, float16) that this machine's
-            device does not support.
+            device does not support; or ``modules`` with a step whose forward ran under
+            autocast and its backward outside it (replay it without ``modules``).
 
         Returns
         -------
         nbdebug.Trace
         """
-        from ..trace import trace_step
+        from ..trace import trace, trace_step
 
         check_flag(autocast, "autocast")
+        modules = modules if modules is not None else self.modules
+        spec = self.autocast if autocast else None
+        if modules is not None and spec is not None and not spec.get("backward"):
+            raise SnapshotError(
+                "snap.trace(modules=...) cannot yet replay a step whose forward ran under "
+                "autocast and its backward outside it: replay it without modules=."
+            )
         model = self.reset_model()
         loss_fn = self.replay_loss_fn(loss_fn, "snap.trace(loss_fn=...)")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -331,10 +446,13 @@ class Snapshot:
         target = to_device(self.target, device)
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn = loss_fn.to(device)
-        forward, backward = replay_contexts(self.autocast if autocast else None, device)
+        forward, backward = replay_contexts(spec, device)
         caller = RngState.capture()
         try:
             self.restore_rng()
+            if modules is not None:  # the backward runs in the forward's state, or in none
+                with forward():
+                    return trace(model, inputs, target, loss_fn, modules=modules)
             return trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
         finally:
             caller.restore()

@@ -17,7 +17,8 @@ import torch
 from ..state import RngState
 from .archive import atomic_save, unique_path
 from .data import environment, loss_spec, object_name, parse_recipe, to_plain
-from .format import build_payload, rng_to_payload
+from .format import build_payload
+from .rngdata import rng_to_payload
 
 __all__ = ["Scaler", "Scheduler", "TrainingObjects", "save_snapshot"]
 
@@ -156,13 +157,14 @@ def save_snapshot(
         "loss_fn": to_plain(loss_spec(loss_fn), "loss_fn", dropped, clone=False),
     }
     for key, value in fields.items():
-        if key in values or key == "dropped":
+        if key in values or key in ("dropped", "layout"):
             raise TypeError(
                 f"save_snapshot() writes the field {key!r} from its own arguments; "
                 "it cannot be given by keyword."
             )
         values[key] = to_plain(value, key, dropped, clone=True)
     values["dropped"] = dropped
+    values["layout"] = "safetensors"
     return (write or atomic_save)(build_payload(values), target_path)
 
 

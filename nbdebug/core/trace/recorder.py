@@ -223,14 +223,17 @@ class Recorder:
         non-finite values (``rows=False``: none, for a tensor without a batch dimension)."""
         if not self.exact:
             return quick_parts(t, self.kernel), []
-        v = exact_vector(t).cpu().numpy()
-        samples: list[int] = []
-        if rows and not vector_is_finite(v):
-            d = row_dim(t.shape, self.batch_size)
-            if d is not None and v[IDX_NNAN] == v[IDX_NUMEL]:
-                samples = list(range(t.shape[d]))  # all NaN: every row
-            elif d is not None and t.layout == torch.strided:
-                samples = torch.nonzero(row_flags(t, d)).flatten().tolist()
+        # no autograd state from the hooks: under activation checkpointing a tensor saved
+        # here in the first run but not in the recomputation is a CheckpointError
+        with torch.no_grad():
+            v = exact_vector(t).cpu().numpy()
+            samples: list[int] = []
+            if rows and not vector_is_finite(v):
+                d = row_dim(t.shape, self.batch_size)
+                if d is not None and v[IDX_NNAN] == v[IDX_NUMEL]:
+                    samples = list(range(t.shape[d]))  # all NaN: every row
+                elif d is not None and t.layout == torch.strided:
+                    samples = torch.nonzero(row_flags(t, d)).flatten().tolist()
         return v, samples
 
     # ------------------------------------------------------------------ slots (exact)
@@ -269,7 +272,8 @@ class Recorder:
             self.calls.append(rec)
             self.stack.append(rec.call)
             if self.exact:
-                self._inputs_exact(rec, args, kwargs)
+                with torch.no_grad():  # see measure(): the hooks save nothing for autograd
+                    self._inputs_exact(rec, args, kwargs)
             for tname, t in named_tensors((args, kwargs), "input"):
                 if t.requires_grad and t.is_floating_point():
                     self._hook_grad(t, rec.call, EventKind.GRAD_INPUT, _input_name(tname))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..display import show as show_result
 from ..text import rows_text
 from ..vocab import EventKind, Phase
 from .events import Event, ParamInfo
@@ -111,6 +112,17 @@ class Trace:
     @property
     def healthy(self) -> bool:
         return self.first_nonfinite is None and self.error is None and self.unreplayed_loss is None
+
+    @property
+    def ok(self) -> bool:
+        """The result protocol's verdict: the step is :attr:`healthy` (no NaN/Inf, no error,
+        a step that replays)."""
+        return self.healthy
+
+    def show(self, **options: object) -> object:
+        """The debugger's widget for this trace (what ``nbdebug.debug(trace)`` shows; an
+        ``ipywidgets`` widget). ``backend=`` as for :func:`nbdebug.debug`."""
+        return show_result(self, **options)
 
     def events_of(self, module: str, phase: Phase | str | None = None) -> list[Event]:
         """Events of one module (optionally of one phase)."""

@@ -1,0 +1,283 @@
+"""The guard's online spike detector: a robust z-score of the loss and of the global
+gradient norm against a window of recent healthy steps (:class:`SpikeDetector`), its
+settings (:class:`SpikeSettings`, the ``spike=`` option) and what it finds
+(:class:`SpikeFinding`).
+
+A NaN is usually the end of a run of growing values: gradient-norm spikes precede loss
+spikes, and a diverging run's gradient norm grows for several steps before anything is
+non-finite. The detector compares each step with the median of the last ``window``
+steps that were finite and not skipped (so a NaN or a skipped step never poisons it), in
+units of the median absolute deviation (MAD x 1.4826, a standard deviation for normal
+noise): ``z = (x - median) / (1.4826 MAD)``. The gradient norm is scored in log space (a
+spike is a factor), the loss as it is. Only upward deviations count.
+
+Thresholds (the defaults, ``spike=True``): ``z=6`` (as OLMo-core's skip-step optimizer),
+``window=128`` steps, ``warmup=32``: the detector is silent until it holds 8 steps
+(:data:`MIN_WINDOW`); from then until it holds ``warmup`` its threshold is raised by
+``sqrt(warmup / n)`` (twice the threshold at 8 steps), so a short run is watched from
+its 9th step but only for large spikes. The spread has a floor (1 % of the gradient
+norm, 0.1 % of the loss's median) so that a run whose values barely move does not flag
+a tiny change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from ..text import fmt_num
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .reading import StepReading
+
+__all__ = [
+    "MIN_WINDOW",
+    "SPIKE_ACTIONS",
+    "SpikeAction",
+    "SpikeDetector",
+    "SpikeFinding",
+    "SpikeSettings",
+    "spike_settings",
+]
+
+#: what the guard does on a spike (``on_spike``)
+SpikeAction = Literal["snapshot", "skip", "raise", "ignore"]
+SPIKE_ACTIONS: tuple[SpikeAction, ...] = ("snapshot", "skip", "raise", "ignore")
+#: the fewest healthy steps the spread is estimated from
+MIN_WINDOW = 8
+#: the signals the detector scores, in the order it reports them
+SIGNALS = ("grad_norm", "loss")
+_MAD_SIGMA = 1.4826  # MAD -> standard deviation for normal noise
+_HISTORY = 16  # recent values a finding carries
+
+
+@dataclass(frozen=True)
+class SpikeSettings:
+    """The spike detector's thresholds (``NaNGuard(spike=...)``).
+
+    Attributes
+    ----------
+    z : float
+        A step whose robust z-score exceeds this is a spike.
+    window : int
+        How many recent healthy steps the median and MAD are taken over (>= 8).
+    warmup : int
+        Below this many steps in the window the threshold is raised by
+        ``sqrt(warmup / n)``.
+    """
+
+    z: float = 6.0
+    window: int = 128
+    warmup: int = 32
+
+    def __post_init__(self) -> None:
+        z = self.z
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not 0 < z < math.inf:
+            raise ValueError(f"spike z must be a positive finite number; got {z!r}.")
+        for name in ("window", "warmup"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"spike {name} must be an int; got {v!r}.")
+        if self.window < MIN_WINDOW:
+            raise ValueError(
+                f"spike window must be at least {MIN_WINDOW} steps to estimate the spread "
+                f"(median and MAD); got {self.window}."
+            )
+        object.__setattr__(self, "z", float(z))
+
+
+def spike_settings(value: object) -> SpikeSettings | None:
+    """The ``spike=`` option as settings (``None``: off): ``True`` the defaults, ``False``
+    or ``None`` off, a number the z threshold, a dict of :class:`SpikeSettings` fields
+    (``{"z": 8, "window": 64}``) or a :class:`SpikeSettings`.
+
+    Raises
+    ------
+    ValueError
+        Any other value, or a value a field refuses (a window under 8 steps).
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return SpikeSettings()
+    if isinstance(value, SpikeSettings):
+        return value
+    if isinstance(value, (int, float)):
+        return SpikeSettings(z=value)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"z", "window", "warmup"})
+        if not unknown:
+            return SpikeSettings(**value)
+    raise ValueError(
+        "spike must be True (the default thresholds), False/None (off), a z-score threshold, "
+        f"a dict with keys z, window, warmup, or a SpikeSettings; got {value!r}."
+    )
+
+
+@dataclass(frozen=True)
+class SpikeFinding:
+    """One spike: a signal of one step far above its recent healthy steps.
+
+    Attributes
+    ----------
+    step : int
+    signal : str
+        ``"grad_norm"`` or ``"loss"``.
+    value : float
+        The step's value.
+    median : float
+        The median of the window (in the signal's own units).
+    z : float
+        The robust z-score (log space for the gradient norm).
+    threshold : float
+        The threshold it crossed (raised during the warm-up).
+    window : int
+        How many healthy steps the window held.
+    history : list of float
+        The signal's last values before this step (oldest first).
+    """
+
+    step: int
+    signal: str
+    value: float
+    median: float
+    z: float
+    threshold: float
+    window: int
+    history: list[float]
+
+    @property
+    def message(self) -> str:
+        return (
+            f"{self.signal} spiked at step {self.step}: {fmt_num(self.value)} is "
+            f"{self.z:.1f} robust sigmas above the median {fmt_num(self.median)} of the last "
+            f"{self.window} healthy steps (threshold {self.threshold:.1f})"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The finding as plain data (a history row's ``"spikes"``, a snapshot's reason)."""
+        return {**asdict(self), "message": self.message}
+
+
+class _Window:
+    """One signal's recent healthy values (transformed) and raw values."""
+
+    def __init__(self, size: int, log: bool) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.raw: deque[float] = deque(maxlen=_HISTORY)
+        self.log = log
+
+    def transform(self, x: float | None) -> float | None:
+        if x is None or not math.isfinite(x):
+            return None
+        if self.log:
+            return math.log(x) if x > 0 else None
+        return x
+
+    def score(self, x: float) -> tuple[float, float] | None:
+        """(z, median in raw units), or ``None`` with too few values."""
+        n = len(self.values)
+        if n < MIN_WINDOW:
+            return None
+        arr = np.fromiter(self.values, dtype=np.float64, count=n)
+        med = float(np.median(arr))
+        mad = float(np.median(np.abs(arr - med)))
+        floor = 0.01 if self.log else 1e-3 * abs(med) + 1e-12
+        sigma = max(_MAD_SIGMA * mad, floor)
+        return (x - med) / sigma, math.exp(med) if self.log else med
+
+
+class SpikeDetector:
+    """Scores each step against the recent healthy ones (see the module docstring).
+
+    :meth:`score` reads a step and returns its findings, changing nothing;
+    :meth:`admit` then adds the step to the windows when it was healthy (finite and not
+    skipped). Never raises on a step: a signal it cannot score (no gradients yet, no
+    loss given, a non-positive gradient norm) is left out, and :attr:`status` says why.
+    """
+
+    def __init__(self, settings: SpikeSettings) -> None:
+        self.settings = settings
+        self.windows = {s: _Window(settings.window, log=s == "grad_norm") for s in SIGNALS}
+        #: why the last step's signals could not be scored (empty when they were)
+        self.status: dict[str, str] = {}
+
+    def threshold(self, n: int) -> float:
+        s = self.settings
+        return s.z * math.sqrt(max(1.0, s.warmup / n))
+
+    def score(self, reading: StepReading, *, has_grads: bool = True) -> list[SpikeFinding]:
+        """The spikes of the step read (none while warming up)."""
+        self.status = {}
+        found = []
+        for signal, window in self.windows.items():
+            raw = getattr(reading, signal)
+            if signal == "grad_norm" and not has_grads:
+                self.status[signal] = "no gradients yet (check() before a backward?)"
+                continue
+            x = window.transform(raw)
+            if x is None:
+                if raw is None:
+                    self.status[signal] = "no loss given to check()"
+                continue
+            scored = window.score(x)
+            if scored is None:
+                self.status[signal] = (
+                    f"warming up ({len(window.values)} of {MIN_WINDOW} healthy steps)"
+                )
+                continue
+            z, median = scored
+            limit = self.threshold(len(window.values))
+            if z > limit:
+                found.append(
+                    SpikeFinding(
+                        step=reading.step,
+                        signal=signal,
+                        value=float(raw),
+                        median=median,
+                        z=float(z),
+                        threshold=limit,
+                        window=len(window.values),
+                        history=list(window.raw),
+                    )
+                )
+        return found
+
+    def admit(self, reading: StepReading) -> None:
+        """Add a healthy step (finite, not skipped) to the windows."""
+        for signal, window in self.windows.items():
+            raw = getattr(reading, signal)
+            x = window.transform(raw)
+            if x is not None:
+                window.values.append(x)
+                window.raw.append(float(raw))
+
+    def recent(self, signal: str) -> Sequence[float]:
+        """The last healthy values of ``signal`` (oldest first)."""
+        return list(self.windows[signal].raw)
+
+
+def spike_action(action: SpikeAction, distributed: bool) -> SpikeAction:
+    """What the guard does on a spike: ``action``; in a distributed run, where every rank
+    must decide alike and each rank scores its own loss, ``"ignore"`` (each rank records
+    its findings in its history, no spike snapshot).
+
+    Raises
+    ------
+    ValueError
+        ``"skip"`` or ``"raise"`` in a distributed run.
+    """
+    if not distributed:
+        return action
+    if action in ("skip", "raise"):
+        raise ValueError(
+            f"on_spike={action!r} needs every rank to decide alike, and each rank scores its "
+            "own loss: a distributed run takes on_spike='snapshot' or 'ignore' (the findings "
+            "go into each rank's history)."
+        )
+    return "ignore"
