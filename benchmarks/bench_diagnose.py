@@ -7,7 +7,10 @@ RNG), apply the fix, forward, loss, backward, clipping, ``optimizer.step()`` and
 finiteness checks. The plain step is forward, loss, backward and ``optimizer.step()`` on a
 copy of the model and optimizer. The two are interleaved round by round, one torch
 thread, CPU time of this process. Besides the (tiny) scenario models, the 4-layer
-TransformerEncoder of DESIGN.md's targets with a NaN batch row (fix: drop the row).
+TransformerEncoder of DESIGN.md's targets with a NaN batch row (fix: drop the row), and
+the runs of tests/test_diverged.py that diverge through their updates by themselves (an
+uncapped warm-up, a ReLU RNN without clipping, a learning rate far too high: right kind
+``diverged``).
 
     python benchmarks/bench_diagnose.py [--rounds 15]
 """
@@ -33,6 +36,7 @@ sys.path.insert(
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/models.py first
 from diagnose_scenarios import CASES
 from models import mean_square, transformer
+from test_diverged import MODELS, SHAPES, until_nonfinite
 
 import nbdebug
 from nbdebug.analysis.diagnose import NotReproducible
@@ -129,6 +133,27 @@ def main() -> None:
         f"{d.cause.kind} rows {d.cause.rows}; replay cost {r:.2f}x a plain step with the fix, "
         f"{rp:.2f}x without"
     )
+    diverged()
+
+
+def diverged() -> None:
+    """The runs that diverge by themselves: how often ``diverged`` ranks first."""
+    right = 0
+    for name, make in SHAPES.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            guard, failed = until_nonfinite(make()[0], Path(tmp))
+            snap = nbdebug.load_snapshot(guard.snapshots[-1], model=MODELS[name])
+            t0 = time.perf_counter()
+            d = nbdebug.diagnose(snap, progress=False)
+            took = time.perf_counter() - t0
+        ok = d.cause.kind == "diverged"
+        right += ok
+        began = d.cause.fix.divergence.began if ok else None  # type: ignore[union-attr]
+        print(
+            f"  {name:<55} rank1 {'yes' if ok else 'NO ':<3}  failed at step {failed}, "
+            f"diverged from step {began}; diagnose {took:.2f} s"
+        )
+    print(f"runs that diverged by themselves, diverged at rank 1: {right}/{len(SHAPES)}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ _EXPORTS: dict[str, str] = {
     "RanksReport": "nbdebug.analysis.ranks",
     "RankRow": "nbdebug.analysis.ranks",
     "compare_replays": "nbdebug.analysis.compare",
+    "ReplayConfig": "nbdebug.analysis.compare",
+    "ReplayComparison": "nbdebug.analysis.compare",
     "debug": "nbdebug.widgets.app",
     "Debugger": "nbdebug.widgets.app",
 }

@@ -12,6 +12,7 @@
 the architecture; the current directory is importable. Without it, ``--trust-recipe``
 builds the model from the recipe recorded in the file (this imports and runs that code).
 Without a model the step is not replayed, but the reason, history and norms are shown.
+``inspect --verify`` reads every tensor of the file and checks it against its checksum.
 
 Bad input prints one line on stderr and exits with status 2.
 """
@@ -86,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     model_opts(q)
     q.add_argument("--rows", type=int, default=10, help="history rows to print (default 10)")
     q.add_argument("--top", type=int, default=8, help="entries per largest-norm table (default 8)")
+    q.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every tensor and check it against the checksum recorded when it was written",
+    )
 
     r = sub.add_parser("report", help="write a self-contained HTML report")
     model_opts(r)
@@ -208,6 +214,18 @@ def _print_rows(rows: list[tuple[str, str]], out: TextIO, indent: str = "") -> N
         print(f"{indent}{k.ljust(width)}  {v}", file=out)
 
 
+def _verify(snap: Snapshot, out: TextIO) -> None:
+    """``inspect --verify``: every tensor read and checked, or the damage as bad input."""
+    from .core.snapshot import SnapshotError
+    from .core.text import count_text
+
+    try:
+        n = snap.verify()
+    except SnapshotError as e:
+        raise UsageError(str(e)) from None
+    print(f"  verified  {count_text(n, 'tensor')}: each matches its checksum", file=out)
+
+
 def _inspect(args: argparse.Namespace, out: TextIO) -> None:
     from .core.text import count_text, fmt_num
     from .core.vocab import EventKind, Phase
@@ -224,6 +242,8 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> None:
             raise UsageError(f"{option} must be >= 0; got {value}.")
     snap, trace, note = _load(args)
     print(f"nbdebug snapshot: step {fmt_num(snap.step)}", file=out)
+    if args.verify:
+        _verify(snap, out)
     _print_rows(snapshot_facts(snap), out, "  ")
     print("\norigin (replay of the step)", file=out)
     if trace is not None:

@@ -194,6 +194,13 @@ CELLS = (
         "                          reference=tab_x[:60])\n"
         'shown(drift_dbg, "Drift", "drift")',
     ),
+    # a result shows itself (the result protocol): find_label_issues(...).show()
+    Cell(
+        "issues",
+        "issues_panel = nbdebug.find_label_issues(labels, pred_probs=probs).show()\n"
+        'issues_panel.add_class("panel-issues")\n'
+        "issues_panel",
+    ),
 )
 
 PANELS = (
@@ -278,6 +285,13 @@ PANELS = (
         plots=1,
     ),
     Panel("drift", "drift", None, ("x0", "feature"), plots=4),
+    Panel(
+        "issues",
+        "issues",
+        None,
+        ("of 569 samples flagged", "noise rate", "given_label", "suggested_label"),
+        plots=1,
+    ),
 )
 
 #: The front ends: the page of a notebook file in each, and the cells and panels there.

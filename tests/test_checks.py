@@ -587,7 +587,9 @@ def test_unused_parameter_and_what_a_bare_trace_cannot_check() -> None:
         nbdebug.check((_mlp(), x), target=y, loss_fn=F.cross_entropy).of("unused_parameter") == []
     )
     skipped = {c for g in found.of("check_skipped") for c in g.evidence["checks"]}
-    assert {"constant_feature", "adam_state_outlier", "lr_spike", "grad_scaler_collapse"} <= skipped
+    # (the trace brings its batch: constant_feature runs, issue 33)
+    assert {"adam_state_outlier", "lr_spike", "grad_scaler_collapse"} <= skipped
+    assert "constant_feature" not in skipped
 
 
 # --------------------------------------------------------------------------- optimizer and schedule
@@ -980,8 +982,12 @@ def test_guard_records_the_warning_signs_before_the_nan(tmp_path) -> None:
     recorded = {(c["code"], r["step"]) for r in guard.history for c in r.get("checks", [])}
     assert ("lr_spike", 20) in recorded
     assert any(code == "exploding_gradient" and step < nan_step for code, step in recorded)
+    # the spike detector wrote a "spike" snapshot at step 21, right after the cause and
+    # before the NaN; the NaN step's snapshot is the last
+    kinds = [load_snapshot(p).kind for p in guard.snapshots]
+    assert kinds[0] == "spike" and kinds[-1] != "spike", kinds
     snap = load_snapshot(
-        guard.snapshots[0],
+        guard.snapshots[-1],
         model=lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)),
     )
     found = nbdebug.check(snap)

@@ -11,7 +11,7 @@ from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
-from nbdebug.analysis.compare import ReplayConfig
+from nbdebug.analysis.compare.config import cannot_run
 from nbdebug.analysis.compare.result import differs
 
 
@@ -114,7 +114,7 @@ def test_configurations_that_cannot_run_are_refused_before_any_replay(
 
     model, x = Counting(8, 2), torch.randn(3, 8)
     with pytest.raises(ValueError, match=r"b='compile\[nope\]'.*back end 'nope' is not installed"):
-        nbdebug.compare_replays(model, x, b=ReplayConfig(compile=True, backend="nope"))
+        nbdebug.compare_replays(model, x, b=nbdebug.ReplayConfig(compile=True, backend="nope"))
     monkeypatch.setattr(shutil, "which", lambda _name: None)
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ValueError, match=r"a='compile'.*needs a C\+\+ compiler"):
@@ -124,6 +124,10 @@ def test_configurations_that_cannot_run_are_refused_before_any_replay(
     with pytest.raises(ValueError, match=r"reference recording .* does not exist"):
         nbdebug.compare_replays(model, x, b="missing.pt")
     assert calls == []
+    # a dtype the device cannot compute in is named with the device's own reason
+    why = cannot_run(nbdebug.ReplayConfig(dtype=torch.bfloat16), torch.device("meta"))
+    assert why is not None and why.startswith("bfloat16 cannot run on meta: ")
+    assert cannot_run(nbdebug.ReplayConfig(dtype=torch.bfloat16), torch.device("cpu")) is None
 
 
 @pytest.mark.timeout(300)
@@ -146,3 +150,20 @@ def test_eager_vs_compile_on_cpu_inductor() -> None:
     assert d is not None and (d.phase, d.module, d.op) == ("forward", "1", "output")
     assert d.reason == "NaN vs finite" and d.b != d.b and d.a == d.a
     assert "the output of '1'" in r.summary()
+
+
+def test_a_snapshot_replays_under_its_recorded_autocast(tmp_path: Path) -> None:
+    model, x = _overflowing()
+    path = nbdebug.save_snapshot(
+        tmp_path / "amp.nbsnap",
+        model,
+        inputs=x,
+        autocast={"device_type": "cpu", "dtype": "float16"},
+    )
+    snap = nbdebug.load_snapshot(path, _overflowing()[0])
+    r = nbdebug.compare_replays(snap, a="eager", b="float64", loss_fn=_mean)
+    d = r.first
+    assert d is not None and (d.module, d.op, d.dtype_a) == ("2", "Tensor.mul", "float16")
+    # the model's own dtypes without the autocast: float32 agrees with float64
+    plain = nbdebug.compare_replays(snap, a="float32", b="float64", loss_fn=_mean)
+    assert plain.ok, plain.summary()

@@ -99,12 +99,12 @@ def test_a_snapshot_debugger_diagnoses_the_snapshot(tmp_path: Path) -> None:
         dbg.close()
 
 
-def test_a_recorded_trace_has_no_fixes_tab() -> None:
+def test_a_recorded_trace_has_the_fixes_tab_of_its_call() -> None:
     torch.manual_seed(0)
     x, y = constant_row()
     tr = nbdebug.trace(NormNet(), x, y, torch.nn.functional.cross_entropy)
-    dbg = nbdebug.debug(tr)
+    dbg = nbdebug.debug(tr)  # the trace's recorded model and batch (issue 33)
     try:
-        assert "Fixes" not in dbg.tabs.titles
+        assert "Fixes" in dbg.tabs.titles
     finally:
         dbg.close()

@@ -124,7 +124,7 @@ def test_spike_skips_are_counted_with_their_reason(tmp_path):
         with pytest.warns(RuntimeWarning) if step == 40 else _nothing():
             guard.check(loss, inputs=x, step=step, ids=list(range(8)))
         model.zero_grad()
-    assert guard.skips.total == 1 and guard.skips.last_reason.startswith("spike in ")
+    assert guard.skips.total == 1 and str(guard.skips.last_reason).startswith("spike in ")
     assert guard.history[-1]["skip_reason"] == guard.skips.last_reason
     assert load_skip_batches(tmp_path) == set(range(8))
     snap = nbdebug.load_snapshot(guard.snapshots[0], model=nn.Linear(3, 1))
@@ -137,3 +137,32 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_lightning_callback_logs_the_skip_counters(tmp_path):
+    pytest.importorskip("lightning", reason="the nbdebug[lightning] extra is not installed")
+    import torch.nn.functional as F
+    from test_integrations_lightning import K, Metrics, TinyModule, data, trainer
+
+    from nbdebug.integrations.lightning import NaNGuardCallback
+
+    cb, metrics = NaNGuardCallback(directory=tmp_path, loss_fn=F.mse_loss), Metrics()
+    trainer([cb], logger=metrics).fit(TinyModule(), data())
+    assert (K, {"nbdebug/skips": 1.0, "nbdebug/skips_in_row": 1.0}) in metrics.rows
+    assert cb.guard.skips.total == 1 and cb.guard.skips.last_reason == "non-finite loss"
+
+
+def test_the_hugging_face_callback_logs_the_skip_counters(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from models import tiny_gpt2
+    from test_integrations_hf import Rows, arguments
+
+    from nbdebug.integrations.hf import NaNGuardCallback
+
+    cb = NaNGuardCallback(directory=tmp_path / "snaps")
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(), args=arguments(tmp_path / "out"), train_dataset=Rows(), callbacks=[cb]
+    )
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "nbdebug/skipped" in row]
+    assert [(row["nbdebug/skips"], row["nbdebug/skips_in_row"]) for row in logged] == [(1.0, 1.0)]

@@ -416,3 +416,66 @@ def test_a_model_without_children_records_the_autocast_its_forward_ran_in(
     assert snap.autocast == expected
     dtypes = {e.dtype for e in snap.trace().events if e.phase == "forward"}
     assert dtypes == ({"float32", "bfloat16"} if expected else {"float32"})
+
+
+# ------------------------------------------- a Trainer subclass's compute_loss (issue 33)
+class LogitsOnly(nn.Module):
+    """A model that returns logits and no loss; its layer ``log_in`` makes the NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.a(torch.log(x))}
+
+
+class OwnLossTrainer(transformers.Trainer):
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        labels = inputs.pop("labels")
+        out = model(**inputs)
+        return torch.nn.functional.cross_entropy(out["logits"], labels)
+
+
+class NeedsArgsTrainer(transformers.Trainer):
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        scale = self.args.learning_rate
+        return scale * model(x=inputs["x"])["logits"].sum()
+
+
+def compute_loss_snapshot(tmp_path: Path, cls: type) -> Path:
+    from nbdebug.core.snapshot.data import object_name
+    from nbdebug.core.snapshot.write import save_snapshot
+
+    x = torch.rand(4, 4) + 0.5
+    x[1, 2] = -1.0
+    source = {
+        "call": "trainer_method",
+        "method": "compute_loss",
+        "class": object_name(cls),
+        "name": cls.__qualname__,
+        "args": [],
+        "silence": [],
+        "batch": {"form": "inputs"},
+    }
+    batch = {"x": x, "labels": torch.tensor([0, 1, 2, 0])}
+    return save_snapshot(tmp_path / "s.nbsnap", LogitsOnly(), batch, loss_source=source)
+
+
+def test_a_compute_loss_override_replays_on_a_stand_in_trainer(tmp_path: Path) -> None:
+    path = compute_loss_snapshot(tmp_path, OwnLossTrainer)
+    snap = nbdebug.load_snapshot(path, model=LogitsOnly)
+    with pytest.raises(nbdebug.SnapshotError, match=r"OwnLossTrainer\.compute_loss.*trainer="):
+        snap.trace()  # the class is not imported unless trusted or given
+    tr = snap.trace(trainer=OwnLossTrainer)
+    assert tr.origin is not None and tr.origin.module == "" and tr.origin.samples == [1]
+    assert math.isnan(tr.loss) and "labels" in snap.inputs  # the batch is left whole
+    trusted = nbdebug.load_snapshot(path, model=LogitsOnly, trust_recipe=True)
+    assert trusted.trace().origin.samples == [1]
+
+
+def test_a_compute_loss_that_needs_the_trainer_says_to_pass_it(tmp_path: Path) -> None:
+    snap = nbdebug.load_snapshot(compute_loss_snapshot(tmp_path, NeedsArgsTrainer), LogitsOnly)
+    with pytest.raises(nbdebug.TraceError, match=r"self\.args.*trainer=your_trainer"):
+        snap.trace(trainer=NeedsArgsTrainer)

@@ -412,3 +412,148 @@ def test_under_accumulation_the_history_has_training_steps_loss(tmp_path: Path) 
     losses = [h["loss"] for h in cb.guard.history]
     assert losses == pytest.approx([module.losses[1], module.losses[3]], rel=1e-6, nan_ok=True)
     assert cb.skipped == [1] and math.isnan(losses[1])
+
+
+# ------------------------------------------------- the loss in training_step (issue 33)
+class ClsModule(TinyModule):
+    """The common shape: the loss is computed in training_step, which also logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(8, 3)  # three classes
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        self.log_dict({"batch_idx": float(batch_idx)})
+        return loss
+
+
+class LossMadeModule(ClsModule):
+    """A NaN made in training_step itself, from finite logits (a log of a negative)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        return torch.log(out.mean() - 1e3) + F.cross_entropy(out, y)
+
+
+def cls_data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(BATCH * STEPS, 4, generator=g) + 0.5
+    y = torch.randint(0, 3, (BATCH * STEPS,), generator=g)
+    x[K * BATCH + BAD_ROW, 2] = -1.0
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+
+
+@pytest.fixture(scope="module")
+def step_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("lightning-step")
+    cb = NaNGuardCallback(directory=directory)  # no loss_fn=: the loss is training_step's
+    trainer([cb]).fit(ClsModule(), cls_data())
+    return {"cb": cb, "path": cb.guard.snapshots[0]}
+
+
+def test_a_training_step_loss_replays_without_loss_fn(step_run: dict[str, Any]) -> None:
+    assert step_run["cb"].skipped == [K]
+    snap = nbdebug.load_snapshot(step_run["path"], ClsModule)
+    src = snap.loss_source
+    assert src["call"] == "model_method" and src["method"] == "training_step"
+    assert src["args"] == [K] and src["class"].endswith(":ClsModule")
+    tr = snap.trace()
+    assert tr.origin is not None
+    assert (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+    assert tr.model_name == "ClsModule" and math.isnan(tr.loss)
+    # the loaded module is left as it was: no instance attribute for the silenced methods
+    assert not {"log", "log_dict", "print"} & set(vars(snap.model))
+    # the trace's events are named as the module's own
+    assert {e.module for e in tr.events} <= {n for n, _ in snap.model.named_modules()}
+
+
+def test_diagnose_and_check_replay_through_training_step(step_run: dict[str, Any]) -> None:
+    d = nbdebug.diagnose(step_run["path"], model=ClsModule, progress=False)
+    assert d.trace is not None and d.trace.origin is not None
+    assert d.trace.origin.module == "log_in"
+    found = nbdebug.check(nbdebug.load_snapshot(step_run["path"], ClsModule))
+    assert found.of("nonfinite_origin") or found.of("log_of_nonpositive")
+
+
+def test_a_loss_made_in_training_step_is_named_there(tmp_path: Path) -> None:
+    cb = NaNGuardCallback(directory=tmp_path)
+    trainer([cb], steps=1).fit(LossMadeModule(), cls_data())
+    tr = nbdebug.load_snapshot(cb.guard.snapshots[0], LossMadeModule).trace()
+    assert tr.origin is not None and tr.origin.module == ""
+    assert "test_integrations_lightning.py" in (tr.origin.source or "")
+
+
+def test_a_training_step_snapshot_without_its_class_names_it(step_run: dict[str, Any]) -> None:
+    plain = nn.Sequential()
+    plain.log_in, plain.a, plain.b = Log(), nn.Linear(4, 8), nn.Linear(8, 3)
+    snap = nbdebug.load_snapshot(step_run["path"], model=lambda: plain)
+    with pytest.raises(nbdebug.SnapshotError, match=r"ClsModule\.training_step.*model=ClsModule"):
+        snap.trace()
+    # a loss function given replays the model's forward as before
+    assert snap.trace(loss_fn=F.cross_entropy).origin.module == "log_in"
+    with pytest.raises(nbdebug.SnapshotError, match="ClsModule"):
+        nbdebug.load_snapshot(step_run["path"]).trace()
+
+
+def test_inspect_and_the_debugger_replay_through_training_step(
+    step_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from nbdebug.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    main(["inspect", str(step_run["path"]), "--model", "test_integrations_lightning:ClsModule"])
+    text = out.getvalue()
+    assert "log_in" in text and "Not replayed" not in text
+    dbg = nbdebug.debug(nbdebug.load_snapshot(step_run["path"], ClsModule))
+    try:
+        assert dbg.trace.origin is not None and dbg.trace.origin.module == "log_in"
+    finally:
+        dbg.close()
+
+
+def fit_ddp_step(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """One rank of a DDP run of ClsModule (no loss_fn=); rank 1's batch K makes the NaN."""
+    import os
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.rand(BATCH * STEPS, 4, generator=g) + 0.5
+    y = torch.randint(0, 3, (BATCH * STEPS,), generator=g)
+    if rank == 1:
+        x[K * BATCH + BAD_ROW, 2] = -1.0
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    cb = NaNGuardCallback(directory=directory, timeout=30)
+    t = trainer([cb], strategy="ddp", devices=world, use_distributed_sampler=False)
+    t.fit(ClsModule(), loader)
+    return {"skipped": list(cb.skipped), "snapshots": [str(p) for p in cb.guard.snapshots]}
+
+
+@pytest.mark.timeout(240)
+def test_under_ddp_each_ranks_snapshot_replays_its_training_step(tmp_path: Path) -> None:
+    import distributed_helpers as h
+
+    results = h.launch(fit_ddp_step, 2, str(tmp_path), timeout=180)
+    for r in (0, 1):
+        assert "value" in results.get(r, {}), results.get(r)
+        assert results[r]["value"]["skipped"] == [K]
+    bad = nbdebug.load_snapshot(tmp_path / f"step-{K:09d}-rank1.nbsnap", ClsModule)
+    assert bad.loss_source is not None and bad.loss_source["method"] == "training_step"
+    tr = bad.trace()
+    assert tr.origin is not None and (tr.origin.module, tr.origin.samples) == ("log_in", [BAD_ROW])
+    # rank 0 got the NaN through the gradient all-reduce: its own step replays finite
+    assert nbdebug.load_snapshot(tmp_path / f"step-{K:09d}-rank0.nbsnap", ClsModule).trace().healthy

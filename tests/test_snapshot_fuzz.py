@@ -160,6 +160,22 @@ def test_a_flipped_metadata_byte_is_caught_by_its_checksum(good, tmp_path):
             load_snapshot(path)  # the header alone: caught without reading a weight
 
 
+def _mutated(
+    tmp_path: Path, data: bytes, span: tuple[int, int], flips: list, cut: float | None
+) -> Path:
+    """``data`` with up to six bytes of ``span`` XOR-ed and, with ``cut``, cut short at
+    that fraction of ``span``, written to a file."""
+    start, end = span
+    bad = bytearray(data)
+    for where, x in flips[:6]:
+        bad[start + int(where * (end - start))] ^= x
+    if cut is not None:
+        del bad[start + int(cut * (end - start)) :]
+    path = tmp_path / "fuzz.nbsnap"
+    path.write_bytes(bytes(bad))
+    return path
+
+
 _REGIONS = st.sampled_from(["length", "header", "metadata", "tensors"])
 _FLIPS = st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1)
 
@@ -170,14 +186,7 @@ _FLIPS = st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 25
 @given(region=_REGIONS, flips=_FLIPS, cut=st.none() | st.floats(0, 1))
 def test_fuzz_every_region(good, tmp_path, region, flips, cut):
     data, regions = good
-    start, end = regions[region]
-    bad = bytearray(data)
-    for where, x in flips[:6]:
-        bad[start + int(where * (end - start))] ^= x
-    if cut is not None:
-        del bad[start + int(cut * (end - start)) :]
-    path = tmp_path / "fuzz.nbsnap"
-    path.write_bytes(bytes(bad))
+    path = _mutated(tmp_path, data, regions[region], flips, cut)
     try:
         snap = _use(path)
     except SnapshotError as e:
@@ -215,14 +224,7 @@ def legacy(tmp_path_factory) -> tuple[bytes, dict[str, tuple[int, int]]]:
 )
 def test_fuzz_the_older_format(legacy, tmp_path, region, flips, cut):
     data, regions = legacy
-    start, end = regions[region]
-    bad = bytearray(data)
-    for where, x in flips[:6]:
-        bad[start + int(where * (end - start))] ^= x
-    if cut is not None:
-        del bad[start + int(cut * (end - start)) :]
-    path = tmp_path / "fuzz.nbsnap"
-    path.write_bytes(bytes(bad))
+    path = _mutated(tmp_path, data, regions[region], flips, cut)
     try:
         snap = _use(path)
     except SnapshotError as e:

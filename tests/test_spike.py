@@ -202,3 +202,29 @@ def test_a_diverging_run_is_flagged_before_its_nan(tmp_path):
     bad = next(r["step"] for r in guard.history if r["nonfinite"])
     flagged = [f.step for f in guard.spike_findings if f.step < bad]
     assert flagged and bad - flagged[0] >= 3
+
+
+def test_a_hard_batch_that_comes_back_every_epoch_is_no_spike(tmp_path):
+    # four fixed batches, one with targets far from the model's reach: its loss is about
+    # twice the others' every fourth step and creeps up as the model fits the rest (a robust
+    # z-score alone flags it at 15 sigmas); the lr jump at step 40 is a real spike
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = NaNGuard(model, opt, directory=tmp_path, on_spike="ignore", patience=None)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    y[48:] *= 3.0
+    for step in range(44):
+        if step == 40:
+            for g in opt.param_groups:
+                g["lr"] = 1e3
+        xb, yb = x[(step % 4) * 16 : (step % 4 + 1) * 16], y[(step % 4) * 16 : (step % 4 + 1) * 16]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if guard.check(loss, step=step):
+                opt.step()
+    flagged = sorted({f.step for f in guard.spike_findings})
+    assert flagged and flagged[0] == 41, flagged  # the first step after the lr jump, no earlier

@@ -78,6 +78,7 @@ class FixKind(Vocab):
     CUSTOM = "custom"  # a fix the user wrote
     WEIGHTS_CORRUPTED = "weights_corrupted"  # the weights were non-finite before the step
     NOT_REPRODUCIBLE = "not_reproducible"  # the same step replayed finite
+    DIVERGED = "diverged"  # the weights grew over the updates before the step (the history)
 
 
 class FrameKind(Vocab):

@@ -13,15 +13,19 @@ from typing import Any
 import torch
 
 from ..core.guard import GuardOptions, NaNGuard
+from ..core.snapshot.data import object_name
 from ..core.stats import has_nonfinite
 
 __all__ = [
     "StepBatch",
+    "batch_form",
     "check_options",
     "check_version",
     "make_guard",
+    "method_source",
     "missing_framework",
     "split_batch",
+    "takes_index",
 ]
 
 #: NaNGuard arguments that a callback takes from its trainer (autocast: from its precision
@@ -107,6 +111,54 @@ def replay_inputs(module: Any, inputs: Any, target: Any = None) -> tuple[Any, An
     if taken and len(rest) == 1 and target is None and _binds(signature, taken):
         return taken, inputs[rest[0]]
     return (inputs,), target
+
+
+def batch_form(batch: Any, inputs: Any, target: Any) -> dict[str, Any] | None:
+    """How a replay rebuilds ``batch`` (as the trainer's code received it) from the
+    snapshot's ``inputs`` and ``target`` (:func:`replay_inputs`'s): the ``"batch"`` of a
+    ``loss_source`` (see :func:`nbdebug.core.snapshot.replay.rebuild_batch`); ``None``
+    when they do not give it back."""
+    if inputs is batch and target is None:
+        return {"form": "inputs"}
+    pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+    if pair and inputs is batch[0] and target is batch[1]:
+        return {"form": "pair", "type": "list" if isinstance(batch, list) else "tuple"}
+    if isinstance(batch, Mapping) and isinstance(inputs, Mapping) and target is not None:
+        rest = [k for k in batch if k not in inputs]
+        if len(rest) == 1 and isinstance(rest[0], str) and batch[rest[0]] is target:
+            return {"form": "dict", "key": rest[0]}
+    if isinstance(inputs, tuple) and len(inputs) == 1 and inputs[0] is batch and target is None:
+        return {"form": "wrapped"}
+    return None
+
+
+def method_source(
+    owner: type, method: str, *, call: str, args: list[Any], silence: list[str], batch: Any
+) -> dict[str, Any]:
+    """A snapshot's ``loss_source``: the trainer's code that computed the loss, ``method``
+    of the class ``owner`` (recorded by import path when it has one, and by name)."""
+    return {
+        "call": call,
+        "method": method,
+        "class": object_name(owner),
+        "name": owner.__qualname__,
+        "args": list(args),
+        "silence": list(silence),
+        "batch": batch,
+    }
+
+
+def takes_index(method: Any) -> bool:
+    """Whether a bound ``training_step`` takes ``batch_idx`` (Lightning passes it to one
+    with two positional parameters, a ``batch_idx`` or ``*args``)."""
+    try:
+        params = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in params) >= 2 or any(
+        p.name == "batch_idx" or p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
+    )
 
 
 def _binds(signature: inspect.Signature, keywords: Mapping[str, Any]) -> bool:

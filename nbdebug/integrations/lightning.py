@@ -15,12 +15,16 @@ from typing import Any
 
 import torch
 
+from ..core.snapshot.replay import MODEL_METHOD
 from .base import (
     CallbackState,
+    batch_form,
     make_guard,
+    method_source,
     missing_framework,
     replay_inputs,
     split_batch,
+    takes_index,
 )
 
 __all__ = ["SUPPORTED", "NaNGuardCallback"]
@@ -28,6 +32,9 @@ __all__ = ["SUPPORTED", "NaNGuardCallback"]
 #: the Lightning versions this callback supports, ``[low, high)``
 SUPPORTED = ("2.0", "3.0")
 _log = logging.getLogger("nbdebug")
+#: the LightningModule methods a replay of ``training_step`` makes no-ops (no trainer is
+#: attached to the loaded module)
+SILENCED = ("log", "log_dict", "print")
 
 try:
     import lightning
@@ -102,6 +109,7 @@ else:
             )
             self._stepped = False  # an optimizer step ran during this training_step
             self._clip_val: Any = None  # the trainer's gradient_clip_val, off for a skip
+            self._batch_idx = 0  # the index training_step got the step's batch with
 
         def __repr__(self) -> str:
             return (
@@ -169,6 +177,8 @@ else:
                 return
             if self.step_batch.batch is None:  # the first micro-batch of an optimizer step
                 self.guard.mark_step_start()
+            if not self.step_batch.bad:  # the micro-batch the snapshot will hold
+                self._batch_idx = int(batch_idx)
             self.step_batch.add(batch)
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
@@ -194,6 +204,27 @@ else:
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self._restore_clipping(trainer)
 
+        def _record_loss_source(self, pl_module: Any, inputs: Any, target: Any) -> None:
+            """Without ``loss_fn=``, the loss is ``training_step``'s: the snapshot records
+            it (``loss_source``), so its replay runs ``training_step(batch, batch_idx)``
+            with ``self.log``, ``self.log_dict`` and ``self.print`` made no-ops."""
+            assert self.guard is not None
+            form = batch_form(self.step_batch.batch, inputs, target)
+            if "loss_fn" in self.guard_options or form is None:
+                return
+            if not pl_module.automatic_optimization:  # it steps the optimizer itself
+                return
+            args = [self._batch_idx] if takes_index(pl_module.training_step) else []
+            source = method_source(
+                type(pl_module),
+                "training_step",
+                call=MODEL_METHOD,
+                args=args,
+                silence=list(SILENCED),
+                batch=form,
+            )
+            self.guard.set_snapshot_field("loss_source", source)
+
         def _restore_clipping(self, trainer: Any) -> None:
             if self._clip_val is not None and trainer is not None:
                 trainer.gradient_clip_val = self._clip_val
@@ -209,6 +240,7 @@ else:
             # manual optimization a second optimizer steps on the same batch
             self._stepped = True
             self.record_global_step(step)
+            self._record_loss_source(pl_module, inputs, target)
             if self.guard.check(loss, inputs=inputs, target=target, step=step):
                 return
             row = self.guard.history[-1]
@@ -225,12 +257,8 @@ else:
                 reason,
                 self.guard.snapshots[-1] if self.guard.snapshots else None,
             )
+            skips = self.guard.skips
             for logger in trainer.loggers:
-                logger.log_metrics(
-                    {
-                        "nbdebug/skipped": 1.0,
-                        "nbdebug/skips": float(self.guard.skips.total),
-                        "nbdebug/skips_in_row": float(self.guard.skips.in_row),
-                    },
-                    step=step,
-                )
+                logger.log_metrics({"nbdebug/skipped": 1.0}, step=step)
+                counters = {"nbdebug/skips": skips.total, "nbdebug/skips_in_row": skips.in_row}
+                logger.log_metrics({k: float(v) for k, v in counters.items()}, step=step)

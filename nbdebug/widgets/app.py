@@ -455,7 +455,7 @@ def debug(
                 "debug(trace) takes no inputs/target/loss_fn: the trace is already recorded."
             )
         dbg = Debugger(src.trace, error=src.error, backend=backend)
-        add_feature_tabs(dbg, TabContext(backend=backend))
+        add_feature_tabs(dbg, _recorded_context(src.trace, backend))
         return dbg
     if src.model is not None:
         ctx = replace(tabs, inputs=src.inputs, target=src.target, loss_fn=loss_fn)
@@ -473,6 +473,21 @@ DEBUG_SOURCE = Caller("debug", need_model=True)
 
 #: the keyword arguments of :func:`debug`'s signature (its options are DebugOptions')
 DEBUG_KEYWORDS = ("inputs", "target", "loss_fn", "model", "backend")
+
+
+def _recorded_context(tr: Trace, backend: str | None) -> TabContext:
+    """The tabs' context of a recorded trace: the model, batch, target and loss function
+    it ran with (``Trace.call``), so its Gradcheck and Fixes tabs apply as for a model."""
+    call = tr.call
+    if call is None:
+        return TabContext(backend=backend)
+    return TabContext(
+        model=call.model,
+        inputs=call.inputs,
+        target=call.target,
+        loss_fn=call.loss_fn,
+        backend=backend,
+    )
 
 
 def _debug_model(net: torch.nn.Module, ctx: TabContext) -> Debugger:

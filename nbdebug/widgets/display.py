@@ -8,7 +8,8 @@ Every viewer is ``viewer(result, *, backend=None)`` and returns the panel's ``ip
 widget, ready to display; the drift report's returns the
 :class:`~nbdebug.widgets.drift.DriftPanel` itself (it displays as its widget, and its
 ``.widget`` is that widget). A recorded ``Trace``'s panel is the debugger, which only
-:mod:`nbdebug.widgets.app` composes (no other panel file imports it): ``nbdebug.debug(trace)``.
+:mod:`nbdebug.widgets.app` composes (no other panel file imports it): ``app.py`` registers
+the ``Trace`` viewer itself, so ``trace.show()`` is ``nbdebug.debug(trace)``'s widget.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from ..analysis.diagnose import Diagnosis
     from ..analysis.drift import DriftReport
     from ..analysis.gradcheck import GradcheckResult
-    from ..analysis.labels import LabelNoise
+    from ..analysis.labels import LabelIssues, LabelNoise
     from ..analysis.ranks import RanksReport
     from .drift import DriftPanel
 
@@ -62,6 +63,37 @@ def label_noise_panel(noise: LabelNoise, *, backend: str | None = None) -> widge
     return PlotView(confident_joint_figure(noise), backend=backend).widget
 
 
+#: the columns of the flagged-samples table of :func:`label_issues_panel`
+ISSUE_COLUMNS = ("given_label", "suggested_label", "suggested_prob", "label_quality")
+#: flagged samples listed at most (then how many more)
+ISSUE_ROWS = 20
+
+
+def label_issues_panel(issues: LabelIssues, *, backend: str | None = None) -> widgets.Widget:
+    """The result of :func:`nbdebug.find_label_issues`: its one-sentence summary, the
+    confident-joint heatmap and the flagged samples, worst first (the first
+    :data:`ISSUE_ROWS`; reviewing them with the samples is :class:`nbdebug.LabelCleaner`)."""
+    from html import escape
+
+    from .style import STYLE
+
+    flagged = issues.to_frame()
+    flagged = flagged[flagged["is_issue"]] if "is_issue" in flagged else flagged
+    cols = [c for c in ISSUE_COLUMNS if c in flagged.columns]
+    table = flagged[cols].head(ISSUE_ROWS).to_html(float_format=lambda v: f"{v:.3g}")
+    more = len(flagged) - ISSUE_ROWS
+    tail = f"<p>{more} more flagged samples: issues.to_frame()</p>" if more > 0 else ""
+    head = f"<p>{escape(issues.summary())}</p>"
+    return widgets.VBox(
+        [
+            widgets.HTML(STYLE),
+            widgets.HTML(head),
+            label_noise_panel(issues.noise, backend=backend),
+            widgets.HTML(table + tail),
+        ]
+    )
+
+
 def diagnosis_panel(diagnosis: Diagnosis, *, backend: str | None = None) -> widgets.Widget:
     """The Fixes panel's widget for a ``Diagnosis`` of :func:`nbdebug.diagnose` (a table:
     ``backend`` draws no figure here)."""
@@ -86,6 +118,7 @@ VIEWERS: dict[str, Callable[..., object]] = {
     "GradcheckResult": gradcheck_panel,
     "DriftReport": drift_panel,
     "LabelNoise": label_noise_panel,
+    "LabelIssues": label_issues_panel,
     "Diagnosis": diagnosis_panel,
     "RanksReport": ranks_panel,
 }

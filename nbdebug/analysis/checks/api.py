@@ -168,7 +168,8 @@ def check(source: object, **options: Any) -> Findings:
         replayed when it has one. :func:`nbdebug.core.snapshot.resolve_source` tells the
         forms apart.
     inputs : Tensor, tuple/list or dict, optional
-        The batch (for a Trace source: enables ``constant_feature``).
+        The batch (a Trace source brings its own, as it brings its target and loss
+        function: :attr:`Trace.call <nbdebug.core.trace.result.Trace.call>`).
     target : optional
         Labels: enables ``label_out_of_range``; passed to ``loss_fn``.
     loss_fn : callable, optional
@@ -314,6 +315,7 @@ def _resolve_source(
     src = resolve_source(source, x, y, model=model, caller=CHECK_SOURCE)
     if src.trace is not None:
         ctx.trace = src.trace
+        _reuse_call(ctx, src.trace)
         error = src.error or src.trace.error  # a partial trace (as the debugger holds it)
         if error:
             ctx.found.append(_trace_error(error))
@@ -336,6 +338,16 @@ def _resolve_source(
     return net
 
 
+def _reuse_call(ctx: CheckContext, tr: Trace) -> None:
+    """The batch, target and loss function the trace ran with, where none is given."""
+    call = tr.call
+    if call is None:
+        return
+    ctx.inputs = call.inputs if ctx.inputs is None else ctx.inputs
+    ctx.target = call.target if ctx.target is None else ctx.target
+    ctx.loss_fn = call.loss_fn if ctx.loss_fn is None else ctx.loss_fn
+
+
 def _resolve_snapshot(ctx: CheckContext, snap: Snapshot) -> torch.nn.Module | None:
     ctx.inputs = snap.inputs if ctx.inputs is None else ctx.inputs
     ctx.target = snap.target if ctx.target is None else ctx.target
@@ -351,7 +363,8 @@ def _resolve_snapshot(ctx: CheckContext, snap: Snapshot) -> torch.nn.Module | No
         ctx.missing["trace"] = (
             "the snapshot was loaded without a model (load_snapshot(path, model=...))"
         )
-    elif ctx.loss_fn is not None or snap.target is None:
+    elif ctx.loss_fn is not None or snap.target is None or snap.loss_source is not None:
+        # (no loss function but a recorded loss source: the trainer's code computes it)
         ctx.trace = _traced(ctx, lambda lf: snap.trace(loss_fn=lf))
     else:
         ctx.missing["trace"] = loss_error or "the snapshot recorded no loss function: pass loss_fn="

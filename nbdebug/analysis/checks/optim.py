@@ -379,7 +379,11 @@ def clip_findings(history: Sequence[Mapping[str, Any]], clip_norm: float | None)
     ``CLIP_ALWAYS_SHARE`` of the last steps) and ``grad_clip_never_on`` (it never did)."""
     if clip_norm is None:
         clip_norm = next(
-            (float(r["clip_norm"]) for r in reversed(history) if is_finite_number(r.get("clip_norm"))),
+            (
+                float(r["clip_norm"])
+                for r in reversed(history)
+                if is_finite_number(r.get("clip_norm"))
+            ),
             None,
         )
     if clip_norm is None or clip_norm <= 0:

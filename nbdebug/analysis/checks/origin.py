@@ -23,6 +23,7 @@ from .base import (
 )
 from .codes import CheckCode
 
+
 def root_op(o: Event) -> str | None:
     """The operation that made the origin's first non-finite value: the root of its chain
     (``o.chain[0].op``), else the event's own ``op``."""
@@ -213,8 +214,7 @@ def fp16_overflow(view: TraceView, o: Event, ran: str | None) -> bool:
     family = op_family(root.op)
     if root.value == "inf":
         return ran == "float16" or (
-            family == OpFamily.CAST
-            and (base_name(root.op) == "half" or _float16_within(view, o))
+            family == OpFamily.CAST and (base_name(root.op) == "half" or _float16_within(view, o))
         )
     largest = largest_reaching(view, o)
     return (

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from ...core.snapshot import resolve_step
+from ...core.batch import LossFn
+from ...core.snapshot import SnapshotError, resolve_step
 from ...core.snapshot.load import ModelSource
 from ...core.snapshot.resolve import ResolveOptions
 from .config import ReplayConfig, as_config, cannot_run
-from .record import OpRecord, Recording, record_step
+from .record import OpRecord, Recording, autocast_of, record_step
 from .result import EPS_FACTOR, Difference, ReplayComparison, compare_recordings
 
 __all__ = [
@@ -37,7 +38,7 @@ def compare_replays(
     *,
     a: ReplayConfig | str = "eager",
     b: ReplayConfig | str = "float64",
-    loss_fn: Any = None,
+    loss_fn: LossFn | None = None,
     model: ModelSource | None = None,
     rtol: float | None = None,
 ) -> ReplayComparison:
@@ -94,6 +95,11 @@ def compare_replays(
     device = next((p.device for p in step.model.parameters()), torch.device("cpu"))
     for option, config in (("a", ca), ("b", cb)):
         why = cannot_run(config, device)
+        if why is None and config.reference is None:
+            try:
+                autocast_of(step, config)
+            except SnapshotError as e:
+                why = str(e).rstrip(".")
         if why:
             raise ValueError(f"compare_replays({option}={config.label!r}) cannot run here: {why}.")
     ra, rb = record_step(step, ca), record_step(step, cb)

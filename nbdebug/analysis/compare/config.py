@@ -35,7 +35,8 @@ class ReplayConfig:
     ----------
     dtype : torch.dtype, optional
         Cast the model's floating parameters and buffers, and the batch's floating tensors,
-        to this dtype (``None``: as they are).
+        to this dtype, without autocast. ``None``: the step as it ran, in the model's own
+        dtypes and under the autocast state a snapshot recorded.
     compile : bool
         Run the model through ``torch.compile(model, backend=backend)``. The operations
         inside a compiled graph are not visible one by one: such a replay is compared at

@@ -3,11 +3,13 @@
 gradient, with the module, the operation and the user's source line.
 
 A compiled replay records at module boundaries only: the operations inside a compiled
-graph are not torch calls that a mode sees.
+graph are not torch calls that a mode sees. Every recorded value is a CPU copy, so a
+recording holds the step's activations once: it is made for the one failing step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...core.batch import LossFn, call_model, compute_loss, named_tensors
-from ...core.snapshot import ResolvedStep
+from ...core.snapshot import ResolvedStep, replay_contexts
 from ...core.state import RngState
 from ...core.trace.frames import user_source
 from ...core.trace.hooks import HookSet, hookable_named_modules
@@ -101,13 +103,13 @@ class Recording:
 
 
 class _OpSpy(TorchFunctionMode):
-    """Records the floating tensor outputs of every torch call (not of those it makes
-    itself, nor inside another torch call)."""
+    """Records the floating tensor outputs of every torch call of the replayed code (a
+    mode is off while its handler runs: the calls a torch function makes inside itself,
+    and those of the recording, are not seen)."""
 
     def __init__(self, out: _Sink) -> None:
         super().__init__()
         self.out = out
-        self.depth = 0
 
     def __torch_function__(
         self,
@@ -116,13 +118,9 @@ class _OpSpy(TorchFunctionMode):
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
     ) -> object:
-        self.depth += 1
-        try:
-            result = func(*args, **(kwargs or {}))
-        finally:
-            self.depth -= 1
-        if self.depth == 0 and self.out.phase is not Phase.BACKWARD:
-            self.out.add_all(OP, op_name(func), result, user_source())
+        result = func(*args, **(kwargs or {}))
+        # the user's line; none for an op of torch's own modules (the module names it)
+        self.out.add_all(OP, op_name(func), result, user_source(fallback="") or None)
         return result
 
 
@@ -159,7 +157,6 @@ def record_step(step: ResolvedStep, config: ReplayConfig) -> Recording:
     if config.dtype is not None:
         model.to(config.dtype)
         inputs, target = _cast(inputs, config.dtype), _cast(target, config.dtype)
-    model.train(step.model.training)
     sink = _Sink(rec)
     before = RngState.capture()
     step.rng.restore()
@@ -169,7 +166,8 @@ def record_step(step: ResolvedStep, config: ReplayConfig) -> Recording:
             runner = model
             if config.compile:  # an OptimizedModule wrapping the copy
                 runner = cast(torch.nn.Module, torch.compile(model, backend=config.backend))
-            replay_forward(runner, (inputs, target, step.loss_fn), sink, not config.compile)
+            batch = (inputs, target, step.loss_fn)
+            replay_forward(runner, batch, sink, autocast_of(step, config), not config.compile)
             sink.phase = Phase.BACKWARD
             _record_grads(model, sink)
     except Exception as e:
@@ -179,29 +177,39 @@ def record_step(step: ResolvedStep, config: ReplayConfig) -> Recording:
     return rec
 
 
+def autocast_of(
+    step: ResolvedStep, config: ReplayConfig
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The autocast contexts of a replay: the step's recorded autocast (a snapshot's) when
+    ``config`` keeps the model's dtypes, none when it casts them. A SnapshotError when this
+    machine lacks the recorded autocast dtype."""
+    spec = step.autocast if config.dtype is None else None
+    device = next((p.device for p in step.model.parameters()), torch.device("cpu"))
+    return replay_contexts(spec, device, instead="compare with a=ReplayConfig(dtype=...)")
+
+
 def replay_forward(
     model: torch.nn.Module,
     batch: tuple[object, object, LossFn | None],
     sink: _Sink,
+    contexts: tuple[Callable[[], Any], Callable[[], Any]],
     ops: bool,
 ) -> None:
-    """Forward, loss and backward of the step; the torch calls of the forward and the loss
-    recorded one by one when ``ops`` (named so that source lines stop at this frame)."""
+    """Forward, loss and backward of the step, in the autocast ``contexts`` (forward and
+    loss, backward); the torch calls of the forward and the loss recorded one by one when
+    ``ops``. (Named so that the source lines of :func:`user_source` stop at this frame.)"""
     inputs, target, loss_fn = batch
-    spy = _OpSpy(sink) if ops else None
+    forward, backward = contexts
+    spy = _OpSpy(sink) if ops else contextlib.nullcontext()
     with torch.enable_grad():
-        if spy is not None:
-            with spy:
-                output = call_model(model, inputs)
-                sink.phase = Phase.LOSS
-                loss = compute_loss(output, target, loss_fn)
-        else:
+        with forward(), spy:
             output = call_model(model, inputs)
             sink.phase = Phase.LOSS
             loss = compute_loss(output, target, loss_fn)
         sink.add_all(MODULE, "loss", loss.detach(), None)
         if loss.requires_grad:
-            loss.backward()
+            with backward():
+                loss.backward()
 
 
 def _install(hooks: HookSet, model: torch.nn.Module, sink: _Sink) -> None:

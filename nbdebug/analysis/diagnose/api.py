@@ -22,17 +22,20 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...core.snapshot import ResolvedStep, resolve_step
+from ...core.snapshot.listing import list_snapshots
 from ...core.snapshot.load import ModelSource
 from ...core.snapshot.resolve import ResolveOptions
 from ...core.state import RngState
 from ...core.text import fmt_num
 from ...core.trace import Trace, TraceError
-from ...core.vocab import Phase
+from ...core.vocab import FixKind, Phase
+from .divergence import Diverged, find_divergence
 from .fix import FixLike
 from .fix_epsilon import EpsilonFix
 from .fix_pseudo import NotReproducible, WeightsCorrupted
@@ -186,9 +189,12 @@ def _diagnose(
 ) -> Diagnosis:
     notes = list(src.notes)
     tr = _trace(bench, notes)
-    ref = reference(src.history)
+    div = find_divergence(src.history, src.step)
+    # the healthy band: the steps before a divergence began, never the steps diagnosed
+    ref = div.band if div is not None else reference(src.history)
     plain_fix, plain = _plain(bench, notes)
     ctx = _menu_context(tr, bench, src, ref)
+    ctx.divergence = div
     kinds, extra = opts.choice.kinds, opts.choice.extra
     candidates: list[FixLike] = []
     if kinds is None or kinds:
@@ -200,14 +206,16 @@ def _diagnose(
     for r in results:
         if plain.seconds > 0 and r.outcome.skipped is None and r.applies:
             r.cost = r.outcome.seconds / plain.seconds
+        _mark_unchanged(r, plain)
     if plain.error:
         notes.append(f"the plain replay of the step raised: {plain.error}")
-    origin = origin_text(tr, plain)
+    origin = origin_text(tr, plain, src.step, src.recorded_failure)
     rank(results, ref)
     dropped = None
     if src.autocast is not None and not opts.autocast:
         dropped = str(src.autocast.get("dtype", "its autocast dtype"))
-    facts = StepFacts(src.recorded_failure, dropped, src.history)
+    facts = StepFacts(src.recorded_failure, dropped, src.history, src.step)
+    plain_fix.pipeline = plain.finite and facts.recorded_loss() is not None
     return Diagnosis(
         cause=cause(results, tr, origin, facts),
         results=results,
@@ -235,11 +243,47 @@ def _menu_context(
     ctx.corrupted = bench.nonfinite_state()
     if ctx.corrupted:
         ctx.earlier = earlier_step(src.history, src.step)
+        ctx.directory, ctx.earlier_snapshot = _snapshot_before(src)
     o = tr.origin if tr is not None else None
     if o is not None and o.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD):
         module = None if o.phase == Phase.LOSS else o.module
         ctx.probed, ctx.sites = bench.probe(module, FAMILIES)
     return ctx
+
+
+def _snapshot_before(src: ResolvedStep) -> tuple[str | None, str | None]:
+    """The diagnosed snapshot's directory and the latest snapshot file there before its
+    step (``None`` where there is none)."""
+    path = getattr(src.snapshot, "path", None) if src.snapshot is not None else None
+    if path is None:
+        return None, None
+    directory = Path(path).parent
+    try:
+        df = list_snapshots(directory)
+    except (OSError, ValueError):
+        return str(directory), None
+    step = -1 if src.step is None else src.step
+    df = df[df["step"].notna() & (df["step"] < step)]
+    return str(directory), (str(df["path"].iloc[-1]) if len(df) else None)
+
+
+#: Rows that report the step as it is rather than change it.
+_FINDINGS = (FixKind.NOT_REPRODUCIBLE, FixKind.WEIGHTS_CORRUPTED, FixKind.DIVERGED)
+
+
+def _mark_unchanged(r: FixResult, plain: StepOutcome) -> None:
+    """A fix whose replay is identical to the plain replay changed nothing, and none is
+    needed where the plain replay is finite: either way it is no fix."""
+    if r.kind in _FINDINGS or not r.applies or r.outcome.skipped is not None:
+        return
+    if r.outcome.same_as(plain):
+        why = "changed nothing: the replay is identical to the plain replay"
+    elif plain.finite and r.outcome.finite:
+        why = "no fix: the step replayed as it was is finite without it"
+    else:
+        return
+    r.unchanged = True
+    r.note = "; ".join(x for x in (r.note, why) if x)
 
 
 @dataclass(frozen=True)
@@ -279,6 +323,8 @@ def _run_one(
         return skip
     if isinstance(fix, WeightsCorrupted):
         return FixResult(fix, copy.copy(plain), note=fix.earlier)
+    if isinstance(fix, Diverged):
+        return FixResult(fix, copy.copy(plain), note=fix.divergence.evidence())
     if budget.spent():
         why = f"not replayed: budget_s={budget.seconds:g} s spent"
         return FixResult(fix, StepOutcome(skipped=why))

@@ -48,6 +48,7 @@ LOCALITY: dict[FixKind, float] = {
     FixKind.LOWER_LR: 4.0,
     FixKind.WEIGHTS_CORRUPTED: 9.0,
     FixKind.NOT_REPRODUCIBLE: 9.0,
+    FixKind.DIVERGED: 9.0,
 }
 
 #: A context manager factory (``nullcontext``, a ``TorchFunctionMode`` class, ...).

@@ -24,15 +24,28 @@ class WeightsCorrupted(Fix):
         The parameters and buffers that hold NaN/Inf.
     earlier : str
         Which earlier step to look at, in words.
+    directory : str or None
+        The guard's snapshot directory (that of the snapshot diagnosed).
+    snapshot : str or None
+        The latest snapshot file in it before this step, where one exists.
     """
 
     kind = FixKind.WEIGHTS_CORRUPTED
 
-    def __init__(self, params: list[str], *, earlier: str = ""):
+    def __init__(
+        self,
+        params: list[str],
+        *,
+        earlier: str = "",
+        directory: str | None = None,
+        snapshot: str | None = None,
+    ):
         super().__init__()
         self.params = list(params)
         self.module = _owner(self.params[0]) if self.params else None
         self.earlier = earlier
+        self.directory = directory
+        self.snapshot = snapshot
 
     def finding(self) -> str:
         """What was found: ``"fc.weight, 1.running_var already held NaN/Inf before this
@@ -45,10 +58,16 @@ class WeightsCorrupted(Fix):
 
     def snippet(self) -> str:
         look = f"  # {self.earlier}" if self.earlier else ""
-        return (
-            "snaps = nbdebug.list_snapshots('nbdebug-snapshots')  # an earlier step's snapshot"
-            f"{look}\nguard = nbdebug.NaNGuard(model, optimizer, param_norm_every=1)"
-        )
+        if self.snapshot is not None:
+            first = (
+                f"earlier = nbdebug.load_snapshot({self.snapshot!r})  # the latest before{look}\n"
+            )
+        elif self.directory is not None:
+            first = f"# no earlier snapshot in {self.directory!r}{look}\n"
+        else:
+            first = f"# {self.earlier}\n" if self.earlier else ""
+        where = f", directory={self.directory!r}" if self.directory is not None else ""
+        return f"{first}guard = nbdebug.NaNGuard(model, optimizer{where}, param_norm_every=1)"
 
 
 class NotReproducible(Fix):
@@ -57,11 +76,21 @@ class NotReproducible(Fix):
     or hardware)."""
 
     kind = FixKind.NOT_REPRODUCIBLE
+    #: the run recorded a NaN loss that the stored batch does not reproduce: the data the
+    #: step saw was not the data stored (set by the diagnosis)
+    pipeline: bool = False
 
     def describe(self) -> str:
         return "nothing: the same step replayed as it was"
 
     def snippet(self) -> str:
+        if self.pipeline:
+            return (
+                "# the step saw other data than the batch stored: check the input pipeline\n"
+                "# (DataLoader workers, buffers reused before the step finished, in-place "
+                "transforms)\nx, y = x.clone(), y.clone()  # before model(x): then the "
+                "guard stores what the step saw"
+            )
         return (
             "torch.use_deterministic_algorithms(True)  # then re-run; check modules that keep "
             "state between calls, and the hardware"

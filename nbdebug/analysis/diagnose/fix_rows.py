@@ -17,6 +17,19 @@ __all__ = ["DropRowsFix"]
 
 BatchForm = Literal["tensor", "dict", "seq"]
 
+#: Longer row lists are counted ("26 of 32 rows"), not listed.
+LISTED_ROWS = 8
+
+
+def rows_phrase(rows: list[int], batch_size: int | None = None) -> str:
+    """Batch rows as a phrase: ``"row 3"``, ``"rows 3, 5"``; more than
+    :data:`LISTED_ROWS` counted: ``"26 of 32 rows"`` (``"26 rows"`` without the batch
+    size)."""
+    if len(rows) <= LISTED_ROWS:
+        return rows_text(rows, None)
+    of = f" of {batch_size}" if batch_size is not None else ""
+    return f"{len(rows)}{of} rows"
+
 
 class DropRowsFix(Fix):
     """The batch without the given rows (every tensor of the batch and the target whose
@@ -40,9 +53,11 @@ class DropRowsFix(Fix):
         # the batch's form, for the snippet: inputs "tensor", "dict" or "seq", whether a
         # target tensor goes with them, the batch size
         self._form: tuple[BatchForm, bool, int | None] = ("tensor", True, None)
+        self.batch_size: int | None = None
 
     def applies(self, trace: Trace) -> bool:
         bs = trace.batch_size
+        self.batch_size = bs
         return bool(self.rows) and bs is not None and len(self.rows) < bs
 
     def why_not(self, trace: Trace | None) -> str:
@@ -73,7 +88,7 @@ class DropRowsFix(Fix):
             replay.inputs, replay.target = old
 
     def _rows(self) -> str:
-        return rows_text(self.rows, None)
+        return rows_phrase(self.rows, self.batch_size)
 
     def describe(self) -> str:
         return f"drop batch {self._rows()}"

@@ -80,7 +80,11 @@ def _step_of(h: HistoryRow) -> int | None:
 def _first_bad(rows: Sequence[HistoryRow]) -> HistoryRow | None:
     """The first row whose weight norm, else whose loss or gradient norm, is not finite."""
     bad = next(
-        (h for h in rows if h.get("param_norm") is not None and not is_finite_number(h["param_norm"])),
+        (
+            h
+            for h in rows
+            if h.get("param_norm") is not None and not is_finite_number(h["param_norm"])
+        ),
         None,
     )
     if bad is None:

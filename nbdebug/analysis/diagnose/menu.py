@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ...core.optable import OpFamily
 from ...core.trace import Event, Trace
 from ...core.vocab import Phase
+from .divergence import Diverged, Divergence
 from .fix import Fix
 from .fix_epsilon import EpsilonFix
 from .fix_float32 import Float32Fix
@@ -41,6 +42,9 @@ class MenuContext:
     sites: dict[str, str] = field(default_factory=dict)  # "file.py:line" -> its filename
     corrupted: list[str] = field(default_factory=list)
     earlier: str = ""
+    directory: str | None = None  # the snapshot's directory
+    earlier_snapshot: str | None = None  # the latest snapshot file there before this step
+    divergence: Divergence | None = None
 
 
 _HALF = ("float16", "bfloat16")
@@ -51,8 +55,17 @@ def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
     fixes: list[Fix] = []
     origin = trace.origin if trace is not None else None
     types = trace.module_types if trace is not None else {}
+    if ctx.divergence is not None:
+        fixes.append(Diverged(ctx.divergence))
     if ctx.corrupted:
-        fixes.append(WeightsCorrupted(ctx.corrupted, earlier=ctx.earlier))
+        fixes.append(
+            WeightsCorrupted(
+                ctx.corrupted,
+                earlier=ctx.earlier,
+                directory=ctx.directory,
+                snapshot=ctx.earlier_snapshot,
+            )
+        )
     if origin is not None:
         fixes += _epsilons(origin, ctx, types)
         if origin.samples:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ...core.optable import OpFamily
 from ...core.batch import named_tensors
+from ...core.optable import OpFamily
 from ...core.stats import count_nonfinite
 from ...core.trace.frames import source_text
 from ...core.trace.ops import composite_body

@@ -69,7 +69,11 @@ def _key(i: int, r: FixResult, ref: Reference) -> tuple[float, float, float, int
     loc = locality(r.fix)
     if r.kind == FixKind.NOT_REPRODUCIBLE:
         # a finite plain re-run outranks everything: every fix is then finite too
-        return (0, 0.0, 0.0, i) if r.finite else (3, 0.0, 0.0, i)
+        # a plain re-run that fails is no cause: after every fix that was tried
+        return (0, 0.0, 0.0, i) if r.finite else (4.5, 0.0, 0.0, i)
+    if r.kind == FixKind.DIVERGED:
+        # the history shows the run diverging: above every change to this one step
+        return (0.5, 0.0, 0.0, i)
     if r.kind == FixKind.WEIGHTS_CORRUPTED:
         return (1, 0.0, 0.0, i)
     if r.finite:
@@ -87,7 +91,8 @@ def rank(results: list[FixResult], ref: Reference) -> None:
     from the history gets a note saying so."""
     for r in results:
         r.deviation = deviation(r.outcome, ref) if r.finite else None
-        far = far_from_history(r.outcome, ref) if r.finite else ""
+        finding = r.kind in (FixKind.DIVERGED, FixKind.WEIGHTS_CORRUPTED)
+        far = far_from_history(r.outcome, ref) if r.finite and not finding else ""
         if far:
             r.note = "; ".join(x for x in (r.note, far) if x)
     order = sorted(enumerate(results), key=lambda item: _key(item[0], item[1], ref))

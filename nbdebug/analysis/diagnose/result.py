@@ -50,6 +50,8 @@ class StepOutcome:
     first_loss : float or None
         With several steps: the first one's loss (``loss`` is the last's).
     steps : int
+    weight_norm : float or None
+        The norm of the weights after the (last) update (``None`` without an optimizer).
     """
 
     forward: bool = False
@@ -63,6 +65,7 @@ class StepOutcome:
     skipped: str | None = None
     first_loss: float | None = None
     steps: int = 1
+    weight_norm: float | None = None
 
     @property
     def finite(self) -> bool:
@@ -86,7 +89,25 @@ class StepOutcome:
         if self.first_loss is None:
             self.first_loss = self.loss
         self.loss, self.grad_norm = later.loss, later.grad_norm
+        self.weight_norm = later.weight_norm
         self.steps += 1
+
+    def same_as(self, other: StepOutcome) -> bool:
+        """Both replays ran and measured exactly the same (loss, gradient norm, weights
+        after the update, finiteness): the change made no difference."""
+        ran = self.error is None and self.skipped is None and other.error is None
+        return (
+            ran
+            and other.skipped is None
+            and self.finite == other.finite
+            and _same_number(self.loss, other.loss)
+            and _same_number(self.grad_norm, other.grad_norm)
+            and _same_number(self.weight_norm, other.weight_norm)
+        )
+
+
+def _same_number(a: float | None, b: float | None) -> bool:
+    return a == b or (a is not None and b is not None and a != a and b != b)
 
 
 def safe_text(f: Callable[[], object], default: str) -> str:
@@ -121,6 +142,10 @@ class FixResult:
         How far the finite replay's loss and gradient norm are from the healthy history.
     cost : float or None
         The replay's seconds over the plain replay's.
+    unchanged : bool
+        The replay is identical to the plain one (the fix changed nothing), or the plain
+        one is finite as well (nothing needed fixing): it is no fix (``finite`` is
+        false).
     """
 
     fix: FixLike
@@ -130,6 +155,7 @@ class FixResult:
     note: str = ""
     deviation: float | None = None
     cost: float | None = None
+    unchanged: bool = False
 
     @property
     def kind(self) -> FixKind:
@@ -146,7 +172,7 @@ class FixResult:
 
     @property
     def finite(self) -> bool:
-        return self.applies and self.outcome.finite
+        return self.applies and self.outcome.finite and not self.unchanged
 
     def describe(self) -> str:
         """The fix's :meth:`~Fix.describe` (what it raised, if it raised)."""
@@ -196,11 +222,14 @@ class Cause:
 @dataclass(frozen=True)
 class Reference:
     """The recent healthy history: medians of ``loss``, ``grad_norm`` and ``lr`` (``None``
-    when the history holds no healthy row)."""
+    when the history holds no healthy row); with a divergence, the band of the steps before
+    it began, with the MADs (scaled to a standard deviation) of ``loss`` and ``grad_norm``."""
 
     loss: float | None = None
     grad_norm: float | None = None
     lr: float | None = None
+    loss_mad: float | None = None
+    grad_norm_mad: float | None = None
 
 
 class Retracer(Protocol):

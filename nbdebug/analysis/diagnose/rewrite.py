@@ -177,7 +177,11 @@ class RewriteMode(TorchFunctionMode):
     def _exp(self, func: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
         x = args[0] if args else kwargs.get("input")
-        if isinstance(x, torch.Tensor) and not has_nonfinite(x) and (has_nonfinite(out) or underflows(out)):
+        if (
+            isinstance(x, torch.Tensor)
+            and not has_nonfinite(x)
+            and (has_nonfinite(out) or underflows(out))
+        ):
             self._note()
             if x.dim() == 0:
                 return torch.exp(x.clamp_max(math.log(torch.finfo(x.dtype).max)))

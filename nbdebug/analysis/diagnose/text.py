@@ -3,18 +3,25 @@ the cause (the top row, the fixes that also work, or why none does)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ...core.guard.history import HistoryRow
-from ...core.text import rows_text
-from ...core.trace import Trace
+from ...core.text import fmt_num
+from ...core.trace import Event, Trace
 from ...core.vocab import EventKind, FixKind, Phase
+from .divergence import Diverged
 from .fix_pseudo import WeightsCorrupted
+from .fix_rows import rows_phrase
 from .history import diverging
 from .result import Cause, FixResult, StepOutcome
 
 __all__ = ["StepFacts", "cause", "origin_text"]
+
+#: The model's outputs are "extreme" at this magnitude: a loss origin after them is the
+#: overflow of values the weights already made huge, not the loss function's fault.
+EXTREME = 1e15
 
 #: Kinds whose cause takes the origin's rows when the fix names none.
 _ROW_KINDS = (FixKind.EPSILON, FixKind.DROP_ROWS, FixKind.FLOAT32, FixKind.CUSTOM)
@@ -32,17 +39,71 @@ class StepFacts:
         The recorded autocast dtype when the replays ran without it (``autocast=False``).
     history : sequence of dict
         The guard's history rows.
+    step : int or None
+        The diagnosed step.
     """
 
     recorded_failure: str | None = None
     dropped_autocast: str | None = None
     history: Sequence[HistoryRow] = field(default_factory=list)
+    step: int | None = None
+
+    def recorded_loss(self) -> float | None:
+        """The non-finite loss the history recorded at this step, else ``None``."""
+        for h in self.history:
+            if self.step is not None and h.get("step") == self.step:
+                v = h.get("loss")
+                if isinstance(v, (int, float)) and not math.isfinite(v):
+                    return float(v)
+        return None
 
 
-def origin_text(tr: Trace | None, plain: StepOutcome) -> str:
+def _largest_before(tr: Trace, o: Event) -> Event | None:
+    """The finite batch tensor or module output of largest magnitude before ``o``."""
+    seen = [
+        e
+        for e in tr.events[: o.index]
+        if e.phase in (Phase.INPUT, Phase.FORWARD)
+        and e.kind in (EventKind.INPUT, EventKind.OUTPUT)
+        and math.isfinite(e.stats.absmax)
+    ]
+    return max(seen, key=lambda e: (e.stats.absmax, e.index), default=None)
+
+
+def _extreme_outputs(tr: Trace, o: Event, step: int | None) -> str:
+    """``"the model's outputs reached 3e29 at step 7; the loss turned them into Inf"``
+    when a loss (or forward) origin follows values of :data:`EXTREME` magnitude (the
+    weights made them huge: the op that overflowed is not the cause), else ``""``."""
+    if o.phase not in (Phase.LOSS, Phase.FORWARD):
+        return ""
+    big = _largest_before(tr, o)
+    if big is None or big.stats.absmax < EXTREME:
+        return ""
+    what = "NaN" if o.stats.n_nan else "Inf"
+    at = f" at step {step}" if step is not None else ""
+    if o.phase == Phase.LOSS:
+        outs = [e for e in tr.events[: o.index] if e.phase == Phase.FORWARD]
+        last = big is outs[-1] if outs else False
+        where = (
+            "the model's outputs" if last or big.module == "" else f"the outputs of {big.module}"
+        )
+        return f"{where} reached {fmt_num(big.stats.absmax)}{at}; the loss turned them into {what}"
+    held = "the batch" if big.phase == Phase.INPUT else f"the output of {big.module or '<model>'}"
+    mt = f" ({o.module_type})" if o.module_type else ""
+    return (
+        f"the activations reached {fmt_num(big.stats.absmax)}{at} ({held}); "
+        f"{o.module or '<model>'}{mt} turned them into {what}"
+    )
+
+
+def origin_text(
+    tr: Trace | None, plain: StepOutcome, step: int | None = None, recorded: str | None = None
+) -> str:
     """The origin of the failing step in words, lower case (it starts a sentence's
     second half): ``"norm (Normalize) produces NaN in the forward pass at Tensor.div
-    (model.py:12), batch row 3"``."""
+    (model.py:12), batch row 3"``; for a loss that overflows outputs already extreme,
+    that (``"the model's outputs reached 3e29 at step 7; the loss turned them into
+    Inf"``); for a finite replay of a step the run ``recorded`` as failing, that."""
     if tr is None:
         return "the step could not be traced"
     o = tr.origin
@@ -56,7 +117,15 @@ def origin_text(tr: Trace | None, plain: StepOutcome) -> str:
                 "forward, loss and backward are finite; the optimizer step makes the weights "
                 "non-finite"
             )
+        if recorded and plain.finite:
+            return (
+                "the stored batch replays finite (forward, loss and backward), although the "
+                f"run recorded {recorded}"
+            )
         return "forward, loss and backward are finite"
+    extreme = _extreme_outputs(tr, o, step)
+    if extreme:
+        return extreme
     what = "NaN" if o.stats.n_nan else "Inf"
     if o.phase == Phase.INPUT:
         held = "the target" if o.kind == EventKind.TARGET else "the batch itself"
@@ -69,7 +138,7 @@ def origin_text(tr: Trace | None, plain: StepOutcome) -> str:
         where = f"{o.module or '<model>'}{mt} produces {what} in the {stage} pass"
     op = f" at {o.op}" if o.op else ""
     src = f" ({o.source})" if o.source else ""
-    rows = f", batch {rows_text(o.samples)}" if o.samples else ""
+    rows = f", batch {rows_phrase(list(o.samples), tr.batch_size)}" if o.samples else ""
     param = f"; parameter {o.param}" if o.param else ""
     return f"{where}{op}{src}{rows}{param}"
 
@@ -82,6 +151,14 @@ def _finite_as_is(facts: StepFacts) -> str:
             f"although the run recorded {facts.recorded_failure}: the failure comes from "
             f"running under {facts.dropped_autocast} autocast; diagnose with autocast=True to "
             "find where."
+        )
+    nan = facts.recorded_loss()
+    if facts.recorded_failure and nan is not None:
+        return (
+            f"the stored batch replays finite end to end, although the run recorded a {nan} "
+            f"loss at step {facts.step}: the data the step saw differs from the data stored, "
+            "so look at the input pipeline (DataLoader workers, a buffer reused or changed "
+            "before the step finished, an in-place transform)."
         )
     if facts.recorded_failure:
         return (
@@ -117,10 +194,33 @@ def _unfixed(results: list[FixResult], origin: str, facts: StepFacts) -> str:
             f"{origin}; budget_s ran out before any of the {n} found was replayed: raise it "
             "to try them."
         )
-    again = " the failure reproduces, and" if results[0].kind == FixKind.NOT_REPRODUCIBLE else ""
+    plain = next((r for r in results if r.kind == FixKind.NOT_REPRODUCIBLE), None)
+    reproduced = plain is not None and plain.outcome.skipped is None and not plain.finite
+    again = " the failure reproduces, and" if reproduced else ""
     s = f"{origin};{again} no candidate fix made the step finite end to end"
     grew = diverging(facts.history)
     return s + (f"; {grew}." if grew else ".")
+
+
+def _diverged(results: list[FixResult], top: Diverged, origin: str) -> str:
+    """The history shows a divergence: the origin, whether a change to this step made it
+    finite, the evidence and what to change in the run."""
+    d = top.divergence
+    fixed = [
+        r
+        for r in results
+        if r.finite and r.kind not in (FixKind.DIVERGED, FixKind.NOT_REPRODUCIBLE)
+    ]
+    if fixed:
+        now = f"{fixed[0].action()} makes this step finite, but"
+    else:
+        now = "the failure reproduces, and no candidate fix made the step finite end to end:"
+    clip = fmt_num(d.band.grad_norm)
+    return (
+        f"{origin}; {now} {d.statement()}, so lower the learning rate (or cap its warm-up) "
+        f"or clip the gradient norm at the healthy {clip}, and resume from a checkpoint "
+        f"before step {d.began}."
+    )
 
 
 def cause(results: list[FixResult], tr: Trace | None, origin: str, facts: StepFacts) -> Cause:
@@ -133,6 +233,8 @@ def cause(results: list[FixResult], tr: Trace | None, origin: str, facts: StepFa
     kind = top.kind
     if kind == FixKind.NOT_REPRODUCIBLE and top.finite:
         s = _finite_as_is(facts)
+    elif isinstance(top.fix, Diverged):
+        s = _diverged(results, top.fix, origin)
     elif kind == FixKind.WEIGHTS_CORRUPTED:
         what = top.fix.finding() if isinstance(top.fix, WeightsCorrupted) else top.describe()
         s = f"{what}: no replay of this step can fix it; {top.note or 'look at an earlier step'}."

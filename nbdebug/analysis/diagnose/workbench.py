@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ...core.optable import OpFamily
 from ...core.batch import batch_size, call_model, compute_loss, named_tensors
 from ...core.norms import total_norm
+from ...core.optable import OpFamily
 from ...core.snapshot import ResolvedStep, replay_contexts
 from ...core.state import PreservedState, unique_parameters
 from ...core.stats import has_nonfinite
@@ -309,5 +309,6 @@ def training_step(
         r.scaler.update()
     else:
         opt.step()
-    out.update = math.isfinite(_norm(params))
+    out.weight_norm = _norm(params)
+    out.update = math.isfinite(out.weight_norm)
     return out

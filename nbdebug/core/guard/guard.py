@@ -245,6 +245,7 @@ class NaNGuard:
     max_snapshots = _option("writer", "max_snapshots")
     patience = _option("failure", "patience")
     on_nonfinite = _option("failure", "on_nonfinite")
+    on_spike = _option("failure", "on_spike")
     min_scale = _option("scaler", "min_scale")
     scaler_patience = _option("scaler", "scaler_patience")
     param_norm_every = _option("checks", "param_norm_every")

@@ -60,7 +60,13 @@ class HistoryRow(TypedDict, total=False):
     spike_status : dict
         Per signal, why the spike detector could not score it (no gradients yet, no loss).
     snapshot : str
-        The snapshot written at this (spike) step.
+        The snapshot written at this step.
+    skips : int
+        Skipped updates so far, this step's included (:mod:`nbdebug.core.guard.skips`).
+    skips_in_row : int
+        Skipped updates in a row up to this step.
+    skip_reason : str
+        On a skipped step: why (``"non-finite loss"``, ``"spike in grad_norm"``, ...).
     """
 
     step: int
@@ -79,6 +85,9 @@ class HistoryRow(TypedDict, total=False):
     spikes: list[dict[str, Any]]
     spike_status: dict[str, str]
     snapshot: str
+    skips: int
+    skips_in_row: int
+    skip_reason: str
 
 
 def parse_history(history: object) -> list[HistoryRow]:

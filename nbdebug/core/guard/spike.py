@@ -9,7 +9,14 @@ non-finite. The detector compares each step with the median of the last ``window
 steps that were finite and not skipped (so a NaN or a skipped step never poisons it), in
 units of the median absolute deviation (MAD x 1.4826, a standard deviation for normal
 noise): ``z = (x - median) / (1.4826 MAD)``. The gradient norm is scored in log space (a
-spike is a factor), the loss as it is. Only upward deviations count.
+spike is a factor), the loss as it is. Only upward deviations count, and only a value
+clearly above every value of the window (by :data:`TAIL` times the distance from the
+median to the largest value): the MAD ignores a minority of high values, so a hard batch
+that comes back every epoch (a loss twice the median, every fourth step, creeping up as
+the model fits the others) scores a large z each time although it is nothing new. A
+spike is kept out of the window (the guard admits it only once the spikes have gone on
+for more than :data:`MIN_WINDOW` steps: a new level), so a run that keeps growing keeps
+being flagged.
 
 Thresholds (the defaults, ``spike=True``): ``z=6`` (as OLMo-core's skip-step optimizer),
 ``window=128`` steps, ``warmup=32``: the detector is silent until it holds 8 steps
@@ -53,6 +60,8 @@ MIN_WINDOW = 8
 #: the signals the detector scores, in the order it reports them
 SIGNALS = ("grad_norm", "loss")
 _MAD_SIGMA = 1.4826  # MAD -> standard deviation for normal noise
+#: a spike also exceeds the window's largest value by this fraction of (largest - median)
+TAIL = 0.5
 _HISTORY = 16  # recent values a finding carries
 
 
@@ -165,12 +174,22 @@ class SpikeFinding:
 
 
 class _Window:
-    """One signal's recent healthy values (transformed) and raw values."""
+    """One signal's recent healthy values (transformed, in a preallocated ring) and its
+    last raw values."""
 
     def __init__(self, size: int, log: bool) -> None:
-        self.values: deque[float] = deque(maxlen=size)
+        self.ring = np.empty(size, dtype=np.float64)
+        self.n = 0  # values held
+        self.at = 0  # where the next one goes
         self.raw: deque[float] = deque(maxlen=_HISTORY)
         self.log = log
+
+    @property
+    def values(self) -> list[float]:
+        """The values held, oldest first."""
+        if self.n < len(self.ring):
+            return self.ring[: self.n].tolist()
+        return np.roll(self.ring, -self.at).tolist()
 
     def transform(self, x: float | None) -> float | None:
         if x is None or not math.isfinite(x):
@@ -179,17 +198,24 @@ class _Window:
             return math.log(x) if x > 0 else None
         return x
 
-    def score(self, x: float) -> tuple[float, float] | None:
-        """(z, median in raw units), or ``None`` with too few values."""
-        n = len(self.values)
-        if n < MIN_WINDOW:
+    def add(self, x: float, raw: float) -> None:
+        self.ring[self.at] = x
+        self.at = (self.at + 1) % len(self.ring)
+        self.n = min(self.n + 1, len(self.ring))
+        self.raw.append(raw)
+
+    def score(self, x: float) -> tuple[float, float, bool] | None:
+        """(z, median in raw units, whether ``x`` is above every value held), or ``None``
+        with too few values."""
+        if self.n < MIN_WINDOW:
             return None
-        arr = np.fromiter(self.values, dtype=np.float64, count=n)
+        arr = self.ring[: self.n]
         med = float(np.median(arr))
         mad = float(np.median(np.abs(arr - med)))
         floor = 0.01 if self.log else 1e-3 * abs(med) + 1e-12
         sigma = max(_MAD_SIGMA * mad, floor)
-        return (x - med) / sigma, math.exp(med) if self.log else med
+        top = float(arr.max())
+        return (x - med) / sigma, math.exp(med) if self.log else med, x > top + TAIL * (top - med)
 
 
 class SpikeDetector:
@@ -227,13 +253,11 @@ class SpikeDetector:
                 continue
             scored = window.score(x)
             if scored is None:
-                self.status[signal] = (
-                    f"warming up ({len(window.values)} of {MIN_WINDOW} healthy steps)"
-                )
+                self.status[signal] = f"warming up ({window.n} of {MIN_WINDOW} healthy steps)"
                 continue
-            z, median = scored
-            limit = self.threshold(len(window.values))
-            if z > limit:
+            z, median, unseen = scored
+            limit = self.threshold(window.n)
+            if z > limit and unseen:
                 found.append(
                     SpikeFinding(
                         step=reading.step,
@@ -242,7 +266,7 @@ class SpikeDetector:
                         median=median,
                         z=float(z),
                         threshold=limit,
-                        window=len(window.values),
+                        window=window.n,
                         history=list(window.raw),
                     )
                 )
@@ -254,8 +278,7 @@ class SpikeDetector:
             raw = getattr(reading, signal)
             x = window.transform(raw)
             if x is not None:
-                window.values.append(x)
-                window.raw.append(float(raw))
+                window.add(x, float(raw))
 
     def recent(self, signal: str) -> Sequence[float]:
         """The last healthy values of ``signal`` (oldest first)."""

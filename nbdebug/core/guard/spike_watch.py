@@ -14,7 +14,7 @@ import torch
 
 from ..vocab import FailureKind
 from .failure import NonFiniteError, record_error
-from .spike import SpikeAction, SpikeDetector, SpikeFinding, spike_action
+from .spike import MIN_WINDOW, SpikeAction, SpikeDetector, SpikeFinding, spike_action
 
 if TYPE_CHECKING:  # pragma: no cover
     from .history import HistoryRow
@@ -53,17 +53,22 @@ class SpikeWatch:
     """
 
     def __init__(
-        self, detector: SpikeDetector, action: SpikeAction, keep: int, params: Sequence[Any] = ()
+        self,
+        detector: SpikeDetector,
+        action: SpikeAction,
+        keep: int,
+        params: Sequence[torch.Tensor] = (),
     ) -> None:
         self.detector = detector
         self.action = action
         self.findings: deque[SpikeFinding] = deque(maxlen=keep)
         self.params: list[torch.Tensor] = list(params)
         self.spiking = False  # the last scored step was a spike
+        self.streak = 0  # consecutive spike steps up to the last one
 
     @classmethod
     def create(
-        cls, options: GuardOptions, *, distributed: bool, params: Sequence[Any] = ()
+        cls, options: GuardOptions, *, distributed: bool, params: Sequence[torch.Tensor] = ()
     ) -> SpikeWatch | None:
         """The watch the options ask for (``None``: ``spike=False``)."""
         settings = options.checks.spike_settings
@@ -85,7 +90,10 @@ class SpikeWatch:
             row["spike_status"] = status
         go_on = self._act(found, reading, row, batch, guard) if found else True
         self.spiking = bool(found)
-        if go_on:
+        self.streak = self.streak + 1 if found else 0
+        # a spike is kept out of the window (the next steps are scored against the healthy
+        # ones), unless the spikes go on longer than MIN_WINDOW steps: a new level
+        if go_on and (not found or self.streak > MIN_WINDOW):
             self.detector.admit(reading)
         return go_on
 

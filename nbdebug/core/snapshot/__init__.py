@@ -1,27 +1,39 @@
 """Snapshot files: everything needed to replay one training step, saved when it failed.
 
 A snapshot is one file (``step-000048213.nbsnap``) written by :func:`save_snapshot`
-(usually through :class:`~nbdebug.NaNGuard`): a ``torch.save`` zip archive holding one
-dictionary of tensors and plain Python values (the model state, the batch, the optimizer,
-scaler and scheduler states, the RNG states, the guard's history, versions, how to
-rebuild the model and the loss). Its fields, their types and defaults are the table
-:data:`nbdebug.core.snapshot.format.FIELDS`, which also says how to add one.
+(usually through :class:`~nbdebug.NaNGuard`): one safetensors file holding the tensors,
+with everything else as JSON in its header (:mod:`~.container`; files of formats 1-4 are
+``torch.save`` zip archives), together one dictionary of tensors and plain values (the
+model state, the batch, the optimizer, scaler and scheduler states, the RNG states, the
+guard's history, versions, how to rebuild the model and the loss). Its fields, their
+types, defaults and where they live are the table :data:`nbdebug.core.snapshot.format.FIELDS`,
+which also says how to add one.
 
 One module per job: :mod:`~.format` (the field table), :mod:`~.archive` (files on disk),
+:mod:`~.container` (the safetensors layout, lazy tensors),
 :mod:`~.data` (live objects as plain data), :mod:`~.write` (:func:`save_snapshot`),
 :mod:`~.load` (:func:`load_snapshot`), :mod:`~.snapshot` (:class:`Snapshot` and its
 replay), :mod:`~.replay` (autocast), :mod:`~.listing` (:func:`list_snapshots`) and
 :mod:`~.resolve` (:func:`resolve_source`: whatever a user hands nbdebug, told apart;
 :func:`resolve_step`: as one step to replay).
 
-Loading goes through ``torch.load(..., weights_only=True)``: no code from the file runs.
+Loading executes nothing from the file (JSON and raw tensor bytes; ``torch.load(...,
+weights_only=True)`` for the older format); tensors are read when used.
 The model architecture comes from the caller, or from the recorded recipe when the caller
 opts in with ``trust_recipe=True``.
 """
 
-from .archive import RANK_NAME, atomic_save, read_archive, read_payload, unique_path
+from .archive import (
+    RANK_NAME,
+    atomic_save,
+    open_snapshot_file,
+    read_archive,
+    read_payload,
+    unique_path,
+)
+from .container import TensorEntry
 from .data import import_object
-from .format import FIELDS, FORMAT_VERSION, SUFFIX, Field, SnapshotError
+from .format import FIELDS, FORMAT_VERSION, SUFFIX, Field, Lives, SnapshotError
 from .listing import earliest_snapshot, list_snapshots
 from .load import check_state_fits, load_snapshot
 from .replay import autocast_state, replay_autocast, replay_contexts
@@ -36,11 +48,13 @@ __all__ = [
     "SUFFIX",
     "Caller",
     "Field",
+    "Lives",
     "ResolvedStep",
     "Snapshot",
     "SnapshotError",
     "Source",
     "SourceError",
+    "TensorEntry",
     "TrainingObjects",
     "atomic_save",
     "autocast_state",
@@ -49,6 +63,7 @@ __all__ = [
     "import_object",
     "list_snapshots",
     "load_snapshot",
+    "open_snapshot_file",
     "read_archive",
     "read_payload",
     "replay_autocast",

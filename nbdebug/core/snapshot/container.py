@@ -22,7 +22,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ class TensorEntry:
 
     @property
     def is_floating(self) -> bool:
-        return self.dtype.startswith(("float", "bfloat", "complex"))
+        return self.dtype.startswith(("float", "bfloat"))
 
     def as_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("dtype", "device", "crc32", "stored")}
@@ -100,7 +100,7 @@ def _join(path: str, key: object) -> str:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class _Encoder:
@@ -153,8 +153,8 @@ class _Encoder:
         raise TypeError(f"cannot write {type(obj).__qualname__} at {path} into a snapshot.")
 
     def _tensor(self, t: torch.Tensor, path: str) -> str:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-        key += (t.dtype, str(t.device))
+        key: tuple[Any, ...] = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key += (tuple(t.shape), t.stride(), t.dtype, str(t.device))
         if key in self._memo:  # the same tensor twice (tied weights): stored once
             return self._memo[key]
         name = path if path not in self.tensors else f"{path}#{len(self.tensors)}"
@@ -180,15 +180,16 @@ class _Encoder:
 
 
 def _measure(t: torch.Tensor, *, with_norm: bool) -> tuple[int | None, float | None]:
-    """(non-finite element count, L2 norm in float64) of a floating tensor, else Nones.
-    A finite norm (or sum) means no NaN/Inf: counted element-wise only otherwise."""
-    if not t.is_floating_point() or not t.numel():
-        return (0, 0.0 if with_norm else None) if t.is_floating_point() else (None, None)
-    if with_norm:
-        norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
-        quick = norm
-    else:
-        norm, quick = None, float(t.sum(dtype=torch.float64))
+    """(non-finite element count, L2 norm) of a floating tensor, else Nones. Reduced in
+    float32 (float64 would double the cost of writing a snapshot). A finite norm (or sum)
+    means no NaN/Inf: counted element-wise only otherwise."""
+    if not t.is_floating_point():
+        return None, None
+    if not t.numel():
+        return 0, 0.0 if with_norm else None
+    acc = torch.float32 if t.element_size() < 4 else None
+    norm = float(torch.linalg.vector_norm(t, dtype=acc)) if with_norm else None
+    quick = norm if norm is not None else float(t.sum(dtype=acc))
     if math.isfinite(quick):
         return 0, norm
     return int((~torch.isfinite(t)).sum()), norm
@@ -282,7 +283,7 @@ def read_document(p: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
     return payload, table
 
 
-_TAGS = {
+_TAGS: dict[str, Callable[[Any], Any]] = {
     "$float": float,
     "$tuple": tuple,
     "$set": set,
@@ -339,7 +340,8 @@ class TensorStore:
 
     def read(self, names: Iterable[str], *, keep: bool = True) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (read from the file, checked, placed on ``map_location``)."""
-        want = [n for n in dict.fromkeys(names) if n not in self.cache]
+        names = list(dict.fromkeys(names))
+        want = [n for n in names if n not in self.cache]
         got = {n: self.cache[n] for n in names if n in self.cache}
         if want:
             got.update(self._read(want))
@@ -361,7 +363,9 @@ class TensorStore:
         try:
             with safe_open(str(self.path), framework="pt", device="cpu") as f:
                 for n in names:
-                    out[n] = self._check(self.table[n], f.get_tensor(n))
+                    # get_tensor maps the file: a copy, so that no tensor dies (SIGBUS)
+                    # when the file is later cut or rewritten in place
+                    out[n] = self._check(self.table[n], f.get_tensor(n).clone())
         except SnapshotError:
             raise
         except FileNotFoundError as e:
@@ -394,12 +398,23 @@ class TensorStore:
 
 
 def _place(t: torch.Tensor, recorded: str, map_location: Any) -> torch.Tensor:
+    """``t`` (read on the CPU) where ``map_location`` puts a tensor recorded on
+    ``recorded``, as ``torch.load`` would."""
+    where: str | torch.device
     if callable(map_location):
         st = map_location(t.untyped_storage(), recorded)
-        return t if not isinstance(st, torch.UntypedStorage) else t.to(st.device)
-    if isinstance(map_location, dict):
-        return t.to(map_location.get(recorded, "cpu"))
-    return t if map_location is None else t.to(map_location)
+        where = st.device if isinstance(st, torch.UntypedStorage) else t.device
+    elif isinstance(map_location, dict):
+        where = map_location.get(recorded, recorded)
+    else:
+        where = recorded if map_location is None else map_location
+    try:
+        return t.to(where)
+    except (RuntimeError, AssertionError) as e:
+        raise SnapshotError(
+            f"a tensor of the snapshot was recorded on {recorded!r} and cannot be placed on "
+            f"{str(where)!r} ({first_line(e)}): pass map_location='cpu'."
+        ) from e
 
 
 def materialize(obj: Any, store: TensorStore) -> Any:

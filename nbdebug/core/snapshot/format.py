@@ -35,7 +35,9 @@ How to add a snapshot field
    the key an incomplete file; ``required=False`` lets any file omit it. ``check=`` takes
    a function that raises ``ValueError("what is wrong")`` for a value of the right type
    that is still unusable; ``attr=`` names the :class:`~nbdebug.core.snapshot.Snapshot`
-   attribute when it must differ from the key.
+   attribute when it must differ from the key; ``lives=`` says where it lives in the file
+   (:class:`Lives`: plain JSON by default; a value holding tensors is ``Lives.TENSORS``,
+   or ``Lives.LAZY`` when it is large and read only when used).
 2. **The producer** passes the value by keyword: ``save_snapshot(..., rank=rank)`` (the
    guard, a trainer callback). It is stored as plain data and checked against the row's
    types before the file is written.
@@ -402,6 +404,19 @@ FIELDS: tuple[Field, ...] = (
         since=5,
         required=False,
         default="torch.save",
+    ),
+    Field(
+        "loss_source",
+        (dict, NoneType),
+        "where the step's loss came from when the trainer's code computed it: {'call': "
+        "'model_method' (model.<method>(batch, *args)) or 'trainer_method' "
+        "(<class>.<method>(trainer, model, batch)), 'method', 'class' "
+        "('module:qualname'), 'args', 'silence' (instance methods made no-ops), 'batch' "
+        "(how the batch is rebuilt from inputs and target)} (None: the model's output or "
+        "loss_fn)",
+        since=6,
+        required=False,
+        default=None,
     ),
 )
 

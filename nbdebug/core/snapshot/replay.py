@@ -5,7 +5,9 @@ replay runs its forward, loss and backward in (:func:`replay_contexts`)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,10 +16,19 @@ from .format import SnapshotError
 
 __all__ = [
     "IN_FLOAT32",
+    "MODEL_METHOD",
+    "TRAINER_METHOD",
+    "ReplayStep",
+    "StepModule",
     "autocast_state",
     "autocast_supported",
+    "rebuild_batch",
     "replay_autocast",
     "replay_contexts",
+    "silenced",
+    "stand_in",
+    "step_batch",
+    "step_module",
 ]
 
 
@@ -89,3 +100,155 @@ def replay_contexts(
 
     backward = forward if spec is not None and spec.get("backward") else contextlib.nullcontext
     return forward, backward
+
+
+# --------------------------------------------------------------------------- loss sources
+#: ``loss_source["call"]``: ``model.<method>(batch, *args)`` (a LightningModule's
+#: ``training_step``) or ``<class>.<method>(trainer, model, batch)`` (a Trainer's
+#: ``compute_loss``)
+MODEL_METHOD = "model_method"
+TRAINER_METHOD = "trainer_method"
+
+
+def rebuild_batch(form: Mapping[str, Any] | None, inputs: Any, target: Any) -> Any:
+    """The batch as the trainer's code received it, from the snapshot's inputs and target
+    (``loss_source["batch"]``: ``{"form": "pair", "type": "tuple" | "list"}`` for
+    ``(inputs, target)``, ``{"form": "dict", "key": k}`` for the inputs with the target
+    under ``k``, ``{"form": "wrapped"}`` for ``inputs[0]``, else the inputs alone)."""
+    kind = (form or {}).get("form")
+    if kind == "pair":
+        return [inputs, target] if (form or {}).get("type") == "list" else (inputs, target)
+    if kind == "dict" and isinstance(inputs, Mapping):
+        return {**inputs, str((form or {})["key"]): target}
+    if kind == "wrapped" and isinstance(inputs, (tuple, list)) and len(inputs) == 1:
+        return inputs[0]
+    return inputs
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def silenced(obj: object, names: Sequence[str]) -> Iterator[None]:
+    """The instance methods ``names`` of ``obj`` made no-ops (``self.log`` of a module with
+    no trainer attached) for the duration; the instance's own attributes are put back, the
+    class is never changed."""
+    own = vars(obj)
+    saved = {n: own[n] for n in names if n in own}
+    for n in names:
+        object.__setattr__(obj, n, _noop)
+    try:
+        yield
+    finally:
+        for n in names:
+            if n in saved:
+                object.__setattr__(obj, n, saved[n])
+            else:
+                own.pop(n, None)
+
+
+class StepModule(torch.nn.Module):
+    """The module a replay traces when the trainer's code computes the loss: its
+    ``forward`` takes the batch (as :func:`nbdebug.trace` passes it: one tensor,
+    ``*batch`` or ``**batch``) and returns that code's loss, ``model.training_step(batch,
+    *args)`` or ``Trainer.compute_loss(trainer, model, batch)``.
+
+    It shares ``model``'s submodules, parameters and buffers (the same dictionaries), so
+    the trace names them as ``model.named_modules()`` does, with the trainer's code as the
+    root's own (``""``); the model itself is not a child. ``silence`` names instance
+    methods of ``model`` made no-ops during each call (``log``, ``log_dict``).
+    """
+
+    step_model: torch.nn.Module
+    source: dict[str, Any]
+    trainer: object
+    pack: str  # how forward gets the batch: "one" argument, a "tuple", "list" or "dict"
+
+    def __init__(self, model: torch.nn.Module, source: Mapping[str, Any], trainer: object) -> None:
+        super().__init__()
+        for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            object.__setattr__(self, name, getattr(model, name))
+        object.__setattr__(self, "step_model", model)
+        object.__setattr__(self, "source", dict(source))
+        object.__setattr__(self, "trainer", trainer)
+        object.__setattr__(self, "pack", "one")
+        self.training = model.training
+
+    def train(self, mode: bool = True) -> StepModule:
+        super().train(mode)
+        self.step_model.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        batch: Any = dict(kwargs) if kwargs else args[0] if self.pack == "one" else args
+        if self.pack == "list":
+            batch = list(args)
+        src, model = self.source, self.step_model
+        with silenced(model, [str(n) for n in src.get("silence") or ()]):
+            if src.get("call") == TRAINER_METHOD:
+                fn = getattr(type(self.trainer), str(src["method"]))
+                return fn(self.trainer, model, batch, *src.get("args") or ())
+            return getattr(model, str(src["method"]))(batch, *src.get("args") or ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepModule:
+        # the model copied (with the memo: an optimizer copied beside it keeps its
+        # parameters), the trainer or its stand-in shared
+        new = step_module(copy.deepcopy(self.step_model, memo), self.source, self.trainer)
+        object.__setattr__(new, "pack", self.pack)
+        memo[id(self)] = new
+        return new
+
+
+_STEP_CLASSES: dict[type, type[StepModule]] = {}
+
+
+def step_module(model: torch.nn.Module, source: Mapping[str, Any], trainer: object) -> StepModule:
+    """A :class:`StepModule` over ``model``, of a class named as ``model``'s (what the
+    trace's ``model_name`` and the root's type show)."""
+    cls = type(model)
+    sub = _STEP_CLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (StepModule,), {"__qualname__": cls.__qualname__})
+        _STEP_CLASSES[cls] = sub
+    return sub(model, source, trainer)
+
+
+def step_batch(module: StepModule, batch: Any) -> Any:
+    """``batch`` as the trace passes it to ``module`` (``module(*batch)`` for a tuple or
+    list, ``module(**batch)`` for a dict), with ``module`` told how to rebuild it."""
+    pack = "one"
+    if isinstance(batch, (tuple, list)) and not isinstance(batch, torch.Tensor):
+        pack = "list" if isinstance(batch, list) else "tuple"
+        batch = tuple(batch)
+    elif isinstance(batch, Mapping):
+        pack = "dict"
+    object.__setattr__(module, "pack", pack)
+    return batch
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """What a replay of a snapshot's step runs (:meth:`Snapshot.replay_step`): the model
+    (or a :class:`StepModule` over it), the batch and target on ``device``, the loss."""
+
+    model: torch.nn.Module
+    inputs: Any
+    target: Any
+    loss_fn: Any
+    device: torch.device
+
+
+def stand_in(cls: type) -> object:
+    """An instance of ``cls`` made without calling its ``__init__`` (a Trainer's, which
+    wants a model, arguments and data): what a replay calls ``cls.compute_loss`` on. An
+    attribute it lacks raises an ``AttributeError`` that says to pass the trainer."""
+
+    def missing(self: Any, name: str) -> Any:
+        raise AttributeError(
+            f"{cls.__qualname__}.compute_loss reads self.{name}, which the replay's stand-in "
+            f"for the trainer lacks: pass snap.trace(trainer=your_trainer)."
+        )
+
+    sub = type(cls.__name__, (cls,), {"__getattr__": missing, "__qualname__": cls.__qualname__})
+    return object.__new__(sub)

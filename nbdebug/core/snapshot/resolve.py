@@ -29,7 +29,6 @@ from ..state import RngState
 from ..trace.result import Trace, TraceError
 from ..vocab import SourceKind
 from .archive import RANK_NAME
-from .data import to_device
 from .format import SnapshotError
 from .listing import list_snapshots
 from .load import ModelSource, load_snapshot
@@ -455,7 +454,7 @@ def resolve_step(
     optimizer : torch.optim.Optimizer, optional
         A model source's live optimizer (over the model's parameters).
     history : NaNGuard, list of dict or DataFrame, optional
-        The run's history rows (see :func:`nbdebug.core.guard.history.parse_history`).
+        The run's history rows (see :func:`nbdebug.parse_history`).
     options : ResolveOptions, optional
 
     Returns
@@ -506,20 +505,18 @@ def _from_snapshot(
 ) -> ResolvedStep:
     from ..guard.history import parse_history
 
-    m = snap.reset_model()
-    loss_fn = snap.replay_loss_fn(loss_fn, f"{opts.caller}(snapshot, loss_fn=...)")
+    step = snap.replay_step(loss_fn, f"{opts.caller}(snapshot, loss_fn=...)")
     opt = None
     try:
         opt = snap.build_optimizer()
     except SnapshotError as e:
         notes.append(f"{str(e).rstrip('.')}: the weights after the update are not checked.")
-    device = next((p.device for p in m.parameters()), torch.device("cpu"))
     scaler = opts.scaler
     return ResolvedStep(
-        model=m,
-        inputs=to_device(snap.inputs, device),
-        target=to_device(snap.target, device),
-        loss_fn=loss_fn,
+        model=step.model,  # the trainer's own loss code around the model, if it had one
+        inputs=step.inputs,
+        target=step.target,
+        loss_fn=step.loss_fn,
         optimizer=opt,
         scaler_state=snap.scaler_state if scaler is None else scaler.state_dict(),
         rng=_snapshot_rng(snap),

@@ -20,7 +20,16 @@ from ..vocab import FailureKind
 from .container import TensorEntry, TensorStore, materialize
 from .data import build_loss, import_object, is_trusted, to_device
 from .format import FIELDS, Lives, SnapshotError, snapshot_attributes, validate_payload
-from .replay import replay_contexts
+from .replay import (
+    MODEL_METHOD,
+    TRAINER_METHOD,
+    ReplayStep,
+    rebuild_batch,
+    replay_contexts,
+    stand_in,
+    step_batch,
+    step_module,
+)
 from .rngdata import rng_from_payload
 from .tensorref import TensorRef
 
@@ -108,6 +117,7 @@ class Snapshot:
     trainer: dict[str, Any] | None
     autocast: dict[str, Any] | None
     layout: str
+    loss_source: dict[str, Any] | None
 
     def __init__(
         self,
@@ -148,8 +158,7 @@ class Snapshot:
         if name == "model_state":
             value = {k: v for k, v in value.items() if self._kept(k)}
         value = materialize(value, self._store) if self._store is not None else value
-        setattr(self, name, value)
-        del lazy[name]
+        setattr(self, name, value)  # found from now on: __getattr__ is not called again
         return value
 
     def _kept(self, key: str) -> bool:
@@ -278,9 +287,10 @@ class Snapshot:
         return history_frame(self.history)
 
     def param_norms(self) -> dict[str, float]:
-        """L2 norm (computed in float64) of every floating tensor of the stored model state
-        (recorded at write time in a safetensors file: no weight is read)."""
-        entries = self.state_entries() if "model_state" in self._lazy else {}
+        """L2 norm of every floating tensor of the stored model state: recorded at write time
+        in a safetensors file (reduced in float32; no weight is read), computed in float64
+        from the tensors of an older file."""
+        entries = self.state_entries() if self._store is not None else {}
         if entries and all(e.norm is not None or not e.is_floating for e in entries.values()):
             return {k: float(e.norm) for k, e in entries.items() if e.norm is not None}
         out = {}
@@ -342,7 +352,7 @@ class Snapshot:
         ``call`` (how to pass one) when there is neither but the snapshot has a target."""
         if loss_fn is None:
             loss_fn = build_loss(self.loss_fn_spec, trust=self.trust_recipe, call=call)
-        if loss_fn is None and self.target is not None:
+        if loss_fn is None and self.target is not None and self.loss_source is None:
             raise SnapshotError(
                 f"this snapshot recorded no loss function but has a target: pass {call}."
             )
@@ -397,6 +407,7 @@ class Snapshot:
         *,
         autocast: bool = True,
         modules: str | Sequence[str] | None = None,
+        trainer: object = None,
     ) -> Trace:
         """Replay the failing step: reload the stored weights and train flag, set the RNGs
         to the step's states, and run :func:`nbdebug.trace` on the stored batch (moved to
@@ -415,6 +426,13 @@ class Snapshot:
             Record only these modules (as for :func:`nbdebug.trace`; default: the
             ``modules=`` given to :func:`load_snapshot`). The forward runs the whole model,
             so every weight is read all the same; the optimizer state is never read.
+        trainer : type or object, optional
+            For a step whose loss a Trainer's ``compute_loss`` computed (``loss_source``):
+            the Trainer class (called on a stand-in for ``self``) or a trainer.
+
+        Without ``loss_fn``, a step whose loss the trainer's code computed (a
+        LightningModule's ``training_step``, a Trainer's ``compute_loss``: the
+        ``loss_source`` field) replays through that code (:meth:`replay_step`).
 
         Raises
         ------
@@ -439,14 +457,9 @@ class Snapshot:
                 "snap.trace(modules=...) cannot yet replay a step whose forward ran under "
                 "autocast and its backward outside it: replay it without modules=."
             )
-        model = self.reset_model()
-        loss_fn = self.replay_loss_fn(loss_fn, "snap.trace(loss_fn=...)")
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        inputs = to_device(self.inputs, device)
-        target = to_device(self.target, device)
-        if isinstance(loss_fn, torch.nn.Module):
-            loss_fn = loss_fn.to(device)
-        forward, backward = replay_contexts(spec, device)
+        step = self.replay_step(loss_fn, "snap.trace(loss_fn=...)", trainer=trainer)
+        model, inputs, target, loss_fn = step.model, step.inputs, step.target, step.loss_fn
+        forward, backward = replay_contexts(spec, step.device)
         caller = RngState.capture()
         try:
             self.restore_rng()
@@ -456,6 +469,67 @@ class Snapshot:
             return trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
         finally:
             caller.restore()
+
+    def replay_step(self, loss_fn: Any, call: str, *, trainer: object = None) -> ReplayStep:
+        """What a replay of this step runs, with the stored weights reloaded (see
+        :meth:`reset_model`) and the batch on the model's device: the model, batch, target
+        and loss function; or, when the trainer's code computed the loss
+        (:attr:`loss_source`) and no ``loss_fn`` is given, that code
+        (:class:`~nbdebug.core.snapshot.replay.StepModule`) on the batch as it received
+        it. ``call`` is how the user passes a loss function (named in the errors).
+
+        Raises
+        ------
+        SnapshotError
+            No model; a model without the method that computed the loss (the error names
+            the class to pass); a trainer's class that is not given (``trainer=``) and not
+            trusted.
+        """
+        model = self.reset_model()
+        loss_fn = self.replay_loss_fn(loss_fn, call)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        inputs = to_device(self.inputs, device)
+        target = to_device(self.target, device)
+        if isinstance(loss_fn, torch.nn.Module):
+            loss_fn = loss_fn.to(device)
+        src = self.loss_source
+        if loss_fn is not None or src is None:
+            return ReplayStep(model, inputs, target, loss_fn, device)
+        module = step_module(self._loss_model(model, src, call), src, self._trainer(src, trainer))
+        batch = step_batch(module, rebuild_batch(src.get("batch"), inputs, target))
+        return ReplayStep(module, batch, None, None, device)
+
+    def _loss_model(
+        self, model: torch.nn.Module, src: dict[str, Any], call: str
+    ) -> torch.nn.Module:
+        """``model``, when it has the method that computed the step's loss."""
+        method = str(src.get("method"))
+        if src.get("call") != MODEL_METHOD or callable(getattr(model, method, None)):
+            return model
+        cls = src.get("name") or "?"
+        where = f" ({src['class']})" if src.get("class") else ""
+        raise SnapshotError(
+            f"this snapshot's loss was computed by {cls}.{method}(batch, ...), which the model "
+            f"given ({type(model).__qualname__}) lacks: load it with load_snapshot(path, "
+            f"model={cls}){where}, or pass {call}."
+        )
+
+    def _trainer(self, src: dict[str, Any], trainer: object) -> object:
+        """The ``self`` a trainer's loss method is called with: the trainer given, a
+        stand-in of the class given or recorded (imported when trusted), or ``None``."""
+        if src.get("call") != TRAINER_METHOD:
+            return None
+        if trainer is None:
+            name = src.get("class")
+            if not isinstance(name, str) or not self.trust_recipe:
+                raise SnapshotError(
+                    f"this snapshot's loss was computed by {src.get('name') or '?'}."
+                    f"{src.get('method')}(model, inputs) (the Trainer's, {name or 'not importable'}"
+                    "): pass snap.trace(trainer=...) (the Trainer class or a trainer), load with "
+                    "trust_recipe=True to import the recorded class, or pass loss_fn=."
+                )
+            trainer = import_object(name)
+        return stand_in(trainer) if isinstance(trainer, type) else trainer
 
     def __repr__(self) -> str:
         model = (

@@ -134,6 +134,7 @@ def build_result(
         notes=out.notes + (found.masks if found is not None else []),
         masks=list(found.masks) if found is not None else [],
         mask_events=list(found.mask_events) if found is not None else [],
+        call=call,
     )
 
 
@@ -187,4 +188,5 @@ def partial_trace(call: StepCall, rec: Recorder) -> Trace:
         n_params=sum(p.numel() for p in call.model.parameters()),
         batch=describe(call.inputs),
         module_types=dict(rec.types),
+        call=call,
     )

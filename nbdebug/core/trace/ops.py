@@ -1,10 +1,10 @@
 """Torch operations by name, and composite torch functions opened up.
 
 :func:`op_name` names a torch callable as a chain shows it (``torch.log``,
-``Tensor.div``; :mod:`nbdebug.core.optable` gives its family); :func:`composite_body` gives a composite function written in Python
-(``F.normalize``, ``F.multi_head_attention_forward``, ``scaled_dot_product_attention``'s
-math path) with its body visible to a ``TorchFunctionMode``, so the op named is the
-elementary one.
+``Tensor.div``; :mod:`nbdebug.core.optable` gives its family); :func:`composite_body`
+gives a composite function written in Python (``F.normalize``,
+``F.multi_head_attention_forward``, ``scaled_dot_product_attention``'s math path) with its
+body visible to a ``TorchFunctionMode``, so the op named is the elementary one.
 """
 
 from __future__ import annotations

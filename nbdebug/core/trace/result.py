@@ -11,6 +11,7 @@ import torch
 from ..display import show as show_result
 from ..text import rows_text
 from ..vocab import EventKind, Phase
+from .call import StepCall
 from .events import Event, ParamInfo
 
 if TYPE_CHECKING:  # pragma: no cover - pandas is imported where a frame is made
@@ -85,6 +86,11 @@ class Trace:
         keyed by module name (``"module:output[1]"`` for the further outputs of a module
         returning several; ``"module#2"`` for the output of its second call, and so on);
         empty by default. Their size: ``kept_bytes``.
+    call : StepCall or None
+        The step the trace ran (model, batch, target, loss function, autocast), as
+        references: what :func:`nbdebug.check`, :func:`nbdebug.debug` and the other
+        consumers of a trace reuse instead of asking for them again. ``None`` for a trace
+        built by hand.
     """
 
     events: list[Event]
@@ -103,6 +109,7 @@ class Trace:
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
     mask_events: list[int] = field(default_factory=list)
     unreplayed_loss: float | None = None
+    call: StepCall | None = field(default=None, repr=False, compare=False)
 
     @property
     def kept_bytes(self) -> int:

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..batch import named_tensors
+from ..optable import base_name
 from ..state import RngState
 from ..stats import has_nan, has_nonfinite, row_dim, row_flags
 from ..vocab import NonFinite
 from .events import Chain, ChainLink
 from .frames import user_source
-from ..optable import base_name
 from .ops import descendable, op_name, shadow
 
 #: a torch function or method as a ``TorchFunctionMode`` receives it
