@@ -233,3 +233,21 @@ def test_tensors_read_survive_the_file_being_rewritten_in_place(written):
     assert torch.equal(state["0.weight"], model[0].weight) and float(batch.sum()) == float(
         batch.sum()
     )
+
+
+def test_a_model_that_does_not_fit_is_refused_before_a_weight_is_read(written, monkeypatch):
+    from nbdebug.core.snapshot.container import TensorStore
+
+    path, _model, _opt = written
+    read: list[str] = []
+    original = TensorStore.read
+
+    def spy(self, names, *, keep=True):
+        names = list(names)
+        read.extend(names)
+        return original(self, names, keep=keep)
+
+    monkeypatch.setattr(TensorStore, "read", spy)
+    with pytest.raises(SnapshotError, match=r"0.weight: snapshot \(128, 64\) vs model \(128, 8\)"):
+        load_snapshot(path, lambda: nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 4)))
+    assert not [n for n in read if n.startswith("model_state/")]

@@ -101,10 +101,9 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
     """(label, value) rows: file, step, reason, model, batch, environment."""
     env = snap.environment
     when = _dt.datetime.fromtimestamp(snap.time).strftime("%Y-%m-%d %H:%M:%S")
-    n_params = sum(v.numel() for v in snap.model_state.values() if v.is_floating_point())
-    model = (
-        f"{snap.model_class} ({len(snap.model_state)} tensors, {n_params:,} floating-point values)"
-    )
+    entries = snap.state_entries()  # from the file's header: no weight is read
+    n_params = sum(e.numel for e in entries.values() if e.is_floating)
+    model = f"{snap.model_class} ({len(entries)} tensors, {n_params:,} floating-point values)"
     rows = [
         ("file", f"{snap.path} (format {snap.version}, written {when})"),
         ("step", fmt_num(snap.step)),

@@ -80,7 +80,9 @@ def label_issues_panel(issues: LabelIssues, *, backend: str | None = None) -> wi
     flagged = issues.to_frame()
     flagged = flagged[flagged["is_issue"]] if "is_issue" in flagged else flagged
     cols = [c for c in ISSUE_COLUMNS if c in flagged.columns]
-    table = flagged[cols].head(ISSUE_ROWS).to_html(float_format=lambda v: f"{v:.3g}")
+    shown = flagged[cols].head(ISSUE_ROWS)
+    shown = shown.rename_axis("sample").reset_index()  # the sample's row in the data
+    table = shown.to_html(index=False, border=0, float_format=lambda v: f"{v:.3g}")
     more = len(flagged) - ISSUE_ROWS
     tail = f"<p>{more} more flagged samples: issues.to_frame()</p>" if more > 0 else ""
     head = f"<p>{escape(issues.summary())}</p>"
@@ -89,7 +91,7 @@ def label_issues_panel(issues: LabelIssues, *, backend: str | None = None) -> wi
             widgets.HTML(STYLE),
             widgets.HTML(head),
             label_noise_panel(issues.noise, backend=backend),
-            widgets.HTML(table + tail),
+            widgets.HTML(f'<div class="nbdebug-detail">{table}{tail}</div>'),
         ]
     )
 

@@ -188,6 +188,13 @@ def load_snapshot(
         caller_rng.restore()
     snap = Snapshot(checked, where, built, trust_recipe=trust_recipe, store=store, modules=patterns)
     if built is not None:
-        check_state_fits(built, snap.model_state, str(where))
+        # a safetensors file says its shapes in the header: a model that does not fit is
+        # refused before a weight is read
+        state = (
+            {k: torch.empty(e.shape, device="meta") for k, e in snap.state_entries().items()}
+            if store is not None
+            else snap.model_state
+        )
+        check_state_fits(built, state, str(where))
         snap.reset_model()
     return snap
