@@ -187,9 +187,8 @@ class _Window:
     @property
     def values(self) -> list[float]:
         """The values held, oldest first."""
-        if self.n < len(self.ring):
-            return self.ring[: self.n].tolist()
-        return np.roll(self.ring, -self.at).tolist()
+        held = self.ring[: self.n] if self.n < len(self.ring) else np.roll(self.ring, -self.at)
+        return [float(v) for v in held]
 
     def transform(self, x: float | None) -> float | None:
         if x is None or not math.isfinite(x):
