@@ -228,3 +228,13 @@ def test_a_hard_batch_that_comes_back_every_epoch_is_no_spike(tmp_path):
                 opt.step()
     flagged = sorted({f.step for f in guard.spike_findings})
     assert flagged and flagged[0] == 41, flagged  # the first step after the lr jump, no earlier
+
+
+def test_a_spike_snapshot_never_takes_the_place_of_the_failures(tmp_path):
+    # max_snapshots=1: the spike's snapshot is written, and so is the NaN step's after it
+    guard, model = _guard(tmp_path, max_snapshots=1, patience=None)
+    scales = [*_noisy(40), 50.0, *_noisy(3, seed=1), float("nan"), float("nan")]
+    oks = _run(guard, model, scales)
+    assert oks[:44] == [True] * 44 and oks[44:] == [False, False]
+    kinds = [nbdebug.load_snapshot(p).kind for p in guard.snapshots]
+    assert kinds == ["spike", "loss"], kinds  # one of each: the second NaN step writes none

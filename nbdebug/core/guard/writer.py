@@ -15,6 +15,7 @@ from ..snapshot.data import cpu_copy
 from ..snapshot.format import FIELDS
 from ..snapshot.write import TrainingObjects, save_snapshot
 from ..state import RngState
+from ..vocab import FailureKind
 from .agreement import SNAPSHOT_FIELDS
 from .options import SnapshotOptions
 
@@ -35,7 +36,8 @@ def _check_directory(directory: Path) -> None:
 
 
 class SnapshotWriter:
-    """Writes the snapshot of a failing step (at most ``max_snapshots``); ``paths`` lists
+    """Writes the snapshot of a failing step (at most ``max_snapshots``, and as many spike
+    snapshots besides: an early warning never uses up the failure's place); ``paths`` lists
     what it wrote. The one place a guard touches the disk.
 
     With ``async_save`` the snapshot's tensors are copied to the CPU during the step and
@@ -52,6 +54,7 @@ class SnapshotWriter:
         self.recipe = options.recipe_spec
         self.async_save = options.async_save
         self.paths: list[Path] = []
+        self.spikes_written = 0  # of paths: spike snapshots (a budget of their own)
         #: (path, exception) of background writes that failed (raised by :meth:`close`)
         self.errors: list[tuple[Path, BaseException]] = []
         self._threads: list[threading.Thread] = []
@@ -99,7 +102,11 @@ class SnapshotWriter:
         ``culprit_ranks``, ...) goes into the snapshot fields of those names and names the
         file ``step-...-rankN.nbsnap``. A sharded (FSDP2) model's state is gathered whole
         first: every rank writes at the same step, so every rank joins the all-gathers."""
-        if self.max_snapshots is not None and len(self.paths) >= self.max_snapshots:
+        # spike snapshots have a budget of their own: an early warning never takes the
+        # place of the failure's snapshot
+        spike = reason.get("kind") == FailureKind.SPIKE
+        written = self.spikes_written if spike else len(self.paths) - self.spikes_written
+        if self.max_snapshots is not None and written >= self.max_snapshots:
             return None
         fields = (
             {k: distributed[k] for k in SNAPSHOT_FIELDS if k in distributed} if distributed else {}
@@ -131,6 +138,7 @@ class SnapshotWriter:
             **fields,
         )
         self.paths.append(path)
+        self.spikes_written += spike
         return path
 
     def _write_in_background(self, payload: dict[str, Any], path: Path) -> Path:
