@@ -1,12 +1,17 @@
 """Per-step cost of the always-on NaNGuard: guarded / unguarded training step.
 
-Three models, the DESIGN.md target being <= 1.03x per step:
+Four models, the DESIGN.md target being <= 1.03x per step:
 
 * an MLP (784-1024-1024-10, batch 256, Adam),
 * the DESIGN.md transformer: ``nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4,
   batch_first=True), 4)``, sequence 64, batch 16, Adam,
 * a ResNet-18-shaped CNN (``benchmarks/models.py``; 20 BatchNorm layers, whose running
-  statistics the guard copies at every step), batch 16x3x64x64, Adam.
+  statistics the guard copies at every step), batch 16x3x64x64, Adam,
+* GPT-2 124M (``transformers`` config, random init, batch 2x64, Adam; ``--gpt2``, or
+  ``--quick`` leaves it out).
+
+Each model is measured under every guard configuration of :data:`CONFIGS` (``--config NAME``
+to pick some): the default guard, and one per feature that adds to the step.
 
 A step is forward + backward + ``guard.check`` + ``optimizer.step`` + ``zero_grad``. The
 guarded and unguarded variants run interleaved (ABAB...) on the same model and data so
@@ -64,22 +69,44 @@ def resnet_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, torch.randint(0, 10, (x.shape[0],))
 
 
-def measure(name: str, case, steps: int, warmup: int) -> float:
+def gpt2_case() -> tuple[nn.Module, dict, None]:
+    """GPT-2 124M from its config (random init), batch 2x64; the loss is ``output.loss``."""
+    from models import gpt2_124m
+
+    model, batch = gpt2_124m()
+    return model, batch, None
+
+
+#: the guard configurations measured, by name: keyword options of ``NaNGuard`` (a feature
+#: that adds to the step adds its line here)
+CONFIGS: dict[str, dict[str, object]] = {
+    "default": {},
+}
+
+
+def _loss(model: nn.Module, x, y, loss_fn) -> torch.Tensor:
+    if isinstance(x, dict):  # a transformers model computing its own loss
+        return model(**x).loss
+    return loss_fn(model(x), y)
+
+
+def measure(name: str, case, steps: int, warmup: int, config: str = "default") -> float:
     torch.manual_seed(0)
     model, x, y = case()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     loss_fn = nn.functional.cross_entropy
     with tempfile.TemporaryDirectory() as d:
-        guard = NaNGuard(model, opt, directory=d, loss_fn=loss_fn)
+        guard = NaNGuard(model, opt, directory=d, loss_fn=loss_fn, **CONFIGS[config])
+        name = f"{name} [{config}]"
 
         def plain() -> None:
-            loss = loss_fn(model(x), y)
+            loss = _loss(model, x, y, loss_fn)
             loss.backward()
             opt.step()
             opt.zero_grad()
 
         def guarded() -> None:
-            loss = loss_fn(model(x), y)
+            loss = _loss(model, x, y, loss_fn)
             loss.backward()
             if guard.check(loss, inputs=x, target=y):
                 opt.step()
@@ -102,7 +129,7 @@ def measure(name: str, case, steps: int, warmup: int) -> float:
         assert not guard.snapshots, "the benchmark step went non-finite"
         # the check alone, on the gradients of one more backward: a low-noise estimate of
         # what the guard adds to a step
-        loss = loss_fn(model(x), y)
+        loss = _loss(model, x, y, loss_fn)
         loss.backward()
         check_times = []
         for _ in range(max(20, steps)):
@@ -131,6 +158,10 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
     ap.add_argument(
+        "--config", action="append", choices=sorted(CONFIGS), help="guard configuration(s)"
+    )
+    ap.add_argument("--gpt2", action="store_true", help="also GPT-2 124M (minutes per config)")
+    ap.add_argument(
         "--world", type=int, default=1, help="N > 1: the DDP guard on N gloo processes (CPU)"
     )
     args = ap.parse_args()
@@ -143,9 +174,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     mlp_steps = args.steps or (10 if args.quick else 300)
     tr_steps = args.steps or (4 if args.quick else 60)
-    measure("MLP 784-1024-1024-10, batch 256", mlp_case, mlp_steps, warmup=5)
-    measure("TransformerEncoder d=128 x4, seq 64, batch 16", transformer_case, tr_steps, warmup=3)
-    measure("ResNet-18 shape, batch 16x3x64x64 (BatchNorm)", resnet_case, tr_steps, warmup=3)
+    for config in args.config or list(CONFIGS):
+        measure("MLP 784-1024-1024-10, batch 256", mlp_case, mlp_steps, 5, config)
+        measure(
+            "TransformerEncoder d=128 x4, seq 64, batch 16", transformer_case, tr_steps, 3, config
+        )
+        measure("ResNet-18 shape, batch 16x3x64x64 (BatchNorm)", resnet_case, tr_steps, 3, config)
+        if args.gpt2:
+            measure("GPT-2 124M 12x768, batch 2x64", gpt2_case, args.steps or 20, 2, config)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..vocab import FailureKind
 
-__all__ = ["NonFiniteError", "last_error", "record_error"]
+__all__ = ["NonFiniteError", "last_error", "record_error", "streak_error"]
 
 _last: NonFiniteError | None = None
 
@@ -67,3 +67,30 @@ def last_error() -> NonFiniteError | None:
         if isinstance(err, NonFiniteError):
             return err
     return None
+
+
+def streak_error(
+    message: str,
+    first: tuple[Path | None, int, dict[str, Any]],
+    *,
+    raised: bool,
+    streak: int,
+    patience: int | None,
+) -> NonFiniteError:
+    """The error of a guard told to stop: ``raised`` (``on_nonfinite="raise"``) names this
+    step, else the run of ``streak`` bad steps past ``patience`` and its ``first`` (path,
+    step, reason)."""
+    first_path, first_step, first_reason = first
+    saved = (
+        f"Snapshot: {first_path}"
+        if first_path is not None
+        else "No snapshot was written (max_snapshots reached, or the write failed)"
+    )
+    if raised:
+        text = f"{message}. {saved}"
+    else:
+        text = (
+            f"{streak} non-finite steps in a row (patience={patience}); the first, "
+            f"step {first_step}: {first_reason['message']}. {saved}"
+        )
+    return NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)

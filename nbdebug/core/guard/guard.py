@@ -10,7 +10,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,11 +20,11 @@ from ..batch import check_model
 from ..parallel import unwrap_data_parallel
 from ..snapshot.replay import autocast_state
 from ..snapshot.write import Scaler, Scheduler, TrainingObjects
-from ..state import BufferCopies, RngState, unique_parameters
+from ..state import unique_parameters
 from ..text import fmt_num
 from .agreement import RankAgreement, local_bits
 from .checks import StepChecks, resolve_checks
-from .failure import NonFiniteError, record_error
+from .failure import record_error, streak_error
 from .forms import GuardedStep, guarded_step, wrap_step
 from .history import HistoryRow, history_frame
 from .objects import check_optimizer_of, training_objects
@@ -34,6 +34,7 @@ from .replicas import ReplicaMismatch
 from .skips import SkipCounter, batch_ids, record_skip_batch, skip_error
 from .spike import SpikeFinding
 from .spike_watch import SpikeWatch
+from .stepstart import StepStart
 from .verdict import Decider, Verdict, failure_reason
 from .writer import SnapshotWriter
 
@@ -212,8 +213,7 @@ class NaNGuard:
         autocast = opts.snapshots.autocast_field(self.meter.device.type)
         if autocast is not None:
             self.writer.set_field("autocast", autocast)
-        self._buffers: BufferCopies | None = None
-        self.mark_step_start()
+        self.start = StepStart(self.model)  # the RNG states and buffers of the coming step
         self.agreement = RankAgreement.create(
             wrapper, list(self.model.named_parameters()), opts.distributed, opts.agreed()
         )
@@ -434,7 +434,15 @@ class NaNGuard:
         self.mark_step_start()
         too_many = self.patience is not None and self.bad_streak > self.patience
         if action == "raise" or too_many:
-            raise record_error(self._error(message, raised=action == "raise"))
+            assert self._streak_first is not None
+            err = streak_error(
+                message,
+                self._streak_first,
+                raised=action == "raise",
+                streak=self.bad_streak,
+                patience=self.patience,
+            )
+            raise record_error(err)
         return False
 
     def _account(self, row: HistoryRow, batch: tuple[Any, Any]) -> None:
@@ -465,63 +473,17 @@ class NaNGuard:
         """The snapshot of the failing (or spiking) step, with the RNG states and buffers as
         they were at its start; ``None`` when it was not written. ``goes_on``: the step's
         update is applied (its buffer writes stay), else they are put back."""
-        action = reason["action"]
-        rng = self._rng  # the states at the start of the failing step (torch, numpy, Python)
-        if rng.cuda is None:  # CUDA was first used during the step
-            rng = dataclasses.replace(rng, cuda=RngState.capture().cuda)
-        buffers = self._buffers
-        assert buffers is not None
-        written = buffers.written(self.model)
-        as_at_start: AbstractContextManager[object] = nullcontext()
-        if written:
-            # the forward of the bad batch wrote them (BatchNorm running statistics): the
-            # snapshot holds them as they were at the start of the step, and a skipped
-            # step leaves the model as if the batch never came
-            reason["buffers_written"] = written
-            reason["buffers_restored"] = not goes_on
-            if goes_on:
-                as_at_start = buffers.swapped_in()
-            else:
-                buffers.restore()
         objects = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler)
-        try:
-            with as_at_start:
-                return self.writer.write(
-                    objects,
-                    step,
-                    reason,
-                    batch,
-                    rng=rng,
-                    history=list(self.history),
-                    distributed=distributed,
-                )
-        except OSError as e:  # a full or unwritable disk: the step is still handled
-            warnings.warn(
-                f"nbdebug: the snapshot of step {step} could not be written to "
-                f"{self.writer.directory} ({type(e).__name__}: {e}); the guard goes on "
-                f"without it ({action}).",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return None
-
-    def _error(self, message: str, *, raised: bool) -> NonFiniteError:
-        assert self._streak_first is not None
-        first_path, first_step, first_reason = self._streak_first
-        saved = (
-            f"Snapshot: {first_path}"
-            if first_path is not None
-            else "No snapshot was written (max_snapshots reached, or the write failed)"
+        return self.start.write(
+            self.writer,
+            objects,
+            step,
+            reason,
+            batch,
+            history=list(self.history),
+            distributed=distributed,
+            goes_on=goes_on,
         )
-        if raised:
-            text = f"{message}. {saved}"
-        else:
-            text = (
-                f"{self.bad_streak} non-finite steps in a row "
-                f"(patience={self.patience}); the first, "
-                f"step {first_step}: {first_reason['message']}. {saved}"
-            )
-        return NonFiniteError(text, path=first_path, step=first_step, reason=first_reason)
 
     def close(self) -> None:
         """Wait for the snapshots still being written (``async_save``); raise ``OSError``
@@ -534,8 +496,7 @@ class NaNGuard:
         buffers). :meth:`check` records them after each step by itself; call this when the
         loop draws random numbers or writes buffers between steps (data loading, a trainer
         callback's ``on_train_batch_start``)."""
-        self._rng = RngState.capture()
-        self._buffers = BufferCopies.capture(self.model, self._buffers)
+        self.start.mark()
 
     def clear_grads(self) -> None:
         """Set every gradient of the model (and optimizer) to ``None``: an optimizer step
