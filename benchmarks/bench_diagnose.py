@@ -1,6 +1,12 @@
-"""nbdebug.diagnose() on the scenario suite (tests/diagnose_scenarios.py): how often the
-right cause is ranked first and in the top 3, and what one replay costs against a plain
-training step of the same model.
+"""nbdebug.diagnose() on the scenario corpus (tests/corpus/: failing loops drawn from public
+bug reports, by category) and on the scenario suite (tests/diagnose_scenarios.py): how often
+the right cause is ranked first and in the top 3, per category, what a whole diagnosis
+costs against a training step of the same model, and what one replay costs against a
+plain training step.
+
+A diagnosis' cost: ``diagnose(snapshot)`` (snapshot loaded beforehand) against one
+training step (forward, loss, backward, ``optimizer.step()``) of the scenario's model on
+its failing batch, interleaved round by round, CPU time of this process.
 
 A replay is ``Workbench.run(fix)``: reset the copies (weights, buffers, optimizer state,
 RNG), apply the fix, forward, loss, backward, clipping, ``optimizer.step()`` and the
@@ -12,7 +18,7 @@ the runs of tests/test_diverged.py that diverge through their updates by themsel
 uncapped warm-up, a ReLU RNN without clipping, a learning rate far too high: right kind
 ``diverged``).
 
-    python benchmarks/bench_diagnose.py [--rounds 15]
+    python benchmarks/bench_diagnose.py [--rounds 15] [--corpus-only]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,7 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 )
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/models.py first
+from corpus import CATEGORIES, right, run, scenarios
 from diagnose_scenarios import CASES
 from models import mean_square, transformer
 from test_diverged import MODELS, SHAPES, until_nonfinite
@@ -79,12 +87,85 @@ def _safe_plain(model: torch.nn.Module, opt: Any, bench: Any) -> None:
         plain_step(model, opt, bench.inputs, bench.target, bench.loss_fn)
 
 
+def _diagnose(snap: Any, loss_fn: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nbdebug.diagnose(snap, loss_fn=loss_fn, progress=False)
+
+
+def _diagnosis_cost(snap: Any, loss_fn: Any, rounds: int, clock: Any) -> tuple[Any, float]:
+    """The diagnosis and the median over ``rounds`` of (one diagnosis) / (one training
+    step of the snapshot's model on its batch), interleaved (after a warm-up of each)."""
+    d = _diagnose(snap, loss_fn)
+    bench = d.workbench
+    model, opt = copy.deepcopy((bench.model, bench.optimizer))
+    if opt is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _safe_plain(model, opt, bench)
+    ratios = []
+    for _ in range(rounds):
+        t0 = clock()
+        _diagnose(snap, loss_fn)
+        t1 = clock()
+        steps = []
+        for _ in range(5):
+            t2 = clock()
+            _safe_plain(model, opt, bench)
+            steps.append(clock() - t2)
+        ratios.append((t1 - t0) / max(statistics.median(steps), 1e-9))
+    return d, statistics.median(ratios)
+
+
+def corpus(rounds: int) -> None:
+    """Top-1 and top-3 per category over the corpus, and the cost of a diagnosis."""
+    clock = time.process_time
+    per: dict[str, list[tuple[bool, bool]]] = {c: [] for c in CATEGORIES}
+    costs: list[float] = []
+    for s in scenarios():
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what the failing loops warn themselves
+            out = run(s.loop(False), Path(tmp))
+            if out.snapshot is None:
+                print(f"  {s.name:<62} did not fail")
+                per[s.category].append((False, False))
+                continue
+            loop = s.loop(False)
+            snap = nbdebug.load_snapshot(out.snapshot, model=loop.model)
+            d, cost = _diagnosis_cost(snap, loop.loss_fn, rounds, clock)
+        kinds = [r.kind.value for r in d.results]
+        ok1, ok3 = right(s, kinds[0]), any(right(s, k) for k in kinds[:3])
+        per[s.category].append((ok1, ok3))
+        costs.append(cost)
+        tag = f"[{s.category}]"
+        print(
+            f"  {tag:<14} {s.name:<58} rank1 {'yes' if ok1 else 'NO ':<3} top3 "
+            f"{'yes' if ok3 else 'NO '}  got {kinds[0]:<17} diagnosis {cost:,.0f}x a step"
+        )
+    n1 = sum(a for v in per.values() for a, _ in v)
+    n3 = sum(b for v in per.values() for _, b in v)
+    n = sum(len(v) for v in per.values())
+    for c, v in per.items():
+        print(
+            f"corpus {c:<13} top-1 {sum(a for a, _ in v)}/{len(v)}  "
+            f"top-3 {sum(b for _, b in v)}/{len(v)}"
+        )
+    print(f"corpus all           top-1 {n1}/{n} = {n1 / n:.0%}  top-3 {n3}/{n} = {n3 / n:.0%}")
+    print(
+        f"cost of a diagnosis: median {statistics.median(costs):,.0f}x a training step of the "
+        f"same model (min {min(costs):,.0f}x, max {max(costs):,.0f}x; tiny corpus models)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--corpus-only", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     clock = time.process_time
+    corpus(max(1, args.rounds // 5))
+    if args.corpus_only:
+        return
     top1 = top3 = 0
     ratios: dict[str, float] = {}
     plain_ratios: dict[str, float] = {}

@@ -81,6 +81,9 @@ def gpt2_case() -> tuple[nn.Module, dict, None]:
 #: that adds to the step adds its line here)
 CONFIGS: dict[str, dict[str, object]] = {
     "default": {},
+    "rewind=8": {"rewind": 8},  # the rewind window: a state copy every 8 steps + each batch
+    "signals": {"signals": True},  # per-layer signals (on by default: nbdebug.core.guard.signals)
+    "rollback": {"check_update": "rollback"},  # a pre-step copy so a bad update is undone
 }
 
 

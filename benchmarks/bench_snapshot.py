@@ -6,8 +6,9 @@ round by round, on GPT-2 124M (``GPT2Config()``, random init) with AdamW state a
   to a plain file: the baseline (no fsync);
 - ``nbdebug.save_snapshot``: one safetensors file, checksums and non-finite counts per
   tensor, temporary file + fsync + rename (target <= 1.0x torch.save);
-- ``NaNGuard(async_save=True)``: the time the training step is held (the CPU copy,
-  target <= 0.5x torch.save) and until the background write ends (<= 1.5x);
+- ``NaNGuard(async_save=True)``: the time the training step is held (the copy of the
+  tensors' bytes into the snapshot's file, target <= 0.5x torch.save) and until the
+  background write ends (checksums, header, fsync, rename; <= 1.5x);
 - loads: ``torch.load(weights_only=True)`` of the baseline against ``load_snapshot`` to a
   usable Snapshot (reason, history, batch, RNG states, the weights' table; target <= 0.1x),
   and, for reference, reading its whole model state.

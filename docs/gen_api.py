@@ -37,6 +37,7 @@ SECTIONS: dict[str, str] = {
     "nbdebug.analysis.drift": "SHAP drift",
     "nbdebug.analysis.diagnose": "Verified fixes",
     "nbdebug.analysis.compare": "Comparing two replays",
+    "nbdebug.analysis.blame": "Row blame",
     "nbdebug.analysis.labels": "Label noise",
     "nbdebug.widgets.labels": "Label noise",
     "nbdebug.widgets.app": "The debugger and the notebook extension",

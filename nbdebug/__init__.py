@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 from .core.display import add_viewer_source
-from .core.sources import GUARD_CHECKS, add_source
+from .core.sources import COMPILER_VERDICT, GUARD_CHECKS, add_source
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -88,6 +88,9 @@ _EXPORTS: dict[str, str] = {
     "LabelReview": "nbdebug.analysis.labels",
     "TorchClassifier": "nbdebug.analysis.labels",
     "LabelCleaner": "nbdebug.widgets.labels",
+    "row_blame": "nbdebug.analysis.blame",
+    "RowBlame": "nbdebug.analysis.blame",
+    "BlameOptions": "nbdebug.analysis.blame",
     "compare_ranks": "nbdebug.analysis.ranks",
     "RanksReport": "nbdebug.analysis.ranks",
     "RankRow": "nbdebug.analysis.ranks",
@@ -107,6 +110,12 @@ add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.app").registe
 # by the first guard that needs them (core never imports analysis)
 add_source(
     GUARD_CHECKS, lambda: importlib.import_module("nbdebug.analysis.checks.guard").register()
+)
+# diagnose of a compiled model's snapshot says whether its NaN is the compiler's, through the
+# replay comparison (features do not import each other)
+add_source(
+    COMPILER_VERDICT,
+    lambda: importlib.import_module("nbdebug.analysis.compare.verdict").register(),
 )
 
 __all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])

@@ -377,13 +377,20 @@ def _lr_case(tmp: Path) -> dict[str, Any]:
 
 
 def _corrupted_case(tmp: Path) -> dict[str, Any]:
-    """The update of step 5 (learning rate far too high) makes the weights Inf; the guard
-    sees it at step 6 and writes the snapshot."""
+    """The update of step 5 (learning rate far too high) makes the weights Inf; the guard,
+    which does not watch the updates here (``check_update=False``), sees it at step 6 and
+    writes the snapshot."""
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     guard = nbdebug.NaNGuard(
-        model, opt, directory=tmp, patience=None, on_nonfinite="skip", param_norm_every=1
+        model,
+        opt,
+        directory=tmp,
+        patience=None,
+        on_nonfinite="skip",
+        param_norm_every=1,
+        check_update=False,
     )
     for step in range(8):
         x, y = _regression(step)

@@ -201,6 +201,48 @@ CELLS = (
         'issues_panel.add_class("panel-issues")\n'
         "issues_panel",
     ),
+    # a run whose uncapped warm-up diverges: spike snapshots, then the NaN's; its Flow tab
+    Cell(
+        "flow",
+        """import warnings
+
+
+def make_flow_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+
+
+flow_model = make_flow_model()
+flow_opt = torch.optim.SGD(flow_model.parameters(), lr=0.05, momentum=0.9)
+flow_sched = torch.optim.lr_scheduler.LambdaLR(flow_opt, lambda s: (s + 1) / 10)
+flow_guard = nbdebug.NaNGuard(flow_model, flow_opt, scheduler=flow_sched,
+                              directory=tempfile.mkdtemp(), loss_fn=F.mse_loss)
+g = torch.Generator().manual_seed(0)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    for step in range(200):
+        xb = torch.rand(64, 4, generator=g) * 4 - 2
+        yb = torch.sin(2 * xb[:, :1]) + 0.5 * xb[:, 1:2]
+        loss = F.mse_loss(flow_model(xb), yb)
+        loss.backward()
+        if flow_guard.check(loss, inputs=xb, target=yb, step=step):
+            flow_opt.step()
+        flow_opt.zero_grad()
+        flow_sched.step()
+        if not torch.isfinite(loss):
+            break
+shown(nbdebug.debug(flow_guard.snapshots[-1], model=make_flow_model, loss_fn=F.mse_loss),
+      "Flow", "flow")""",
+    ),
+    # the Fixes tab of the guarded run's snapshot (it has a rewind window): replays over steps
+    Cell(
+        "replays",
+        "replays_dbg = nbdebug.debug(snapshot_path, model=make_model, loss_fn=loss_fn)\n"
+        'replays_dbg.panel("Fixes").run()\n'
+        'shown(replays_dbg, "Fixes", "replays")',
+    ),
 )
 
 PANELS = (
@@ -290,6 +332,29 @@ PANELS = (
         "issues",
         None,
         ("of 569 samples flagged", "noise rate", "given_label", "suggested_label"),
+        plots=1,
+    ),
+    Panel(
+        "flow",
+        "flow",
+        None,
+        (
+            "Gradient flow",
+            "2.weight crossed z > 6 first",
+            "first non-finite step 103",
+            "to open its snapshot",
+        ),
+        plots=1,
+    ),
+    Panel(
+        "replays",
+        "replays",
+        None,
+        (
+            "Over steps:",
+            "Verdict numerics: the failing batch, finite itself, turns non-finite",
+            "skipping the failing batch (step 11) keeps the run finite",
+        ),
         plots=1,
     ),
 )

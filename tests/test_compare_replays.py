@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from state import assert_unchanged, fingerprint
 from torch import nn
 
 import nbdebug
+from nbdebug.analysis.compare import compiler_verdict
 from nbdebug.analysis.compare.config import cannot_run
 from nbdebug.analysis.compare.result import differs
+from nbdebug.core.snapshot.write import compile_settings
 
 
 class Scale(nn.Module):
@@ -167,3 +171,99 @@ def test_a_snapshot_replays_under_its_recorded_autocast(tmp_path: Path) -> None:
     # the model's own dtypes without the autocast: float32 agrees with float64
     plain = nbdebug.compare_replays(snap, a="float32", b="float64", loss_fn=_mean)
     assert plain.ok, plain.summary()
+
+
+class LogOf(nn.Module):
+    """A NaN in eager mode too: the log of the negative outputs of the layer before."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def _compiled_snapshot(
+    tmp_path: Path, middle: nn.Module, **compile_options: str
+) -> tuple[nbdebug.Snapshot, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), middle, nn.Linear(16, 1))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    compiled = torch.compile(model, **compile_options)
+    path = nbdebug.save_snapshot(tmp_path / "c.nbsnap", compiled, x, y, loss_fn=F.mse_loss)
+    return nbdebug.load_snapshot(path, model=copy.deepcopy(model)), model, x
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, imported by inductor
+def test_compile_settings_name_the_back_end() -> None:
+    m = nn.Linear(2, 2)
+    assert compile_settings(m) is None
+    assert compile_settings(torch.compile(m)) == {"backend": "inductor"}
+    assert compile_settings(torch.compile(m, backend="aot_eager")) == {"backend": "aot_eager"}
+    inplace = nn.Linear(2, 2)
+    inplace.compile(backend="eager")
+    assert compile_settings(inplace) == {"backend": "eager"}
+
+
+def test_an_eager_model_s_snapshot_has_no_compiler_verdict(tmp_path: Path) -> None:
+    model, x = _overflowing()
+    path = nbdebug.save_snapshot(tmp_path / "s.nbsnap", model, inputs=x)
+    snap = nbdebug.load_snapshot(path, _overflowing()[0])
+    assert snap.compiled is None and compiler_verdict(snap) is None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, imported by inductor
+def test_a_nan_made_by_the_compiler_is_the_compiler_s(tmp_path: Path) -> None:
+    pytest.importorskip("torch._inductor")
+    snap, model, _ = _compiled_snapshot(tmp_path, CompiledOnly())
+    # the compiled model's snapshot holds the module it wraps, and its back end
+    assert snap.compiled == {"backend": "inductor"}
+    assert set(snap.model_state) == set(model.state_dict())
+    v = compiler_verdict(snap)
+    assert v is not None and v.compiler is True and v.backend == "inductor"
+    assert v.eager_origin is None and v.first is not None
+    assert (v.first.phase, v.first.module, v.first.op) == ("forward", "1", "output")
+    assert v.first.reason == "NaN vs finite"
+    assert str(v).startswith("The NaN is the compiler's: the eager replay of the step stays")
+    assert "the output of '1' (forward)" in v.sentence and v.sentence.count(". ") == 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_nan_the_eager_replay_makes_too_is_not_the_compiler_s(tmp_path: Path) -> None:
+    snap, model, x = _compiled_snapshot(tmp_path, LogOf(), backend="aot_eager")
+    assert bool((model[0](x) < 0).any())  # the log of a negative: NaN in eager mode
+    v = compiler_verdict(snap)
+    assert v is not None and v.compiler is False and v.backend == "aot_eager"
+    o = v.eager_origin
+    assert o is not None and (o.phase, o.module, o.op) == ("forward", "1", "torch.log")
+    assert o.source is not None and o.source.startswith("test_compare_replays.py:")
+    assert v.sentence.startswith("The NaN is not the compiler's: the eager replay of the step")
+    assert "torch.log in '1' at test_compare_replays.py:" in v.sentence
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_diagnose_of_a_compiled_model_s_snapshot_says_whose_nan_it_is(tmp_path: Path) -> None:
+    snap, model, x = _compiled_snapshot(tmp_path, LogOf(), backend="aot_eager")
+    d = nbdebug.diagnose(snap, progress=False)
+    said = [n for n in d.notes if "compiler's" in n]
+    assert len(said) == 1 and said[0].startswith("The NaN is not the compiler's")
+    # the same step of the eager model: its snapshot says nothing about a compiler
+    y = torch.randn(4, 1)
+    path = nbdebug.save_snapshot(tmp_path / "e.nbsnap", model, x, y, loss_fn=F.mse_loss)
+    eager = nbdebug.diagnose(path, model=copy.deepcopy(model), progress=False)
+    assert nbdebug.load_snapshot(path, model=copy.deepcopy(model)).compiled is None
+    assert not [n for n in eager.notes if "compiler" in n]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_guard_of_a_compiled_model_records_its_back_end(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), LogOf(), nn.Linear(16, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nbdebug.NaNGuard(compiled, opt, directory=tmp_path, loss_fn=F.mse_loss)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    loss = F.mse_loss(compiled(x), y)
+    loss.backward()
+    assert not guard.check(loss, inputs=x, target=y)  # log of a negative: NaN
+    snap = nbdebug.load_snapshot(guard.snapshots[0], model=copy.deepcopy(model))
+    assert snap.compiled == {"backend": "aot_eager"}
+    guard.close()

@@ -117,7 +117,7 @@ def testconstant_row_diagnosis_reads_as_the_issue_says(tmp_path: Path) -> None:
     assert "dropping batch row 3" in d.cause.statement
     rows = df[df["kind"] == "drop_rows"].iloc[0]
     assert rows["rows"] == [3] and bool(rows["finite"])
-    plain = df[df["kind"] == "not_reproducible"].iloc[0]
+    plain = df[df["kind"] == "rerun"].iloc[0]
     assert not plain["finite"] and plain["cost"] == pytest.approx(1.0)
     # a healthy reference from the guard's history, and the fixed loss near it
     assert d.reference["loss"] is not None and math.isfinite(top["loss"])
@@ -202,7 +202,7 @@ def test_user_fixes_errors_and_fixes_that_do_not_apply_are_rows() -> None:
     )
     assert_untouched(before, model, opt)
     df = d.to_frame()
-    assert set(df["kind"]) == {"custom", "scaler", "drop_rows", "not_reproducible"}
+    assert set(df["kind"]) == {"custom", "scaler", "drop_rows", "rerun"}
     broken = df[df["change"] == "a fix that raises"].iloc[0]
     assert not broken["finite"] and "RuntimeError: this fix is broken" in broken["note"]
     never = df[df["kind"] == "scaler"].iloc[0]
@@ -222,7 +222,7 @@ def test_live_model_batch_optimizer_untouched_and_menu() -> None:
     assert_untouched(before, model, opt)
     assert d.cause.kind == "epsilon" and d.cause.module == "norm" and d.cause.rows == [3]
     kinds = set(d.to_frame()["kind"])
-    assert {"epsilon", "drop_rows", "not_reproducible"} <= kinds
+    assert {"epsilon", "drop_rows", "rerun"} <= kinds
     # no gradient is finite here: clipping and the learning rate are not candidates
     assert not kinds & {"clip_grad", "lower_lr"}
 
@@ -278,10 +278,12 @@ def test_budget_zero_replays_only_the_plain_step() -> None:
     model, x, y, opt = _live_norm()
     d = nbdebug.diagnose(model, x, y, F.cross_entropy, optimizer=opt, budget_s=0, progress=False)
     df = d.to_frame()
-    skipped = df[df["kind"] != "not_reproducible"]
+    skipped = df[df["kind"] != "rerun"]
     assert len(skipped) >= 2 and all("budget_s=0" in n for n in skipped["note"])
     assert not any(skipped["finite"])
-    assert d.cause.kind == "not_reproducible" and not d.cause.finite
+    # the plain re-run failed again: a row of its own kind, never "not_reproducible"
+    assert d.cause.kind == "rerun" and not d.cause.finite
+    assert "not_reproducible" not in set(df["kind"])
     # none was tried: the statement says so, not that none works
     assert "no candidate fix made the step finite" not in d.cause.statement
     assert f"budget_s ran out before any of the {len(skipped)} candidate fixes found" in (
@@ -341,6 +343,7 @@ def test_fix_kinds_are_documented() -> None:
         "scaler",
         "weights_corrupted",
         "not_reproducible",
+        "rerun",
     ):
         assert k in KINDS
 
@@ -578,7 +581,7 @@ def test_table_text_shows_a_replay_that_never_ran_as_dash_and_a_nan_loss_as_nan(
     lines = {line.split()[1]: line.split() for line in d.table().splitlines()[1:]}
     assert "NaN" not in d.table()
     assert lines["drop_rows"][5:8] == ["-", "-", "-"]  # loss, grad_norm, cost
-    assert lines["not_reproducible"][5] == "nan"
+    assert lines["rerun"][5] == "nan"
 
 
 def _diverging_mlp() -> nn.Module:
@@ -713,15 +716,11 @@ def test_keyword_options_and_an_options_value_are_the_same_call() -> None:
     b = nbdebug.diagnose(
         model, x, y, F.cross_entropy, optimizer=opt, fixes=["drop_rows"], progress=False
     )
-    assert (
-        list(a.to_frame()["kind"])
-        == list(b.to_frame()["kind"])
-        == ["drop_rows", "not_reproducible"]
-    )
+    assert list(a.to_frame()["kind"]) == list(b.to_frame()["kind"]) == ["drop_rows", "rerun"]
     assert a.cause.statement == b.cause.statement
     # a keyword given with options replaces that field
     c = nbdebug.diagnose(model, x, y, F.cross_entropy, options=opts, fixes=["epsilon"])
-    assert set(c.to_frame()["kind"]) == {"epsilon", "not_reproducible"}
+    assert set(c.to_frame()["kind"]) == {"epsilon", "rerun"}
 
 
 def test_diagnosis_result_protocol() -> None:
@@ -741,7 +740,7 @@ def test_each_fix_states_its_action() -> None:
     from nbdebug.analysis.diagnose import NotReproducible
 
     assert DropRowsFix([1, 2]).action() == "dropping batch rows 1, 2"
-    assert Float32Fix("fc").action() == "running fc in float32 (autocast off)"
+    assert Float32Fix("fc").action() == "running fc in float32 instead of half precision"
     assert nbdebug.ClipGradFix(2.0).action().startswith("clipping the gradient norm to 2")
     assert nbdebug.LowerLRFix(0.1).action() == "a learning rate x0.1 for the update"
     assert EpsilonFix("norm", "div").action() == EpsilonFix("norm", "div").describe()

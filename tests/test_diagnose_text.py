@@ -135,3 +135,52 @@ def test_a_cause_that_reproduces_is_never_named_not_reproducible(tmp_path: Path)
     assert not d.cause.finite
     assert d.cause.kind != "not_reproducible"
     assert "the failure reproduces" in d.cause.statement
+
+
+def test_an_earlier_snapshot_that_exists_is_the_one_named(tmp_path: Path) -> None:
+    """A NaN batch at step 3 (skipped: its snapshot is written), then an update that
+    overflows at step 6: the diagnosis of the corrupted weights names the step-3 file,
+    which exists, in the guard's own directory."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = nbdebug.NaNGuard(
+        model,
+        opt,
+        directory=tmp_path,
+        loss_fn=F.mse_loss,
+        patience=None,
+        on_nonfinite="skip",
+        param_norm_every=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(9):
+            x, y = _batch(step)
+            if step == 3:
+                x[0, 0] = float("nan")
+            if step == 6:
+                for g in opt.param_groups:
+                    g["lr"] = float("inf")  # a broken schedule: the weights become Inf
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            ok = guard.check(loss, inputs=x, target=y, step=step)
+            if ok:
+                try:
+                    opt.step()
+                except nbdebug.NonFiniteError:
+                    break
+            opt.zero_grad()
+            if len(guard.snapshots) >= 2:
+                break
+    assert len(guard.snapshots) >= 2
+    first, last = Path(guard.snapshots[0]), Path(guard.snapshots[-1])
+    assert first.exists() and first.parent == last.parent == tmp_path
+    d = nbdebug.diagnose(nbdebug.load_snapshot(last, model=mlp), progress=False)
+    assert d.cause.kind == "weights_corrupted"
+    snippet = d.results[0].snippet()
+    assert repr(str(first)) in snippet and "load_snapshot" in snippet
+    assert repr(str(tmp_path)) in snippet  # the guard's own directory
+    for r in d.results:
+        for word in r.snippet().split("'"):
+            if word.endswith(".nbsnap"):
+                assert Path(word).exists(), word

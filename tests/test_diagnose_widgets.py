@@ -47,7 +47,7 @@ def test_fixes_panel_diagnoses_on_request_and_tries_a_fix(tmp_path: Path) -> Non
     try_buttons[0].click()
     ((tr, row),) = tried
     assert row.rank == 1 and row.kind == "epsilon" and tr.healthy and panel.tried is tr
-    plain_rank = next(r.rank for r in d.results if r.kind == "not_reproducible")
+    plain_rank = next(r.rank for r in d.results if r.kind == "rerun")
     try_buttons[plain_rank - 1].click()
     assert tried[-1][0].origin is not None and tried[-1][0].origin.module == "norm"
     assert "tried #" in panel.status.value

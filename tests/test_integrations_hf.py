@@ -116,6 +116,7 @@ def test_the_snapshot_holds_the_fed_batch_args_and_scheduler(run: dict[str, Any]
     assert snap.scheduler_class == "torch.optim.lr_scheduler:LambdaLR"
     assert snap.scheduler_state is not None and snap.scheduler_state["last_epoch"] == snap.step
     assert snap.optimizer_class == "torch.optim.adamw:AdamW"
+    assert snap.loss_source is None  # the model returned its loss: the replay runs the model
 
 
 def test_the_snapshot_replays_to_the_same_origin_in_a_fresh_process(run: dict[str, Any]) -> None:
@@ -479,3 +480,94 @@ def test_a_compute_loss_that_needs_the_trainer_says_to_pass_it(tmp_path: Path) -
     snap = nbdebug.load_snapshot(compute_loss_snapshot(tmp_path, NeedsArgsTrainer), LogitsOnly)
     with pytest.raises(nbdebug.TraceError, match=r"self\.args.*trainer=your_trainer"):
         snap.trace(trainer=NeedsArgsTrainer)
+
+
+class SumLossTrainer(transformers.Trainer):
+    """A compute_loss of its own, as the transformers docs show it: the labels taken out of
+    the batch, the model called on the rest, a summed loss over ``num_items_in_batch``."""
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        labels = inputs.pop("labels")
+        logits = model(**inputs)["logits"]
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        loss = loss / num_items_in_batch
+        return (loss, logits) if return_outputs else loss
+
+
+class LogitsKw(LogitsOnly):
+    """LogitsOnly taking ``**kwargs``: the Trainer then counts ``num_items_in_batch``."""
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return super().forward(x)
+
+
+@pytest.fixture(scope="module")
+def loss_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("hf-compute-loss")
+    cb = NaNGuardCallback(directory=tmp / "snaps")  # no loss_fn=: the loss is compute_loss's
+    args = arguments(tmp / "out", max_grad_norm=0.0, remove_unused_columns=False)
+    args.max_steps = 4
+    trainer = SumLossTrainer(model=LogitsKw(), args=args, train_dataset=TupleRows(), callbacks=[cb])
+    trainer.train()
+    return {"cb": cb, "trainer": trainer, "path": cb.guard.snapshots[0]}
+
+
+def bad_row(snap: Any) -> int:
+    """The row of the snapshot's batch that holds dataset row 5 (x[0] = -1: log(-1))."""
+    (row,) = (snap.inputs["x"][:, 0] == -1.0).nonzero().flatten().tolist()
+    return int(row)
+
+
+def test_a_compute_loss_override_is_recorded_with_its_batch_and_loss(
+    loss_run: dict[str, Any],
+) -> None:
+    cb, trainer = loss_run["cb"], loss_run["trainer"]
+    (k,) = cb.skipped
+    losses = [row["loss"] for row in cb.guard.history]
+    assert math.isnan(losses[k])  # the loss compute_loss returned, the model returned none
+    assert all(math.isfinite(v) for i, v in enumerate(losses) if i != k)
+    assert "compute_loss" not in vars(trainer)  # the trainer is left as it was
+    snap = nbdebug.load_snapshot(loss_run["path"], model=LogitsKw)
+    src = snap.loss_source
+    assert src["call"] == "trainer_method" and src["method"] == "compute_loss"
+    assert src["class"].endswith(":SumLossTrainer") and src["name"] == "SumLossTrainer"
+    # the Trainer passed num_items_in_batch=: the labels of the batch, BATCH of them
+    assert src["kwargs"] == {"num_items_in_batch": BATCH}
+    # the batch as compute_loss got it, before it took the labels out
+    assert set(snap.inputs) == {"x", "labels"} and snap.inputs["labels"].shape == (BATCH,)
+
+
+def test_a_compute_loss_snapshot_replays_through_the_override(loss_run: dict[str, Any]) -> None:
+    snap = nbdebug.load_snapshot(loss_run["path"], model=LogitsKw)
+    row = bad_row(snap)
+    with pytest.raises(nbdebug.SnapshotError, match=r"SumLossTrainer\.compute_loss.*trainer="):
+        snap.trace()
+    tr = snap.trace(trainer=SumLossTrainer)
+    assert tr.origin is not None and tr.origin.samples == [row] and math.isnan(tr.loss)
+    assert set(snap.inputs) == {"x", "labels"}  # the replay left the batch whole
+    trusted = nbdebug.load_snapshot(loss_run["path"], model=LogitsKw, trust_recipe=True)
+    assert trusted.trace().origin.samples == [row]
+    d = nbdebug.diagnose(loss_run["path"], model=LogitsKw, trust_recipe=True, progress=False)
+    assert d.trace is not None and d.trace.origin is not None
+    assert d.trace.origin.samples == [row]
+    dbg = nbdebug.debug(trusted)  # what %nbdebug opens for a Snapshot
+    try:
+        assert dbg.trace.origin is not None and dbg.trace.origin.samples == [row]
+    finally:
+        dbg.close()
+
+
+def test_inspect_replays_a_compute_loss_snapshot(
+    loss_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nbdebug.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    path = str(loss_run["path"])
+    main(["inspect", path, "--model", "test_integrations_hf:LogitsKw", "--trust-recipe"])
+    text = capsys.readouterr().out
+    row = bad_row(nbdebug.load_snapshot(path, model=LogitsKw))
+    assert "Not replayed" not in text
+    assert "op       torch.log" in text and f"samples  {row}\n" in text

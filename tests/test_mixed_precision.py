@@ -296,9 +296,13 @@ def test_diagnose_replays_a_float16_only_overflow_under_float16(tmp_path: Path) 
     assert d.plain.finite is False and d.plain.loss_finite is False  # the baseline fails
     assert d.trace is not None and d.trace.origin is not None
     assert (d.trace.origin.module, d.trace.origin.dtype) == ("0", "float16")
-    assert d.cause.finite and (d.cause.kind, d.cause.rows) == ("drop_rows", [1])
-    # the fix is verified under float16: the rows dropped, the model still runs in it
-    fixed = d.trace_with(d.cause.fix)
+    # the row is finite, valid data that only float16 cannot hold: the precision fix ranks
+    # above dropping it (issue 31, "the fix a user would choose")
+    assert d.cause.finite and (d.cause.kind, d.cause.module) == ("float32", "")
+    dropped = next(r for r in d.results if r.kind == "drop_rows")
+    assert dropped.finite and dropped.rows == [1] and dropped.rank > 1
+    # dropping is verified under float16 too: the rows dropped, the model still runs in it
+    fixed = d.trace_with("drop_rows")
     dtypes = {e.module: e.dtype for e in fixed.events if e.phase == "forward"}
     assert dtypes["0"] == "float16" and dtypes["2"] == "float16" and fixed.origin is None
     by_kind = {(r.kind, r.module): r for r in d.results}

@@ -49,6 +49,8 @@ def test_the_lessons_are_there():
         "04_gradcheck_custom_op.ipynb",
         "05_shap_drift.ipynb",
         "06_label_noise.ipynb",
+        "07_diagnose_the_run.ipynb",
+        "08_see_it_coming.ipynb",
     ):
         assert expected in names
     assert set(LESSONS) <= set(ALL)

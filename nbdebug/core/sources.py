@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["GUARD_CHECKS", "add_source", "load_sources"]
+__all__ = ["COMPILER_VERDICT", "GUARD_CHECKS", "add_source", "load_sources", "provide", "provider"]
 
 #: the name of the provider of ``NaNGuard(checks=True | int | dict)``
 GUARD_CHECKS = "guard checks"
+#: the name of the provider of ``compiler_verdict(snapshot, ...)`` (whether a compiled
+#: model's NaN is the compiler's), which ``diagnose`` reads for a compiled model's snapshot
+COMPILER_VERDICT = "compiler verdict"
 
 _SOURCES: dict[str, list[Callable[[], None]]] = {}
+_PROVIDED: dict[str, Callable[..., object]] = {}
 
 
 def add_source(name: str, source: Callable[[], None]) -> None:
@@ -33,3 +37,15 @@ def load_sources(name: str) -> bool:
         return False
     waiting.pop(0)()
     return True
+
+
+def provide(name: str, function: Callable[..., object]) -> None:
+    """Register ``function`` as the provider of ``name`` (a source calls this)."""
+    _PROVIDED[name] = function
+
+
+def provider(name: str) -> Callable[..., object] | None:
+    """The provider of ``name``, its sources run first if needed; ``None``: none exists."""
+    while name not in _PROVIDED and load_sources(name):
+        pass
+    return _PROVIDED.get(name)

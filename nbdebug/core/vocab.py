@@ -52,6 +52,7 @@ class EventKind(Vocab):
     GRAD_OUTPUT = "grad_output"  # gradient arriving at a module's output
     GRAD_INPUT = "grad_input"  # gradient leaving a module through an input
     PARAM_GRAD = "param_grad"  # a parameter's gradient
+    UPDATE = "update"  # a parameter or optimizer state tensor after the optimizer step
 
 
 class FailureKind(Vocab):
@@ -63,6 +64,7 @@ class FailureKind(Vocab):
     SCALE = "scale"  # the grad scaler's scale collapsed
     RANK = "rank"  # another rank of a distributed run failed
     SPIKE = "spike"  # the loss or gradient norm spiked (finite; the spike detector)
+    OPTIMIZER = "optimizer"  # the optimizer step made a weight or optimizer state non-finite
 
 
 class FixKind(Vocab):
@@ -79,6 +81,21 @@ class FixKind(Vocab):
     WEIGHTS_CORRUPTED = "weights_corrupted"  # the weights were non-finite before the step
     NOT_REPRODUCIBLE = "not_reproducible"  # the same step replayed finite
     DIVERGED = "diverged"  # the weights grew over the updates before the step (the history)
+    OPTIMIZER_EPS = "optimizer_eps"  # an optimizer eps that the state's dtype can hold
+    STATE_FLOAT32 = "state_float32"  # the update and the optimizer state in float32
+    RESET_STATE = "reset_state"  # start the optimizer state of the non-finite tensors afresh
+    RERUN = "rerun"  # the same step replayed as it was: non-finite again
+
+
+class UpdateFault(Vocab):
+    """Why an optimizer step made a weight or a state tensor non-finite (the ``fault`` of
+    an origin with phase ``"optimizer"``)."""
+
+    EPS_BELOW_NORMAL = "eps_below_normal"  # eps under the dtype's smallest normal: 0/0
+    ZERO_OVER_ZERO = "zero_over_zero"  # a 0/0 (NaN) in the update with a valid eps
+    LR_OVERFLOW = "lr_overflow"  # learning rate x update overflowed the weight's dtype
+    STATE_NONFINITE = "state_nonfinite"  # the state held NaN/Inf before the step
+    STATE_OVERFLOW = "state_overflow"  # the update overflowed a state tensor's dtype
 
 
 class FrameKind(Vocab):

@@ -136,6 +136,9 @@ def snapshot_facts(snap: Snapshot) -> list[tuple[str, str]]:
         rows.append(("optimizer", snap.optimizer_class))
     if snap.dropped:
         rows.append(("not stored", _join(snap.dropped)))
+    rewind = snap.rewind_summary()  # from the header: no tensor of the window is read
+    if rewind is not None:
+        rows.append(("rewind", rewind))
     return rows
 
 

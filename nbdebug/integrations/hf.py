@@ -14,13 +14,15 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
 import torch
 
 from ..core.snapshot import autocast_state
-from .base import CallbackState, make_guard, missing_framework
+from ..core.snapshot.replay import TRAINER_METHOD
+from .base import CallbackState, make_guard, method_source, missing_framework
 
 __all__ = ["SUPPORTED", "NaNGuardCallback"]
 
@@ -109,17 +111,28 @@ def _on_stack(frame: FrameType | None, codes: frozenset[int]) -> bool:
     return False
 
 
+def _plain_argument(value: Any) -> Any:
+    """An argument of ``compute_loss`` as a snapshot records it (``num_items_in_batch``: a
+    one-element tensor as its number); ``...`` for one it cannot."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return ...
+
+
 try:
     import transformers
 except ImportError as _error:  # the extra is not installed
     NaNGuardCallback: Any = missing_framework(__name__, "transformers", "hf", _error)
 else:
 
-    def _training_loop_codes() -> tuple[Any, ...]:
-        """The code of the frames that run the Trainer's training loop, read from the stack
-        of ``on_train_begin``: the frame that called ``CallbackHandler.on_train_begin``
-        (``Trainer._inner_training_loop``, or a subclass's own) and ``Trainer.train``'s.
-        Empty when no Trainer called it."""
+    def _training_loop() -> tuple[tuple[Any, ...], Any]:
+        """``(codes, trainer)``: the code of the frames that run the Trainer's training loop,
+        read from the stack of ``on_train_begin``: the frame that called
+        ``CallbackHandler.on_train_begin`` (``Trainer._inner_training_loop``, or a
+        subclass's own) and ``Trainer.train``'s; and the Trainer (that frame's ``self``).
+        ``((), None)`` when no Trainer called it."""
         from transformers.trainer_callback import CallbackHandler
 
         begin = CallbackHandler.on_train_begin.__code__
@@ -128,14 +141,15 @@ else:
         while frame is not None and frame.f_code is not begin:
             frame = frame.f_back
         if frame is None or frame.f_back is None:
-            return ()
+            return (), None
         frame = frame.f_back
+        trainer = frame.f_locals.get("self")
         codes = [frame.f_code]
         while frame is not None and frame.f_code is not train:
             frame = frame.f_back
         if frame is not None:
             codes.append(frame.f_code)
-        return tuple(codes)
+        return tuple(codes), trainer if isinstance(trainer, transformers.Trainer) else None
 
     class NaNGuardCallback(CallbackState, transformers.TrainerCallback):  # type: ignore[no-redef]
         """Run :class:`nbdebug.NaNGuard` on every optimizer step of a ``transformers.Trainer``.
@@ -161,17 +175,26 @@ else:
         clipping spreads one NaN gradient element to every gradient: the reason then lists
         every parameter. The snapshot's replay (``snap.trace()``) names where it was made.
         The loss is read from the model's output as the Trainer reads it (``outputs.loss``,
-        or a tuple's first element when it is a scalar); a loss computed outside the model
-        (a custom ``compute_loss``) is not seen: the guard checks the gradients alone, the
-        history has no loss, and the replay needs ``snap.trace(loss_fn=...)`` (and the
-        labels, when ``compute_loss`` took them out of the batch before calling the model).
+        or a tuple's first element when it is a scalar). When the model returns none, the
+        loss is the Trainer's ``compute_loss``'s (a subclass's override included): the
+        callback wraps ``trainer.compute_loss`` for each micro-batch (an attribute of the
+        trainer, taken off as it is called), the guard checks the loss it returns, and the
+        snapshot holds the batch ``compute_loss`` got (before it took the labels out) and
+        records it as the step's ``loss_source``, with the arguments the Trainer passed
+        (``num_items_in_batch``): ``snap.trace()``, ``nbdebug.diagnose``, ``%nbdebug`` and
+        ``nbdebug inspect`` replay ``compute_loss`` on the loaded model, called on a
+        stand-in for the trainer (the class imported with ``trust_recipe=True``, or given:
+        ``snap.trace(trainer=MyTrainer)``; an override that reads the trainer's attributes,
+        such as ``self.args``, needs ``snap.trace(trainer=trainer)``). Not with ``loss_fn=``
+        among the options: the replay then calls the model and that loss function.
 
-        The snapshot holds the batch the Trainer fed the model (the keyword arguments the
-        model was called with: the batch, labels included, and what ``compute_loss`` adds
-        such as ``num_items_in_batch``; under gradient accumulation the first micro-batch
-        whose loss was not finite, else the last), the ``TrainingArguments`` as plain data
-        (``snap.trainer["args"]``), the optimizer and the learning-rate scheduler states,
-        and the autocast state the forward actually ran under (``snap.autocast``: under
+        The snapshot holds the batch the Trainer fed the model (for a model that returns its
+        loss, the keyword arguments the model was called with: the batch, labels included,
+        and what ``compute_loss`` adds such as ``num_items_in_batch``; under gradient
+        accumulation the first micro-batch whose loss was not finite, else the last), the
+        ``TrainingArguments`` as plain data (``snap.trainer["args"]``), the optimizer and the
+        learning-rate scheduler states, and the autocast state the forward actually ran
+        under (``snap.autocast``: under
         ``bf16=True`` bfloat16; under ``fp16=True`` float16 on a GPU, but nothing on CPU,
         where accelerate trains ``fp16=True`` in float32 without autocast). It is read
         inside the model's forward by a pre-hook on the child that runs first; for a model
@@ -236,6 +259,12 @@ else:
             self._loop_codes: tuple[Any, ...] = ()
             self._loop_ids: frozenset[int] = frozenset()
             self._loop_thread = 0
+            # the Trainer's compute_loss, watched for one micro-batch (see _watch_loss)
+            self._trainer: Any = None
+            self._watching: Any = None  # the wrapper on the trainer
+            self._loss_call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
+            self._loss_pending = False  # this micro-batch's loss is compute_loss's
+            self._step_source: dict[str, Any] | None = None  # the kept micro-batch's
 
         def __repr__(self) -> str:
             return (
@@ -280,6 +309,7 @@ else:
             child = self._probe_child
             children = _called_children(model) if child is None else [child]
             self._probes = [c.register_forward_pre_hook(self._probe) for c in children]
+            self._watch_loss()
 
         def _disarm(self) -> None:
             if self._leave_hook is not None:
@@ -287,6 +317,57 @@ else:
                 self._leave_hook = None
             while self._probes:
                 self._probes.pop().remove()
+            self._unwatch_loss()
+
+        def _watch_loss(self) -> None:
+            """Wrap the Trainer's ``compute_loss`` for the next micro-batch (an attribute of
+            the trainer itself, taken off again as it is called): the wrapper records the
+            batch ``compute_loss`` got, before it takes anything out of it (``labels``),
+            and the loss it returns, for a model that returns none (:meth:`_leave`)."""
+            trainer = self._trainer
+            if trainer is None or self._watching is not None or "compute_loss" in vars(trainer):
+                return  # no Trainer, or a compute_loss of the user's own on the instance
+            if "loss_fn" in self.guard_options:  # the replay takes that loss function
+                return
+
+            def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+                self._unwatch_loss()
+                if self._in_training():
+                    batch = dict(inputs) if isinstance(inputs, Mapping) else inputs
+                    self._loss_call = (batch, args, kwargs)
+                result = trainer.compute_loss(model, inputs, *args, **kwargs)
+                if self._loss_pending:  # the model returned no loss: this is the step's
+                    self._loss_pending = False
+                    self.step_batch.set_loss(result[0] if isinstance(result, tuple) else result)
+                return result
+
+            trainer.compute_loss = compute_loss
+            self._watching = compute_loss
+
+        def _unwatch_loss(self) -> None:
+            trainer, fn = self._trainer, self._watching
+            self._watching = None
+            if fn is not None and vars(trainer).get("compute_loss") is fn:
+                del vars(trainer)["compute_loss"]
+
+        def _loss_source(self, call: tuple[Any, tuple[Any, ...], dict[str, Any]]) -> Any:
+            """The ``loss_source`` of a loss the Trainer's ``compute_loss`` computed, called
+            with ``call``'s arguments (``None`` when one cannot be recorded): its replay
+            runs ``type(trainer).compute_loss(trainer, model, batch, ...)``."""
+            _, args, kwargs = call
+            plain = [_plain_argument(a) for a in args]
+            named = {k: _plain_argument(v) for k, v in kwargs.items()}
+            if any(v is ... for v in (*plain, *named.values())):
+                return None
+            source = method_source(
+                type(self._trainer),
+                "compute_loss",
+                call=TRAINER_METHOD,
+                args=plain,
+                silence=[],
+                batch={"form": "inputs"},
+            )
+            return {**source, "kwargs": named}
 
         def _in_training(self) -> bool:
             """Whether the forward now running is the Trainer's (its training loop is on this
@@ -321,10 +402,18 @@ else:
                 decorated, state = self._decorated
                 inner = state if decorated else autocast_state(self._device_type)
             self._disarm()
+            call, self._loss_call = self._loss_call, None
             if output is None:  # the forward raised: training stops with it
                 return
-            self.step_batch.add(dict(kwargs) if kwargs and not args else (args or kwargs))
             loss = _loss_of(output)
+            # a model that returns no loss: the loss is compute_loss's, and the snapshot
+            # holds the batch compute_loss got, to replay it
+            source = self._loss_source(call) if loss is None and call is not None else None
+            self._loss_pending = source is not None
+            if not self.step_batch.bad:  # the micro-batch the snapshot will hold
+                self._step_source = source
+            batch = dict(kwargs) if kwargs and not args else (args or kwargs)
+            self.step_batch.add(call[0] if source is not None and call is not None else batch)
             if loss is not None:
                 self.step_batch.set_loss(loss)
             self._autocast_seen = inner
@@ -367,7 +456,7 @@ else:
             # accelerate has wrapped model.forward by now (autocast under bf16=True): what a
             # model without children ran in
             self._decorated = _forward_autocast(model, self._device_type)
-            self._loop_codes = _training_loop_codes()
+            self._loop_codes, self._trainer = _training_loop()
             self._loop_ids = frozenset(id(code) for code in self._loop_codes)
             self._loop_thread = threading.get_ident()
             self._leave_fn = self._leave
@@ -378,7 +467,7 @@ else:
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._disarm()
             self._model = None
-            self._loop_codes, self._loop_ids = (), frozenset()
+            self._loop_codes, self._loop_ids, self._trainer = (), frozenset(), None
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.guard is not None:
@@ -397,7 +486,8 @@ else:
             self.step_batch.reset()
             self.record_global_step(step)
             self.guard.set_snapshot_field("autocast", self._autocast_seen)  # None: none seen
-            self._autocast_seen = None
+            self.guard.set_snapshot_field("loss_source", self._step_source)  # None: the model's
+            self._autocast_seen, self._step_source, self._loss_pending = None, None, False
             ok = self.guard.check(loss, inputs=inputs, step=step)
             if ok or not self.guard.history[-1].get("skipped"):
                 return

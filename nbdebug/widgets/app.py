@@ -32,6 +32,7 @@ from ..core.trace.events import Event
 from ..core.trace.result import Trace, TraceError
 from ..figures.palette import RED
 from .cursor import Cursor
+from .flow import add_flow_tab
 from .history import HistoryPanel
 from .layers import LayersPanel
 from .plot import fit_figures
@@ -424,7 +425,9 @@ def debug(
     ``reference``, ``labels``, ``pred_probs`` and ``journal`` are keyword-only options
     (:class:`~nbdebug.widgets.tabs.DebugOptions`); another name raises ``TypeError``.
     A model and batch (or a snapshot) also get a Gradcheck tab: the gradient check of
-    every leaf module on the batch's first rows, run from the tab's button.
+    every leaf module on the batch's first rows, run from the tab's button. A snapshot
+    holding per-layer signals or spike findings gets a Flow tab after History: the
+    gradient flow over its steps (:class:`~nbdebug.widgets.flow.FlowPanel`).
 
     Returns
     -------
@@ -521,7 +524,9 @@ def _debug_snapshot(snap: Snapshot, ctx: TabContext) -> Debugger:
         reason=reason,
         backend=ctx.backend,
     )
-    add_feature_tabs(dbg, replace(ctx, model=snap.model, inputs=snap.inputs, snapshot=snap))
+    full = replace(ctx, model=snap.model, inputs=snap.inputs, snapshot=snap)
+    add_flow_tab(dbg, full)  # next to History: the steps before this one, per parameter
+    add_feature_tabs(dbg, full)
     return dbg
 
 

@@ -123,6 +123,7 @@ VIEWERS: dict[str, Callable[..., object]] = {
     "LabelIssues": label_issues_panel,
     "Diagnosis": diagnosis_panel,
     "RanksReport": ranks_panel,
+    "RowBlame": lambda blame, *, backend=None: widgets.HTML(blame._repr_html_()),
 }
 
 

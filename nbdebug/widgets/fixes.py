@@ -21,8 +21,11 @@ from typing import Protocol
 import ipywidgets as widgets
 
 from ..analysis.diagnose import Diagnosis, diagnose
+from ..analysis.diagnose.over_steps import NO_WINDOW
 from ..core.trace.result import Trace
+from ..figures.replays import replays_figure
 from ..figures.report import diagnosis_table
+from .plot import PlotView
 from .style import STYLE
 from .tabs import FeatureTab, TabContext, TabHost
 
@@ -90,6 +93,8 @@ class FixesPanel:
             "by which one makes it finite.</span>"
         )
         self.cause = widgets.HTML()
+        # the replays over steps: the verdict, then loss and grad norm per replay
+        self.story = widgets.VBox()
         self.table = widgets.HTML()
         self.tries = widgets.VBox()
         self.snippet = widgets.Textarea(
@@ -102,6 +107,7 @@ class FixesPanel:
                 widgets.HTML(STYLE),
                 widgets.HBox([self.button, self.status]),
                 self.cause,
+                self.story,
                 self.table,
                 self.tries,
                 self.snippet,
@@ -152,6 +158,7 @@ class FixesPanel:
                 f"<span class='note'>{len(d.results)} replays, {n} finite end to end</span>"
             )
             self.cause.value = f"<p><b>Cause:</b> {html.escape(d.cause.statement)}</p>"
+            self.story.children = _story(d)
             self.table.value = diagnosis_table(d)
             self.tries.children = buttons
             self.snippet.value = d.results[0].snippet() if d.results else ""
@@ -180,6 +187,15 @@ class FixesPanel:
         if self.diagnosis is None:
             return "FixesPanel(not diagnosed yet)"
         return f"FixesPanel({len(self.diagnosis.results)} fixes; cause {self.diagnosis.cause.kind})"
+
+
+def _story(d: Diagnosis) -> tuple[widgets.Widget, ...]:
+    """The verdict of the replays over steps and their curves; the one sentence of a
+    snapshot without a rewind window; nothing for a model and its batch."""
+    if d.over_steps is None:
+        return (widgets.HTML(f"<p class='note'>{NO_WINDOW}</p>"),) if NO_WINDOW in d.notes else ()
+    verdict = widgets.HTML(f"<p><b>Over steps:</b> {html.escape(d.over_steps.summary())}</p>")
+    return (verdict, PlotView(replays_figure(d.over_steps)).widget)
 
 
 def build_tab(dbg: TabHost, ctx: TabContext) -> None:

@@ -3,7 +3,8 @@
 reference), and the first operation whose outputs differ by more than the dtype explains.
 
 ``config.py`` is the configuration value and its shorthands, ``record.py`` one recorded
-replay, ``result.py`` the comparison and its result type.
+replay, ``result.py`` the comparison and its result type, ``verdict.py`` whether a
+compiled model's NaN is the compiler's (:func:`compiler_verdict`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ from ...core.snapshot.resolve import ResolveOptions
 from .config import ReplayConfig, as_config, cannot_run
 from .record import OpRecord, Recording, autocast_of, record_step
 from .result import EPS_FACTOR, Difference, ReplayComparison, compare_recordings
+from .verdict import CompilerVerdict, compiler_verdict
 
 __all__ = [
     "EPS_FACTOR",
+    "CompilerVerdict",
     "Difference",
     "OpRecord",
     "Recording",
     "ReplayComparison",
     "ReplayConfig",
     "compare_replays",
+    "compiler_verdict",
 ]
 
 

@@ -35,13 +35,16 @@ from ...core.state import RngState
 from ...core.text import fmt_num
 from ...core.trace import Trace, TraceError
 from ...core.vocab import FixKind, Phase
+from .compiled import compiler_note
 from .divergence import Diverged, find_divergence
 from .fix import FixLike
 from .fix_epsilon import EpsilonFix
 from .fix_pseudo import NotReproducible, WeightsCorrupted
+from .fix_rows import out_of_range_rows
 from .history import earlier_step, reference
 from .menu import MenuContext, menu
 from .options import DiagnoseOptions
+from .over_steps import over_steps_of
 from .rank import rank
 from .result import Diagnosis, FixResult, Reference, StepOutcome, safe_text
 from .rewrite import FAMILIES
@@ -93,7 +96,9 @@ def diagnose(
     steps : int
         Optimizer steps replayed on the batch per fix (all must stay finite); a row's
         ``loss`` and ``grad_norm`` are the last step's, so a fix that stays finite but
-        still diverges is ranked after those near the healthy history.
+        still diverges is ranked after those near the healthy history. With a snapshot
+        holding a rewind window (``NaNGuard(rewind=K)``) also ``k``, the steps the replays
+        over steps run beyond the failing one (default 3 when not given; ``d.replays``).
     budget_s : float, optional
         Stop starting replays after this many seconds (the remaining rows say so).
     trust_recipe : bool
@@ -150,7 +155,9 @@ def diagnose(
             options=how,
         )
         bench = Workbench(src, steps=opts.steps, autocast=opts.autocast)
-        return _diagnose(src, bench, opts, t_start)
+        # replays over steps: k = steps when given, else their own default
+        beyond = kwargs.get("steps", None if options is None else options.steps)
+        return _diagnose(src, bench, opts, t_start, beyond)
     finally:
         caller.restore()
 
@@ -185,7 +192,11 @@ def _plain(bench: Workbench, notes: list[str]) -> tuple[NotReproducible, StepOut
 
 
 def _diagnose(
-    src: ResolvedStep, bench: Workbench, opts: DiagnoseOptions, t_start: float
+    src: ResolvedStep,
+    bench: Workbench,
+    opts: DiagnoseOptions,
+    t_start: float,
+    beyond: int | None = None,
 ) -> Diagnosis:
     notes = list(src.notes)
     tr = _trace(bench, notes)
@@ -193,6 +204,8 @@ def _diagnose(
     # the healthy band: the steps before a divergence began, never the steps diagnosed
     ref = div.band if div is not None else reference(src.history)
     plain_fix, plain = _plain(bench, notes)
+    if not plain.finite:
+        plain_fix.reproduced()
     ctx = _menu_context(tr, bench, src, ref)
     ctx.divergence = div
     kinds, extra = opts.choice.kinds, opts.choice.extra
@@ -215,6 +228,12 @@ def _diagnose(
     if src.autocast is not None and not opts.autocast:
         dropped = str(src.autocast.get("dtype", "its autocast dtype"))
     facts = StepFacts(src.recorded_failure, dropped, src.history, src.step)
+    deadline = None if opts.budget_s is None else t_start + opts.budget_s
+    over, said = over_steps_of(src, div, steps=beyond, deadline=deadline)
+    notes += said
+    compiled = compiler_note(src)  # a torch.compile'd model: is the NaN the compiler's?
+    if compiled is not None:
+        notes.append(compiled)
     plain_fix.pipeline = plain.finite and facts.recorded_loss() is not None
     return Diagnosis(
         cause=cause(results, tr, origin, facts),
@@ -226,6 +245,7 @@ def _diagnose(
         notes=notes,
         step=src.step,
         workbench=bench,
+        over_steps=over,
     )
 
 
@@ -240,6 +260,7 @@ def _menu_context(
         sc = src.scaler_state.get("scale")
         ctx.scaler_scale = float(sc) if isinstance(sc, (int, float, torch.Tensor)) else None
     ctx.grad_norm_ref = ref.grad_norm
+    ctx.out_of_range = out_of_range_rows((bench.inputs, bench.target), bench.batch_size)
     ctx.corrupted = bench.nonfinite_state()
     if ctx.corrupted:
         ctx.earlier = earlier_step(src.history, src.step)
@@ -248,6 +269,8 @@ def _menu_context(
     if o is not None and o.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD):
         module = None if o.phase == Phase.LOSS else o.module
         ctx.probed, ctx.sites = bench.probe(module, FAMILIES)
+        seen = bench.recognise()
+        ctx.builtins, ctx.builtin_lines, ctx.casts = seen.found, seen.lines, seen.casts
     return ctx
 
 
@@ -268,7 +291,12 @@ def _snapshot_before(src: ResolvedStep) -> tuple[str | None, str | None]:
 
 
 #: Rows that report the step as it is rather than change it.
-_FINDINGS = (FixKind.NOT_REPRODUCIBLE, FixKind.WEIGHTS_CORRUPTED, FixKind.DIVERGED)
+_FINDINGS = (
+    FixKind.NOT_REPRODUCIBLE,
+    FixKind.RERUN,
+    FixKind.WEIGHTS_CORRUPTED,
+    FixKind.DIVERGED,
+)
 
 
 def _mark_unchanged(r: FixResult, plain: StepOutcome) -> None:
@@ -276,6 +304,8 @@ def _mark_unchanged(r: FixResult, plain: StepOutcome) -> None:
     needed where the plain replay is finite: either way it is no fix."""
     if r.kind in _FINDINGS or not r.applies or r.outcome.skipped is not None:
         return
+    if not plain.finite and not r.outcome.finite:
+        return  # a fix that did not work: its row says so without this
     if r.outcome.same_as(plain):
         why = "changed nothing: the replay is identical to the plain replay"
     elif plain.finite and r.outcome.finite:

@@ -49,6 +49,7 @@ LOCALITY: dict[FixKind, float] = {
     FixKind.WEIGHTS_CORRUPTED: 9.0,
     FixKind.NOT_REPRODUCIBLE: 9.0,
     FixKind.DIVERGED: 9.0,
+    FixKind.RERUN: 9.0,
 }
 
 #: A context manager factory (``nullcontext``, a ``TorchFunctionMode`` class, ...).

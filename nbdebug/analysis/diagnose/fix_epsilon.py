@@ -183,8 +183,12 @@ class EpsilonFix(Fix):
             )
         return where + (f" at {self.source}" if self.source else "")
 
+    def change(self) -> str:
+        """The change alone, in words: ``"log(x.clamp_min(eps))"``."""
+        return _CHANGES[self.family]
+
     def describe(self) -> str:
-        return f"{_CHANGES[self.family]} in {self.place()}"
+        return f"{self.change()} in {self.place()}"
 
     def snippet(self) -> str:
         eps = self.eps if self.eps is not None else 1e-6

@@ -7,12 +7,43 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ...core.batch import named_tensors
 from ...core.vocab import FixKind
 from .fix import Fix, Replay, forward_replaced
+from .fix_builtin import half_cast
 
-__all__ = ["Float32Fix"]
+__all__ = ["Float32Fix", "NoHalfCasts"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _is_half(v: object) -> bool:
+    return isinstance(v, torch.dtype) and v in _HALF
+
+
+class NoHalfCasts(TorchFunctionMode):
+    """The explicit casts to half precision made inside it (``x.half()``,
+    ``x.bfloat16()``, ``x.to(torch.float16)``, ``x.type(torch.HalfTensor)``) leave the
+    tensor in float32; ``calls`` counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if not half_cast(name, args, kwargs):
+            return func(*args, **kwargs)
+        self.calls += 1
+        if name != "to":
+            return args[0]
+        # .to(device, dtype): the move made, the dtype float32
+        args = tuple(torch.float32 if _is_half(a) else a for a in args)
+        kwargs = {k: torch.float32 if _is_half(v) else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 def _cast_in(obj: Any) -> Any:
@@ -68,15 +99,16 @@ def _float32_state(m: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
 def _float32_forward(
     inner: Callable[..., Any], device_type: str, *, keep_float32: bool
 ) -> Callable[..., Any]:
-    """``inner`` run on float32 arguments with autocast off; its output cast back to the
-    dtype of its first floating argument (unless ``keep_float32``)."""
+    """``inner`` run on float32 arguments with autocast off and its own casts to half
+    precision turned into no-ops; its output cast back to the dtype of its first floating
+    argument (unless ``keep_float32``)."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         like = next(
             (t.dtype for _, t in named_tensors((args, kwargs)) if t.is_floating_point()),
             None,
         )
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(device_type, enabled=False), NoHalfCasts():
             out = inner(*_cast_in(args), **_cast_in(kwargs))
         return out if like is None or keep_float32 else _cast_out(out, like)
 
@@ -85,8 +117,10 @@ def _float32_forward(
 
 class Float32Fix(Fix):
     """Run one module (``""``: the whole model) in float32 with autocast off: its
-    parameters, buffers and floating inputs are cast to float32, its output back to the
-    dtype it had (the model's output stays float32).
+    parameters, buffers and floating inputs are cast to float32, the casts to half
+    precision its forward makes itself (``.half()``, ``.to(torch.float16)``,
+    ``.bfloat16()``) are no-ops, and its output is cast back to the dtype it had (the
+    model's output stays float32).
 
     Parameters
     ----------
@@ -137,16 +171,16 @@ class Float32Fix(Fix):
         return self.module + (f" ({self.module_type})" if self.module_type else "")
 
     def describe(self) -> str:
-        return f"run {self._where()} in float32 (autocast off)"
+        return f"run {self._where()} in float32 instead of half precision (autocast off)"
 
     def action(self) -> str:
-        return f"running {self._where()} in float32 (autocast off)"
+        return f"running {self._where()} in float32 instead of half precision"
 
     def snippet(self) -> str:
         if self.module == "":
             return "model = model.float()  # and drop torch.autocast / .half() around the step"
         return (
             f"model.get_submodule({self.module!r}).float()  # keep it out of half precision\n"
-            "# and in its forward: with torch.autocast(device_type, enabled=False): "
-            "x = x.float(); ..."
+            "# and in its forward: drop .half() / .to(torch.float16); or "
+            "with torch.autocast(device_type, enabled=False): x = x.float(); ..."
         )

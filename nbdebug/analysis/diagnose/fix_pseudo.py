@@ -73,17 +73,24 @@ class WeightsCorrupted(Fix):
 class NotReproducible(Fix):
     """A plain, bit-identical re-run of the step (same weights, batch, RNG): when it is
     finite, the recorded failure is not reproducible (non-determinism, a stateful module,
-    or hardware)."""
+    or hardware); when it is not, its kind is ``rerun`` (:meth:`reproduced`): the
+    failure reproduces, and the row only holds the plain replay's numbers."""
 
     kind = FixKind.NOT_REPRODUCIBLE
     #: the run recorded a NaN loss that the stored batch does not reproduce: the data the
     #: step saw was not the data stored (set by the diagnosis)
     pipeline: bool = False
 
+    def reproduced(self) -> None:
+        """The plain replay was non-finite: the row is the ``rerun``, not a cause."""
+        self.kind = FixKind.RERUN
+
     def describe(self) -> str:
         return "nothing: the same step replayed as it was"
 
     def snippet(self) -> str:
+        if self.kind == FixKind.RERUN:
+            return ""
         if self.pipeline:
             return (
                 "# the step saw other data than the batch stored: check the input pipeline\n"

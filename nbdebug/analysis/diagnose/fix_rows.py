@@ -13,7 +13,7 @@ from ...core.trace import Trace
 from ...core.vocab import FixKind
 from .fix import Fix, Replay
 
-__all__ = ["DropRowsFix"]
+__all__ = ["DropRowsFix", "out_of_range_rows"]
 
 BatchForm = Literal["tensor", "dict", "seq"]
 
@@ -131,3 +131,29 @@ def _select(obj: Any, keep: torch.Tensor, bs: int) -> Any:
             return type(obj)(*items)
         return type(obj)(items)
     return obj
+
+
+def out_of_range_rows(batch: Any, bs: int | None) -> list[int]:
+    """The batch rows holding a finite value whose square overflows its dtype (``|x| >
+    sqrt(finfo.max)``, 1.8e19 in float32): out of any model's range, they overflow the
+    first product or square they meet, and the loss then has no rows to point at."""
+    if bs is None:
+        return []
+    bad = torch.zeros(bs, dtype=torch.bool)
+    for t in _tensors(batch):
+        if not t.is_floating_point() or t.dim() == 0 or t.shape[0] != bs or t.numel() == 0:
+            continue
+        limit = float(torch.finfo(t.dtype).max) ** 0.5
+        big = (t.detach().abs() > limit) & torch.isfinite(t.detach())
+        bad |= big.reshape(bs, -1).any(1).cpu()
+    return [int(i) for i in torch.nonzero(bad).flatten()]
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []

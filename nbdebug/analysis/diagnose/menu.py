@@ -10,9 +10,12 @@ from ...core.trace import Event, Trace
 from ...core.vocab import Phase
 from .divergence import Diverged, Divergence
 from .fix import Fix
+from .fix_builtin import BuiltinFix
+from .fix_combined import combined
 from .fix_epsilon import EpsilonFix
 from .fix_float32 import Float32Fix
 from .fix_optim import ClipGradFix, LowerLRFix, ScalerFix
+from .fix_optstate import update_fixes
 from .fix_pseudo import WeightsCorrupted
 from .fix_rows import DropRowsFix
 from .rewrite import op_family
@@ -45,9 +48,17 @@ class MenuContext:
     directory: str | None = None  # the snapshot's directory
     earlier_snapshot: str | None = None  # the latest snapshot file there before this step
     divergence: Divergence | None = None
+    builtins: list[str] = field(default_factory=list)  # the built-ins hand-written chains redo
+    builtin_lines: list[str] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)  # explicit casts to half precision seen
+    out_of_range: list[int] = field(default_factory=list)  # batch rows no dtype can square
 
 
 _HALF = ("float16", "bfloat16")
+
+#: ``drop_rows`` when the rows are finite and the op that failed ran in half precision:
+#: after running in float32 (valid values that overflow float16), before the update fixes.
+FINITE_ROWS_LOCALITY = 3.5
 
 
 def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
@@ -66,19 +77,38 @@ def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
                 snapshot=ctx.earlier_snapshot,
             )
         )
+    half = trace is not None and (_half(trace) or bool(ctx.casts))
     if origin is not None:
-        fixes += _epsilons(origin, ctx, types)
-        if origin.samples:
-            fixes.append(DropRowsFix(list(origin.samples)))
-    if trace is not None and _half(trace):
+        eps = _epsilons(origin, ctx, types)
+        fixes += eps
+        if ctx.builtins:
+            module = None if origin.phase == Phase.LOSS else origin.module
+            fixes.append(BuiltinFix(ctx.builtins, module, lines=ctx.builtin_lines))
+        fixes += combined(eps)
+        fixes += _drop_rows(origin, ctx, trace)
+    if half:
         fixes += _float32s(origin, types)
     if ctx.has_optimizer and _grads_finite(trace) and not ctx.corrupted:
         if ctx.grad_norm_ref is not None and ctx.grad_norm_ref > 0:
             fixes.append(ClipGradFix(ctx.grad_norm_ref))
         fixes.append(LowerLRFix(0.1, lr=ctx.lr))
+    fixes += update_fixes(trace, ctx.has_optimizer and not ctx.corrupted, ctx.lr)
     if ctx.scaler_scale is not None and ctx.scaler_scale > 1.0:
         fixes.append(ScalerFix(max(1.0, ctx.scaler_scale / 2**8)))
     return fixes
+
+
+def _drop_rows(origin: Event, ctx: MenuContext, trace: Trace | None) -> list[DropRowsFix]:
+    """The origin's rows (a loss origin has none: the batch rows out of any dtype's range);
+    after ``float32`` when those rows are finite and the op ran in half precision."""
+    rows = list(origin.samples) or ctx.out_of_range
+    if not rows:
+        return []
+    drop = DropRowsFix(rows)
+    ran_half = origin.dtype in _HALF or bool(ctx.casts)
+    if ran_half and trace is not None and _batch_finite(trace):
+        drop.locality = FINITE_ROWS_LOCALITY
+    return [drop]
 
 
 def _epsilons(origin: Event, ctx: MenuContext, types: dict[str, str]) -> list[EpsilonFix]:
@@ -136,6 +166,11 @@ def _grads_finite(trace: Trace | None) -> bool:
     if any(p.grad_n_nan or p.grad_n_inf for p in trace.params):
         return False
     return not any(e.phase == Phase.BACKWARD and not e.finite for e in trace.events)
+
+
+def _batch_finite(trace: Trace) -> bool:
+    """The batch and the target hold no NaN/Inf."""
+    return all(e.finite for e in trace.events if e.phase == Phase.INPUT)
 
 
 def _half(trace: Trace) -> bool:

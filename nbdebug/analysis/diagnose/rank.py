@@ -9,6 +9,7 @@ import math
 from ...core.text import fmt_num
 from ...core.vocab import FixKind
 from .fix import FixLike
+from .fix_pseudo import NotReproducible
 from .history import FAR
 from .result import FixResult, Reference, StepOutcome
 
@@ -67,9 +68,9 @@ def locality(fix: FixLike) -> float:
 
 def _key(i: int, r: FixResult, ref: Reference) -> tuple[float, float, float, int]:
     loc = locality(r.fix)
-    if r.kind == FixKind.NOT_REPRODUCIBLE:
+    if isinstance(r.fix, NotReproducible):
         # a finite plain re-run outranks everything: every fix is then finite too
-        # a plain re-run that fails is no cause: after every fix that was tried
+        # a plain re-run that fails (kind rerun) is no cause: after every fix tried
         return (0, 0.0, 0.0, i) if r.finite else (4.5, 0.0, 0.0, i)
     if r.kind == FixKind.DIVERGED:
         # the history shows the run diverging: above every change to this one step

@@ -17,6 +17,9 @@ from .fix import FixLike, kind_of
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .interventions import StepsReplay, Verdict
+    from .over_steps import OverSteps
+
 __all__ = [
     "FRAME_COLUMNS",
     "Cause",
@@ -290,6 +293,9 @@ class Diagnosis:
     notes : list of str
     step : int or None
         The snapshot's step.
+    over_steps : OverSteps or None
+        The counterfactual replays over steps (a snapshot with a rewind window);
+        :attr:`replays` and :attr:`verdict` read it.
     ok : bool
         ``True`` when the step replayed as it was is finite end to end: there is nothing
         to fix (property).
@@ -304,6 +310,17 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     step: int | None = None
     workbench: Retracer | None = field(default=None, repr=False)
+    over_steps: OverSteps | None = field(default=None, repr=False)
+
+    @property
+    def replays(self) -> list[StepsReplay]:
+        """The replays over steps, one per intervention (empty without a rewind window)."""
+        return self.over_steps.replays if self.over_steps is not None else []
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """What the replays over steps point at (``None``: no window, or undecided)."""
+        return self.over_steps.verdict if self.over_steps is not None else None
 
     @property
     def ok(self) -> bool:

@@ -101,7 +101,8 @@ class RewriteMode(TorchFunctionMode):
     * ``div``: a tensor denominator ``d`` becomes ``d + eps`` (``d - eps`` where ``d < 0``);
     * ``log``, ``sqrt``: the input becomes ``x.clamp_min(eps)``;
     * ``exp``: where the result overflows, ``exp(x - max(x))`` over the last dimension;
-    * ``softmax``: rows that come out NaN (every entry masked) become zeros.
+    * ``softmax``: rows that come out NaN with every score ``-inf`` (fully masked)
+      become zeros.
 
     ``calls`` counts the rewritten calls; ``lines`` collects the callers' ``(file, line)``.
     """
@@ -199,7 +200,11 @@ class RewriteMode(TorchFunctionMode):
         scores = x if isinstance(x, torch.Tensor) and x.shape == o.shape else None
         made = torch.isnan(o)
         if scores is not None:
-            made = made & ~torch.isnan(scores)
+            # a fully masked row: every score -inf (a row with a +inf score overflowed:
+            # zeroing it would hide the overflow, not fix a mask)
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+            dim = dim if isinstance(dim, int) else -1
+            made = made & torch.isneginf(scores).all(dim=dim, keepdim=True)
         if not bool(made.any()):
             return out
         self._note()

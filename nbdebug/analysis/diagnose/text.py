@@ -12,7 +12,7 @@ from ...core.text import fmt_num
 from ...core.trace import Event, Trace
 from ...core.vocab import EventKind, FixKind, Phase
 from .divergence import Diverged
-from .fix_pseudo import WeightsCorrupted
+from .fix_pseudo import NotReproducible, WeightsCorrupted
 from .fix_rows import rows_phrase
 from .history import diverging
 from .result import Cause, FixResult, StepOutcome
@@ -135,7 +135,8 @@ def origin_text(
     else:
         mt = f" ({o.module_type})" if o.module_type else ""
         stage = "forward" if o.phase == Phase.FORWARD else "backward"
-        where = f"{o.module or '<model>'}{mt} produces {what} in the {stage} pass"
+        dtype = f" in {o.dtype}" if o.dtype in ("float16", "bfloat16") else ""
+        where = f"{o.module or '<model>'}{mt} produces {what} in the {stage} pass{dtype}"
     op = f" at {o.op}" if o.op else ""
     src = f" ({o.source})" if o.source else ""
     rows = f", batch {rows_phrase(list(o.samples), tr.batch_size)}" if o.samples else ""
@@ -178,7 +179,7 @@ def _fixed(results: list[FixResult], origin: str) -> str:
     others = [
         r
         for r in results[1:]
-        if r.finite and r.kind != FixKind.NOT_REPRODUCIBLE and r.kind != top.kind
+        if r.finite and not isinstance(r.fix, NotReproducible) and r.kind != top.kind
     ][:2]
     also = ", as does " + " and ".join(r.action() for r in others) if others else ""
     return f"{origin}; {top.describe()} makes the step finite end to end{also}."
@@ -194,7 +195,7 @@ def _unfixed(results: list[FixResult], origin: str, facts: StepFacts) -> str:
             f"{origin}; budget_s ran out before any of the {n} found was replayed: raise it "
             "to try them."
         )
-    plain = next((r for r in results if r.kind == FixKind.NOT_REPRODUCIBLE), None)
+    plain = next((r for r in results if isinstance(r.fix, NotReproducible)), None)
     reproduced = plain is not None and plain.outcome.skipped is None and not plain.finite
     again = " the failure reproduces, and" if reproduced else ""
     s = f"{origin};{again} no candidate fix made the step finite end to end"
@@ -209,7 +210,7 @@ def _diverged(results: list[FixResult], top: Diverged, origin: str) -> str:
     fixed = [
         r
         for r in results
-        if r.finite and r.kind not in (FixKind.DIVERGED, FixKind.NOT_REPRODUCIBLE)
+        if r.finite and r.kind != FixKind.DIVERGED and not isinstance(r.fix, NotReproducible)
     ]
     if fixed:
         now = f"{fixed[0].action()} makes this step finite, but"

@@ -22,6 +22,7 @@ from ...core.stats import has_nonfinite
 from ...core.text import first_line
 from ...core.trace import Trace, trace_step
 from .fix import ContextFactory, FixLike, Replay
+from .fix_builtin import BuiltinMode, step_scope
 from .menu import Probed
 from .probe import ProbeMode
 from .result import StepOutcome
@@ -175,6 +176,22 @@ class Workbench:
         finally:
             self.reset()
         return found, sites
+
+    def recognise(self) -> BuiltinMode:
+        """Run the forward and the loss once under a dry :class:`BuiltinMode`: the
+        hand-written chains it recognises (``.found``, ``.lines``) and the explicit casts
+        to half precision (``.casts``)."""
+        self.reset()
+        r = self.replay()
+        mode = BuiltinMode(dry=True)
+        try:
+            with torch.no_grad(), self.autocast_context(), step_scope(r, lambda: mode):
+                compute_loss(call_model(r.model, r.inputs), r.target, r.loss_fn)
+        except Exception:
+            pass  # a look at the step is a hint; the replays decide
+        finally:
+            self.reset()
+        return mode
 
     def nonfinite_state(self) -> list[str]:
         """Parameters and floating buffers of the step's weights that hold NaN/Inf."""

@@ -29,6 +29,9 @@ class StepOwner(Protocol):
     @property
     def scaler(self) -> Scaler | None: ...
 
+    #: the last step's outcome (an update watch sets it False when it rolls one back)
+    ok: bool | None
+
     def check(
         self, loss: Loss, *, inputs: Any = None, target: Any = None, step: int | None = None
     ) -> bool: ...
@@ -85,6 +88,8 @@ def _finish(guard: StepOwner, s: GuardedStep) -> None:
                 scaler.update()  # type: ignore[attr-defined]
         elif s.ok and opt is not None:
             opt.step()
+        if s.ok:
+            s.ok = guard.ok  # the update watch rolled a non-finite update back
     finally:
         if opt is not None:
             opt.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ import torch
 from ..batch import check_model
 from ..parallel import unwrap_data_parallel
 from ..snapshot.replay import autocast_state
-from ..snapshot.write import Scaler, Scheduler, TrainingObjects
+from ..snapshot.write import Scaler, Scheduler, TrainingObjects, compile_settings
 from ..state import unique_parameters
 from ..text import fmt_num
 from .agreement import RankAgreement, local_bits
@@ -31,15 +31,20 @@ from .objects import check_optimizer_of, training_objects
 from .options import GuardOptions
 from .reading import Loss, StepMeter, StepReading
 from .replicas import ReplicaMismatch
+from .rewind import RewindKeeper
+from .signal_meter import SignalMeter
 from .skips import SkipCounter, batch_ids, record_skip_batch, skip_error
 from .spike import SpikeFinding
 from .spike_watch import SpikeWatch
 from .stepstart import StepStart
+from .update_watch import UpdateWatch
 from .verdict import Decider, Verdict, failure_reason
 from .writer import SnapshotWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
+    from .signals import LayerSignals
 
 __all__ = ["NaNGuard"]
 
@@ -84,6 +89,10 @@ class NaNGuard:
         ``"continue"``: only record (snapshot, history) and return ``False``.
     history : int
         Length of the rolling history kept and stored in snapshots.
+    rewind : int, "auto", bool or None
+        The rewind window (:mod:`nbdebug.core.guard.rewind`, :attr:`rewind`,
+        ``snap.rewind``): the states refreshed every ``rewind`` steps and each step since.
+        ``"auto"``: every 8 steps when they fit ``min(2 GiB, 25 % of free RAM)``; ``False``: off.
     loss_fn : callable, optional
         The loss, stored by import path (``torch.nn.functional.cross_entropy``, an
         ``nn.CrossEntropyLoss()``) so that ``snap.trace()`` replays without arguments.
@@ -126,10 +135,11 @@ class NaNGuard:
         (default 300) before raising :class:`~nbdebug.RankError` naming the
         rank(s) that did not answer.
     async_save : bool
-        Copy a snapshot's tensors to the CPU during the step and write the file on a
-        background thread, so that a run that goes on (``on_nonfinite="continue"``) is
-        not blocked by the disk. :meth:`close` waits for the writes and raises the first
-        error; a process that exits waits for them too.
+        Write a snapshot's tensor bytes into its temporary file during the step and finish
+        it (checksums, header, fsync, rename) on a background thread, so that a run that
+        goes on (``on_nonfinite="continue"``) is not blocked by the disk. :meth:`close`
+        waits for the writes and raises the first error; a process that exits waits for
+        them too.
     spike : bool, float, dict or SpikeSettings
         The spike detector (:mod:`nbdebug.core.guard.spike`), on by default: a finite step
         whose loss or gradient norm has a robust z-score above 6 against the last 128
@@ -139,6 +149,9 @@ class NaNGuard:
         ``"snapshot"``: a snapshot of kind ``"spike"`` and the step goes on; ``"skip"``:
         also skip the update (``False``); ``"raise"``: :class:`NonFiniteError`
         (``kind="spike"``); ``"ignore"``: only the finding. Distributed: ``"ignore"``.
+    signals : bool, dict or SignalSettings
+        Per-layer signals (:attr:`signals`, ``snap.signals``; see
+        :mod:`nbdebug.core.guard.signal_meter`); ``False``: off.
     autocast : torch.dtype, str or None
         The autocast dtype the step's forward runs in (``torch.float16``,
         ``torch.bfloat16`` or their names), for a loop whose ``check()`` comes after the
@@ -159,6 +172,8 @@ class NaNGuard:
         Every option, by group (:mod:`nbdebug.core.guard.options`); also readable flat
         (``guard.patience``, ``guard.directory``, ...).
     checks : StepChecks or None
+    rewind : RewindKeeper or None
+        The rewind window's keeper (``guard.rewind.current()``: the window now; ``None``: off).
     spikes : SpikeWatch or None
         The spike detector and what it found (``None``: ``spike=False``).
     agreement : RankAgreement or None
@@ -191,6 +206,7 @@ class NaNGuard:
         check_optimizer_of(self.model, self.optimizer)
         self.options = opts = GuardOptions.from_settings(options, **settings)
         self.writer = SnapshotWriter(opts.snapshots)
+        self.writer.set_field("compiled", compile_settings(wrapper))  # torch.compile'd?
         self.checks: StepChecks | None = resolve_checks(opts.checks.checks)
         if self.checks is not None:
             self.checks.attach(self)
@@ -222,6 +238,10 @@ class NaNGuard:
         self.spikes = SpikeWatch.create(
             opts, distributed=self.agreement is not None, params=self.meter.params
         )
+        self.meter.signals = SignalMeter.create(opts, self.meter, self.writer)
+        self.update_watch = UpdateWatch.create(self)  # the optimizer steps (None: off)
+        # after the watch: its hooks run first (an update it undoes is not copied)
+        self.rewind = RewindKeeper.create(opts.history.rewind, self)  # the window (None: off)
 
     @property
     def replica_findings(self) -> list[ReplicaMismatch]:
@@ -232,6 +252,11 @@ class NaNGuard:
     def spike_findings(self) -> list[SpikeFinding]:
         """The spike detector's findings so far (the last ``history``; empty when off)."""
         return list(self.spikes.findings) if self.spikes is not None else []
+
+    @property
+    def signals(self) -> LayerSignals | None:
+        """The per-layer signals of the steps held (a copy; ``None``: ``signals=False``)."""
+        return self.meter.signals.view() if self.meter.signals is not None else None
 
     @property
     def scaler_streak(self) -> int:
@@ -299,6 +324,7 @@ class NaNGuard:
             ``on_nonfinite="raise"``, or more than ``patience`` bad steps in a row.
         """
         self._ids = batch_ids(ids, inputs)
+        self.writer.set_field("ids", self._ids)  # row blame maps the rows to dataset indices
         step = self._step_number(step)
         device_type = self.meter.device.type
         if torch.is_autocast_enabled(device_type):
@@ -307,13 +333,16 @@ class NaNGuard:
             self.writer.set_field("autocast", autocast_state(device_type, backward=True))
         measure_params = self._checks % self.options.checks.param_norm_every == 0
         self._checks += 1
-        reading = self.agree(self.measure_step(loss, step=step, measure_params=measure_params))
+        read = self.meter.measure(loss, step=step, measure_params=measure_params, signals=True)
+        reading = self.agree(read)
         row = self._record(reading)
         verdict = self.decide(reading)
         reading = verdict.reading  # a bad step's weight norm is always measured
         row["param_norm"], row["skipped"] = reading.param_norm, verdict.scaler_skip
         if self.checks is not None:  # health checks, recorded in the row (e.g. row["checks"])
             row.update(self.checks.run(self, reading, failing=verdict.kind is not None))  # type: ignore[typeddict-item]
+        if self.rewind is not None:  # the step joins the window before any snapshot of it
+            self.rewind.record(reading, verdict, (inputs, target), self._ids, self.ok)
         if verdict.kind is None:
             return self._passed(reading, row, (inputs, target), verdict.scaler_skip)
         return self._fail(verdict, row, (inputs, target))
@@ -410,6 +439,8 @@ class NaNGuard:
         if self.spikes is not None and not scaler_skip:
             go_on = self.spikes.watch(reading, row, batch, self)
         self._account(row, batch)
+        if self.update_watch is not None and go_on:  # watch the update this check lets through
+            self.update_watch.arm(reading.step, batch, self.start.rng)
         self.mark_step_start()
         self.ok = go_on
         return go_on
@@ -486,8 +517,12 @@ class NaNGuard:
         )
 
     def close(self) -> None:
-        """Wait for the snapshots still being written (``async_save``); raise ``OSError``
+        """Wait for the snapshots still being written (``async_save``) and remove the
+        hooks of the signals, the update watch and the rewind window; raise ``OSError``
         naming the first write that failed."""
+        for part in (self.meter.signals, self.update_watch, self.rewind):
+            if part is not None:
+                part.close()
         self.writer.close()
 
     def mark_step_start(self) -> None:
@@ -549,6 +584,8 @@ class NaNGuard:
         return (
             f"NaNGuard({type(self.model).__qualname__}, on_nonfinite={self.on_nonfinite!r}, "
             f"patience={self.patience}, {where}, {self.skips.summary()}, "
+            f"{self.rewind.summary() if self.rewind else 'rewind off'}, "
+            f"{self.meter.signals.summary() + ', ' if self.meter.signals else ''}"
             f"{len(self.snapshots)} snapshot(s) in "
             f"{self.directory})"
         )

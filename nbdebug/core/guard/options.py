@@ -29,8 +29,11 @@ from ..batch import check_flag, check_loss_fn
 from ..options import grouped_options
 from ..snapshot.data import parse_recipe
 from .checks import resolve_checks
+from .rewind import check_rewind
+from .signals import SignalSettings, signal_settings
 from .skips import check_limits
 from .spike import SPIKE_ACTIONS, SpikeAction, SpikeSettings, spike_settings
+from .update_watch import check_update_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
@@ -76,11 +79,24 @@ class WatchOptions:
         z-score above 6 against the last 128 healthy steps, warm-up 32), a z threshold, a
         dict ``{"z": ..., "window": ..., "warmup": ...}`` or a :class:`SpikeSettings`;
         ``False``/``None``: off.
+    signals : bool, dict or SignalSettings
+        The per-layer signals (:mod:`nbdebug.core.guard.signals`): ``True`` (default:
+        gradient norms every step, update ratio and Adam's lag every 10th, a ring of 500
+        steps), a dict ``{"ring", "update_every", "adam_every", "modules"}`` or a
+        :class:`SignalSettings`; ``False``/``None``: off.
+    check_update : bool or "rollback"
+        Check every optimizer step after a passed ``check()``
+        (:mod:`nbdebug.core.guard.update_watch`: one fused finiteness read of the updated
+        weights, of the optimizer state every 10th step): ``True`` (default) catches a bad
+        update at its step; ``"rollback"`` also keeps a pre-step copy, so the bad update
+        is undone exactly and its snapshot replays it; ``False``/``None``: off.
     """
 
     checks: StepChecks | bool | int | Mapping[str, Any] | None = False
     param_norm_every: int = 10
     spike: SpikeSettings | bool | float | Mapping[str, Any] | None = True
+    signals: SignalSettings | bool | Mapping[str, Any] | None = True
+    check_update: bool | str | None = True
 
     def __post_init__(self) -> None:
         if not _positive_int(self.param_norm_every):
@@ -89,11 +105,18 @@ class WatchOptions:
             )
         resolve_checks(self.checks)  # validates (the guard resolves its own copy)
         spike_settings(self.spike)  # validates
+        signal_settings(self.signals)  # validates
+        check_update_mode(self.check_update)  # validates
 
     @property
     def spike_settings(self) -> SpikeSettings | None:
         """``spike`` as settings (``None``: the detector is off)."""
         return spike_settings(self.spike)
+
+    @property
+    def signal_settings(self) -> SignalSettings | None:
+        """``signals`` as settings (``None``: off)."""
+        return signal_settings(self.signals)
 
 
 @dataclass(frozen=True)
@@ -206,13 +229,21 @@ class HistoryOptions:
     ----------
     history : int
         Length of the rolling history kept and stored in snapshots.
+    rewind : int, "auto", bool or None
+        The rewind window (:mod:`nbdebug.core.guard.rewind`): a copy of the model,
+        optimizer, scheduler and scaler states refreshed every ``rewind`` steps, and every
+        step since, stored in snapshots. ``"auto"`` (default): every 8 steps when the
+        state fits ``min(2 GiB, 25 % of the available RAM)``, else off; ``True``: every 8
+        steps; ``0``/``None``/``False``: off.
     """
 
     history: int = 500
+    rewind: int | str | bool | None = "auto"
 
     def __post_init__(self) -> None:
         if not _positive_int(self.history):
             raise ValueError(f"history must be a positive int; got {self.history!r}.")
+        check_rewind(self.rewind)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..vocab import FailureKind
 if TYPE_CHECKING:  # pragma: no cover
     from ..snapshot.write import Scaler
     from .agreement import Agreement
+    from .signal_meter import SignalMeter
 
 __all__ = ["Loss", "StepMeter", "StepReading"]
 
@@ -102,6 +103,8 @@ class StepMeter:
         self.params = list(params)
         devices = {p.device for p in self.params}
         self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        #: the per-layer signals, read with the step (``NaNGuard(signals=...)``)
+        self.signals: SignalMeter | None = None
 
     # ------------------------------------------------------------------ parts
     def exact_norm(self, tensors: Sequence[torch.Tensor]) -> float:
@@ -155,16 +158,21 @@ class StepMeter:
         return [local_tensor(p) for p in self.params]
 
     # ------------------------------------------------------------------ reading
-    def measure(self, loss: Loss, *, step: int, measure_params: bool = True) -> StepReading:
-        """Read the step (see :meth:`NaNGuard.measure_step`)."""
+    def measure(
+        self, loss: Loss, *, step: int, measure_params: bool = True, signals: bool = False
+    ) -> StepReading:
+        """Read the step (see :meth:`NaNGuard.measure_step`); ``signals``: also measure
+        and record the per-layer signals (:attr:`signals`), in the same host read."""
         loss_t = self.loss_tensor(loss)
         grads = self.grads()
         scale, scaled = self.scale_info()
         dev = self.device
+        sig = self.signals.collect(grads, dev) if signals and self.signals is not None else None
         with torch.no_grad():
-            parts = [loss_t, total_norm(grads, device=dev)]
+            parts = [loss_t, total_norm(grads, device=dev) if sig is None else sig.grad_total]
             if measure_params:
-                parts.append(total_norm(self.local_params(), device=dev))
+                pt = sig.param_total if sig is not None else None  # measured with the signals
+                parts.append(total_norm(self.local_params(), device=dev) if pt is None else pt)
         if isinstance(scale, torch.Tensor):
             parts.append(scale.detach().reshape(()).to(dev, torch.float32))
         lr: Any = None
@@ -172,7 +180,9 @@ class StepMeter:
             lr = self.optimizer.param_groups[0].get("lr")
             if isinstance(lr, torch.Tensor):
                 parts.append(lr.detach().reshape(()).to(dev, torch.float32))
-        values = iter(torch.stack(parts).tolist())  # the one host synchronisation
+        read = torch.stack(parts) if sig is None else torch.cat([torch.stack(parts), sig.values])
+        flat = read.tolist()  # the one host synchronisation
+        values = iter(flat[: len(parts)])
         loss_v = next(values)
         gnorm = next(values)
         pnorm: float | None = next(values) if measure_params else None
@@ -186,6 +196,8 @@ class StepMeter:
             pnorm = self.exact_norm(self.local_params())
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
+        if sig is not None and self.signals is not None:
+            self.signals.record(sig, flat[len(parts) :], step=step, scale=scale if scaled else None)
         return StepReading(
             step=step,
             loss=loss_v if loss is not None else None,

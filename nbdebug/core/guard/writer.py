@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..parallel import full_tensors, is_dtensor, process_rank
-from ..snapshot.archive import atomic_save, unique_path
-from ..snapshot.data import cpu_copy
+from ..snapshot.archive import PendingSave, unique_path
 from ..snapshot.format import FIELDS
 from ..snapshot.write import TrainingObjects, save_snapshot
 from ..state import RngState
@@ -40,9 +39,10 @@ class SnapshotWriter:
     snapshots besides: an early warning never uses up the failure's place); ``paths`` lists
     what it wrote. The one place a guard touches the disk.
 
-    With ``async_save`` the snapshot's tensors are copied to the CPU during the step and
-    the file is written on a background thread (atomically: a crash leaves no file under
-    the final name); :meth:`close` waits for the writes and raises the first error.
+    With ``async_save`` the snapshot's tensors are copied into its (temporary) file during
+    the step, and the file is finished on a background thread (checksums, header, fsync,
+    rename: a crash leaves no file under the final name); :meth:`close` waits for the
+    writes and raises the first error.
     The threads are not daemons: a process that exits waits for them."""
 
     def __init__(self, options: SnapshotOptions) -> None:
@@ -59,6 +59,9 @@ class SnapshotWriter:
         self.errors: list[tuple[Path, BaseException]] = []
         self._threads: list[threading.Thread] = []
         self._fields: dict[str, Any] = {}
+        #: ``rewind(step)``: the snapshot's ``rewind`` field for ``step`` (set by a guard
+        #: with ``rewind=``: :meth:`nbdebug.core.guard.rewind.RewindKeeper.payload`)
+        self.rewind: Callable[[int], dict[str, Any] | None] | None = None
 
     @property
     def fields(self) -> Mapping[str, Any]:
@@ -68,7 +71,7 @@ class SnapshotWriter:
 
     def set_field(self, key: str, value: object) -> None:
         """Write ``value`` into the field ``key`` of every snapshot from now on (``None``:
-        the field's default again).
+        the field's default again; a callable: its result at each write).
 
         Raises
         ------
@@ -111,6 +114,8 @@ class SnapshotWriter:
         fields = (
             {k: distributed[k] for k in SNAPSHOT_FIELDS if k in distributed} if distributed else {}
         )
+        if self.rewind is not None:
+            fields["rewind"] = self.rewind(step)
         rank = fields.get("rank", process_rank())
         model, optimizer = objects.model, objects.optimizer
         if any(is_dtensor(p) for p in model.parameters()):
@@ -134,7 +139,7 @@ class SnapshotWriter:
             recipe=self.recipe,
             loss_fn=self.loss_fn,
             rng=rng,
-            **self._fields,
+            **{k: v() if callable(v) else v for k, v in self._fields.items()},
             **fields,
         )
         self.paths.append(path)
@@ -142,23 +147,31 @@ class SnapshotWriter:
         return path
 
     def _write_in_background(self, payload: dict[str, Any], path: Path) -> Path:
-        payload = cpu_copy(payload)  # training goes on and changes the live tensors
+        # the step is held while the tensors' bytes go into the file (training goes on
+        # and changes the live tensors); checksums, header, fsync and rename run on a
+        # background thread
+        try:
+            pending = PendingSave(payload, path)
+        except Exception as e:  # surfaced by close(), as a failed background write is
+            self._failed(path, e)
+            return path
 
         def run() -> None:
             try:
-                atomic_save(payload, path)
+                pending.finish()
             except BaseException as e:  # surfaced by close()
-                self.errors.append((path, e))
-                warnings.warn(
-                    f"nbdebug: writing the snapshot {path} failed: {e}",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
+                self._failed(path, e)
 
         thread = threading.Thread(target=run, name=f"nbdebug-snapshot-{path.name}")
         thread.start()
         self._threads.append(thread)
         return path
+
+    def _failed(self, path: Path, error: BaseException) -> None:
+        self.errors.append((path, error))
+        warnings.warn(
+            f"nbdebug: writing the snapshot {path} failed: {error}", RuntimeWarning, stacklevel=1
+        )
 
     def close(self) -> None:
         """Wait for the background writes; raise ``OSError`` naming the first that failed."""

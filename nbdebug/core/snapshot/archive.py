@@ -2,12 +2,13 @@
 
 :func:`atomic_save` writes a snapshot (one safetensors file,
 :mod:`~nbdebug.core.snapshot.container`) so that a crash leaves either no file or the
-whole one. :func:`open_snapshot_file` reads one: a safetensors file from its header, its
-tensors mapped and read when used; a file of the older format (versions 1-4, a
-``torch.save`` zip archive) with ``torch.load(..., weights_only=True)`` after checking the
-zip archive and its checksums. No code from the file runs. :func:`read_archive` gives the
-whole dictionary, :func:`read_payload` validates it against the field table
-(:mod:`nbdebug.core.snapshot.format`).
+whole one; :class:`PendingSave` does it in two parts (the tensors' bytes now, the rest
+later: the guard's ``async_save``). :func:`open_snapshot_file` reads one: a safetensors
+file from its header, its tensors mapped and read when used; a file of the older format
+(versions 1-4, a ``torch.save`` zip archive) with ``torch.load(..., weights_only=True)``
+after checking the zip archive and its checksums. No code from the file runs.
+:func:`read_archive` gives the whole dictionary, :func:`read_payload` validates it
+against the field table (:mod:`nbdebug.core.snapshot.format`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 
 from ..batch import iter_tensors
 from ..text import first_line
-from .container import TensorStore, is_container, materialize, read_document, write_container
+from .container import TensorStore, is_container, materialize, read_document
+from .containerwrite import ContainerWrite
 from .format import FIELDS, SUFFIX, Lives, SnapshotError, validate_payload
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -275,26 +277,56 @@ def _fsync_dir(directory: Path) -> None:
 
 def atomic_save(obj: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write the snapshot dictionary ``obj`` to ``path`` atomically (one safetensors file,
-    :func:`~nbdebug.core.snapshot.container.write_container`): a temporary file in the
-    same directory, fsynced, renamed over ``path``, then the directory fsynced. A crash at
-    any point leaves either no file or the complete file under ``path`` (and never a
+    :mod:`~nbdebug.core.snapshot.containerwrite`): a temporary file in the same
+    directory, fsynced, renamed over ``path``, then the directory fsynced. A crash at any
+    point leaves either no file or the complete file under ``path`` (and never a
     temporary file after an exception)."""
-    path = Path(path)
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
+    return PendingSave(obj, path).finish()
+
+
+class PendingSave:
+    """:func:`atomic_save` in two parts. Made: the temporary file holds every tensor's
+    bytes (copied from ``obj``, whose tensors may change from then on). :meth:`finish`
+    (on any thread, once): checksums and header, fsync, rename over ``path``. An
+    exception in either part removes the temporary file and releases the name."""
+
+    def __init__(self, obj: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(
+                prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+            )
+        except BaseException:
+            self._release()
+            raise
         os.close(fd)
-        write_container(obj, Path(tmp))
-        with open(tmp, "rb") as f:  # fsync flushes the file's pages, whichever fd wrote them
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        self._tmp = Path(tmp)
+        try:
+            self._file = ContainerWrite(obj, self._tmp)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def finish(self) -> Path:
+        """Finish the file and put it in place; its path."""
+        try:
+            self._file.finish()
+            with open(self._tmp, "rb") as f:  # fsync flushes the pages any fd wrote
+                os.fsync(f.fileno())
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self._abandon()
+            raise
+        self._release()
+        _fsync_dir(self.path.parent)
+        return self.path
+
+    def _abandon(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    finally:
+            os.unlink(self._tmp)
+        self._release()
+
+    def _release(self) -> None:
         with _RESERVED_LOCK:
-            _RESERVED.discard(path.absolute())
-    _fsync_dir(directory)
-    return path
+            _RESERVED.discard(self.path.absolute())

@@ -13,6 +13,8 @@ pickle, no code), reads the header alone to list, describe and summarise a snaps
 reads a single tensor without the rest; any safetensors tool opens it too. A zip around
 a safetensors member would hide it from ``safe_open`` (it needs the file itself), and a
 directory cannot be renamed into place as atomically as one file.
+
+This module reads the file; :mod:`~nbdebug.core.snapshot.containerwrite` writes it.
 """
 
 from __future__ import annotations
@@ -33,17 +35,20 @@ from ..text import dtype_name, first_line
 from .format import FORMAT, SnapshotError
 from .tensorref import TensorRef
 
-__all__ = ["META_CRC", "META_KEY", "TensorEntry", "TensorStore", "is_container", "write_container"]
+__all__ = [
+    "META_CRC",
+    "META_KEY",
+    "TensorEntry",
+    "TensorStore",
+    "byte_view",
+    "is_container",
+    "measure_tensor",
+]
 
 META_KEY = "nbdebug"
 META_CRC = "nbdebug_crc32"
 #: safetensors' own limit on its header
 _MAX_HEADER = 100_000_000
-#: dtypes safetensors stores natively; any other is stored as its bytes (``raw``)
-_NATIVE = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,95 +96,12 @@ class TensorEntry:
         )
 
 
-# --------------------------------------------------------------------------- writing
-
-
-def _join(path: str, key: object) -> str:
-    """The tensor name of ``key`` under ``path``: ``model_state/fc1.weight``."""
-    return f"{path}/{key}" if path else str(key)
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t`` (no copy)."""
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-class _Encoder:
-    """The snapshot dictionary as JSON plus a flat dict of contiguous CPU tensors."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.entries: dict[str, TensorEntry] = {}
-        self._memo: dict[tuple[Any, ...], str] = {}
-        self._storages: set[int] = set()
-
-    def encode(self, obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.layout == torch.sparse_coo:
-                s = obj.detach().coalesce()
-                return {
-                    "$sparse": [
-                        self.encode(s.indices(), _join(path, "indices")),
-                        self.encode(s.values(), _join(path, "values")),
-                        list(s.shape),
-                    ]
-                }
-            return {"$tensor": self._tensor(obj.detach(), path)}
-        if obj is None or isinstance(obj, (bool, int, str)):
-            return obj
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"$float": repr(obj)}
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-                return {k: self.encode(v, _join(path, k)) for k, v in obj.items()}
-            return {
-                "$dict": [
-                    [self.encode(k, path), self.encode(v, _join(path, k))] for k, v in obj.items()
-                ]
-            }
-        if isinstance(obj, list):
-            return [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return {"$tuple": [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]}
-        if isinstance(obj, (set, frozenset)):
-            return {"$set": [self.encode(v, path) for v in obj]}
-        if isinstance(obj, bytes):
-            return {"$bytes": base64.b64encode(obj).decode("ascii")}
-        if isinstance(obj, torch.dtype):
-            return {"$dtype": dtype_name(obj)}
-        if isinstance(obj, torch.device):
-            return {"$device": str(obj)}
-        if isinstance(obj, torch.Size):
-            return {"$size": list(obj)}
-        raise TypeError(f"cannot write {type(obj).__qualname__} at {path} into a snapshot.")
-
-    def _tensor(self, t: torch.Tensor, path: str) -> str:
-        key: tuple[Any, ...] = (t.untyped_storage().data_ptr(), t.storage_offset())
-        key += (tuple(t.shape), t.stride(), t.dtype, str(t.device))
-        if key in self._memo:  # the same tensor twice (tied weights): stored once
-            return self._memo[key]
-        name = path if path not in self.tensors else f"{path}#{len(self.tensors)}"
-        self._memo[key] = name
-        device, dtype = str(t.device), t.dtype
-        data = t.to("cpu").contiguous()
-        ptr = data.untyped_storage().data_ptr()
-        if ptr in self._storages and data.numel():  # safetensors refuses shared memory
-            data = data.clone()
-        self._storages.add(data.untyped_storage().data_ptr())
-        stored = "native"
-        if data.is_complex():
-            data, stored = torch.view_as_real(data).contiguous(), "complex"
-        elif data.dtype not in _NATIVE:
-            data, stored = data.reshape(-1).view(torch.uint8), "raw"
-        nonfinite, norm = _measure(data, with_norm=path.startswith("model_state/"))
-        crc = zlib.crc32(_byte_view(data)) if data.numel() else 0
-        self.tensors[name] = data
-        self.entries[name] = TensorEntry(
-            name, dtype_name(dtype), tuple(t.shape), device, crc, nonfinite, norm, stored
-        )
-        return name
-
-
-def _measure(t: torch.Tensor, *, with_norm: bool) -> tuple[int | None, float | None]:
+def measure_tensor(t: torch.Tensor, *, with_norm: bool) -> tuple[int | None, float | None]:
     """(non-finite element count, L2 norm) of a floating tensor, else Nones. Reduced in
     float32 (float64 would double the cost of writing a snapshot). A finite norm (or sum)
     means no NaN/Inf: counted element-wise only otherwise."""
@@ -193,21 +115,6 @@ def _measure(t: torch.Tensor, *, with_norm: bool) -> tuple[int | None, float | N
     if math.isfinite(quick):
         return 0, norm
     return int((~torch.isfinite(t)).sum()), norm
-
-
-def write_container(obj: Mapping[str, Any], path: Path) -> None:
-    """Write the snapshot dictionary ``obj`` as one safetensors file at ``path`` (not
-    atomically: :func:`~nbdebug.core.snapshot.archive.atomic_save` does that around it)."""
-    from safetensors.torch import save_file
-
-    enc = _Encoder()
-    doc = {
-        "payload": enc.encode(dict(obj), ""),
-        "tensors": {n: e.as_json() for n, e in enc.entries.items()},
-    }
-    text = json.dumps(doc, separators=(",", ":"))
-    meta = {META_KEY: text, META_CRC: str(zlib.crc32(text.encode()))}
-    save_file(enc.tensors, str(path), metadata=meta)
 
 
 # --------------------------------------------------------------------------- reading
@@ -378,7 +285,7 @@ class TensorStore:
         return out
 
     def _check(self, e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
-        crc = zlib.crc32(_byte_view(t)) if t.numel() else 0
+        crc = zlib.crc32(byte_view(t)) if t.numel() else 0
         self.bytes_read += t.numel() * t.element_size()
         if crc != e.crc32:
             raise SnapshotError(
@@ -464,5 +371,5 @@ def describe_tensor(key: str, t: torch.Tensor) -> TensorEntry:
     none): measured now, no checksum."""
     dense = t.to_dense() if t.layout != torch.strided else t
     x = dense.detach().abs() if dense.is_complex() else dense.detach()
-    nonfinite, norm = _measure(x, with_norm=True)
+    nonfinite, norm = measure_tensor(x, with_norm=True)
     return TensorEntry(key, dtype_name(t.dtype), tuple(t.shape), str(t.device), 0, nonfinite, norm)

@@ -73,6 +73,7 @@ from .fieldchecks import (
     check_rng,
     check_time,
 )
+from .rewind import check_window
 
 FORMAT = "nbdebug-snapshot"
 SUFFIX = ".nbsnap"
@@ -411,10 +412,67 @@ FIELDS: tuple[Field, ...] = (
         "where the step's loss came from when the trainer's code computed it: {'call': "
         "'model_method' (model.<method>(batch, *args)) or 'trainer_method' "
         "(<class>.<method>(trainer, model, batch)), 'method', 'class' "
-        "('module:qualname'), 'args', 'silence' (instance methods made no-ops), 'batch' "
+        "('module:qualname'), 'args', 'kwargs' (optional), 'silence' (instance methods made "
+        "no-ops), 'batch' "
         "(how the batch is rebuilt from inputs and target)} (None: the model's output or "
         "loss_fn)",
         since=6,
+        required=False,
+        default=None,
+    ),
+    Field(
+        "rewind",
+        (dict, NoneType),
+        "the guard's rewind window (NaNGuard(rewind=K)): the model, optimizer, scheduler "
+        "and scaler states at the start of 'start_step' and every step since (batch or "
+        "dataset ids, RNG states, learning rates, loss, gradient norm; "
+        "nbdebug.core.snapshot.rewind) (None: no window)",
+        since=7,
+        required=False,
+        default=None,
+        attr="rewind_data",
+        check=check_window,
+        lives=Lives.LAZY,
+    ),
+    Field(
+        "signals",
+        (dict, NoneType),
+        "the guard's per-layer signals (NaNGuard(signals=...)): {'names': [str], 'steps': "
+        "int64 (n,), 'grad_norm', 'update_ratio', 'adam_lag': float32 (n, P), 'modules': "
+        "[str], 'max_logit', 'logsumexp': float32 (n, M), the settings} (None: off)",
+        since=7,
+        required=False,
+        default=None,
+        attr="signals_data",
+        lives=Lives.TENSORS,
+    ),
+    Field(
+        "update_grads",
+        (dict, NoneType),
+        "the gradients an optimizer step consumed, by parameter name, when the guard rolled "
+        "that update back (reason kind 'optimizer'): with the stored pre-step state they "
+        "replay the update alone (None: no such step)",
+        since=7,
+        required=False,
+        default=None,
+        lives=Lives.LAZY,
+    ),
+    Field(
+        "ids",
+        (list, NoneType),
+        "the dataset index of each batch row (the guard's check(..., ids=...); "
+        "nbdebug.row_blame names the rows by them) (None: not given)",
+        since=7,
+        required=False,
+        default=None,
+    ),
+    Field(
+        "compiled",
+        (dict, NoneType),
+        "the torch.compile settings of a compiled model, {'backend': 'inductor'} (the back "
+        "end's name, None when it could not be read); the state is the module it wraps "
+        "(None: the model ran eagerly)",
+        since=7,
         required=False,
         default=None,
     ),

@@ -188,7 +188,8 @@ class StepModule(torch.nn.Module):
         with silenced(model, [str(n) for n in src.get("silence") or ()]):
             if src.get("call") == TRAINER_METHOD:
                 fn = getattr(type(self.trainer), str(src["method"]))
-                return fn(self.trainer, model, batch, *src.get("args") or ())
+                named = dict(src.get("kwargs") or {})  # num_items_in_batch=, as it was called
+                return fn(self.trainer, model, batch, *src.get("args") or (), **named)
             return getattr(model, str(src["method"]))(batch, *src.get("args") or ())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StepModule:

@@ -30,12 +30,14 @@ from .replay import (
     step_batch,
     step_module,
 )
+from .rewind import RewindWindow, describe_window, window_from_payload
 from .rngdata import rng_from_payload
 from .tensorref import TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+    from ..guard.signals import LayerSignals
     from ..trace import Trace
 
 __all__ = ["Snapshot"]
@@ -47,6 +49,7 @@ RECORDED: dict[str, str] = {
     FailureKind.WEIGHTS: "non-finite weights",
     FailureKind.SCALE: "a collapsed GradScaler scale",
     FailureKind.RANK: "a non-finite value on another rank",
+    FailureKind.OPTIMIZER: "a non-finite optimizer update",
 }
 
 
@@ -118,6 +121,11 @@ class Snapshot:
     autocast: dict[str, Any] | None
     layout: str
     loss_source: dict[str, Any] | None
+    rewind_data: dict[str, Any] | None
+    update_grads: dict[str, Any] | None
+    signals_data: dict[str, Any] | None
+    ids: list[int] | None
+    compiled: dict[str, Any] | None
 
     def __init__(
         self,
@@ -257,6 +265,34 @@ class Snapshot:
         return cls(checked, where, model, trust_recipe=trust_recipe, store=store, modules=modules)
 
     # ----------------------------------------------------------------- views
+    @property
+    def rewind(self) -> RewindWindow | None:
+        """The guard's rewind window (``NaNGuard(rewind=K)``; its tensors read on first
+        use): the state at the start of ``start_step`` and every step since, the failing
+        step last. ``None``: written without ``rewind=``, or by an older nbdebug."""
+        data = self.rewind_data
+        return None if data is None else window_from_payload(data)
+
+    def rewind_summary(self) -> str | None:
+        """The rewind window in one line, from the file's header (no tensor read);
+        ``None`` without one."""
+        if "rewind_data" in self._lazy:  # not read yet: the header's structure is enough
+            return describe_window(self._lazy["rewind_data"])
+        return describe_window(self.rewind_data)
+
+    @property
+    def signals(self) -> LayerSignals | None:
+        """The guard's per-layer signals up to this step (``NaNGuard(signals=...)``:
+        gradient norm, update ratio, Adam's lag per parameter). ``None``: written without
+        them, or by an older nbdebug."""
+        from ..guard.signals import LayerSignals  # the guard imports the snapshot package
+
+        data = self.signals_data
+        try:
+            return None if data is None else LayerSignals.from_field(data)
+        except ValueError as e:
+            raise SnapshotError(f"{self.path} is corrupt: its 'signals' field: {e}") from e
+
     @property
     def kind(self) -> str:
         return str(self.reason.get("kind", ""))
@@ -465,10 +501,14 @@ class Snapshot:
             self.restore_rng()
             if modules is not None:  # the backward runs in the forward's state, or in none
                 with forward():
-                    return trace(model, inputs, target, loss_fn, modules=modules)
-            return trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
+                    tr = trace(model, inputs, target, loss_fn, modules=modules)
+            else:
+                tr = trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
         finally:
             caller.restore()
+        from ..guard.update_watch import with_update_origin  # core.guard imports the snapshots
+
+        return with_update_origin(self, tr)  # a failed optimizer step: the update is the origin
 
     def replay_step(self, loss_fn: Any, call: str, *, trainer: object = None) -> ReplayStep:
         """What a replay of this step runs, with the stored weights reloaded (see
@@ -538,8 +578,10 @@ class Snapshot:
             else f"{self.model_class} (not built)"
         )
         name = self.path.name if self.path is not None else "<memory>"
+        rewind = self.rewind_summary()
         return (
             f"Snapshot({name}: step {self.step}, {self.kind}: {shorten(self.message)}; "
             f"model {model}, "
-            f"batch {describe(self.inputs)}, history {count_text(len(self.history), 'row')})"
+            f"batch {describe(self.inputs)}, history {count_text(len(self.history), 'row')}"
+            f"{'' if rewind is None else f', rewind window: {rewind}'})"
         )

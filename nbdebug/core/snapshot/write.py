@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -14,13 +15,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ..batch import uncompiled
 from ..state import RngState
 from .archive import atomic_save, unique_path
 from .data import environment, loss_spec, object_name, parse_recipe, to_plain
 from .format import build_payload
 from .rngdata import rng_to_payload
 
-__all__ = ["Scaler", "Scheduler", "TrainingObjects", "save_snapshot"]
+__all__ = ["Scaler", "Scheduler", "TrainingObjects", "compile_settings", "save_snapshot"]
 
 
 @runtime_checkable
@@ -98,7 +100,9 @@ def save_snapshot(
         directories are created.
     model : torch.nn.Module or TrainingObjects
         The model (its state, class name and train flags are stored), or the model with
-        its optimizer, scheduler and scaler.
+        its optimizer, scheduler and scaler. A ``torch.compile``'d model is stored as the
+        module it wraps, with its compile settings in the field ``compiled``
+        (:func:`compile_settings`).
     inputs, target : tensor, tuple, list or dict of tensors, optional
         The batch (copied, detached).
     step : int, optional
@@ -132,6 +136,10 @@ def save_snapshot(
         state without its ``device_type``).
     """
     objects = _objects(model, fields)
+    compiled = compile_settings(objects.model)
+    if compiled is not None:  # the state and class are those of the module it wraps
+        objects = dataclasses.replace(objects, model=uncompiled(objects.model))
+        fields.setdefault("compiled", compiled)
     if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
         raise TypeError(f"step must be an int or None; got {type(step).__qualname__}.")
     if not isinstance(path, (str, os.PathLike)):
@@ -239,3 +247,24 @@ def class_name(obj: object) -> str | None:
     if obj is None:
         return None
     return f"{type(obj).__module__}:{type(obj).__qualname__}"
+
+
+def compile_settings(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The snapshot field ``compiled`` of ``model``: ``{"backend": name}`` for a
+    ``torch.compile``'d module (the wrapper ``torch.compile`` returns, or a module compiled
+    in place by ``module.compile()``), ``None`` for an eager one. The back end's name is
+    read from dynamo's wrappers (``None`` where this PyTorch does not show it)."""
+    if type(model).__name__ == "OptimizedModule":
+        callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    elif callable(getattr(model, "_compiled_call_impl", None)):
+        cells = getattr(model._compiled_call_impl, "__closure__", None) or ()
+        contexts = [c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")]
+        callback = getattr(contexts[0], "callback", None) if contexts else None
+    else:
+        return None
+    for _ in range(8):  # the back end sits a few wrappers down
+        name = getattr(callback, "compiler_name", None) or getattr(callback, "_compiler_name", None)
+        if isinstance(name, str):
+            return {"backend": name}
+        callback = getattr(callback, "_torchdynamo_orig_backend", None)
+    return {"backend": None}
