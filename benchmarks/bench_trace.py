@@ -8,11 +8,15 @@ run right after another variant, so the model holds that step's ``.grad``, which
 keeps aside (the user's gradients survive it) while plain's ``zero_grad`` frees them: the
 trace then needs a gradient-sized block of memory more than plain, page-faulted in on every
 call. ``trace_no_grad`` (the kernel when built, else eager) starts from plain's state,
-``zero_grad`` first, so its ratio is the trace's own cost.
+``zero_grad`` first, so its ratio is the trace's own cost. After each model, the per-event
+line: the extra time of ``trace_no_grad`` over plain per event, and the part of one trace's
+wall time spent computing statistics (kernel calls and their Python); the rest is hooks,
+records and the trace's fixed costs (the weights' norms, keeping the user's state aside).
 
 Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
 5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
-modules), batch 2 x 64), the median time of each variant and the ratios to plain,
+modules), batch 2 x 64, and a BERT-style encoder of MiniLM-L6's shape from a
+``transformers`` config, batch 16 x 26), the median time of each variant and the ratios to plain,
 measured side by side in one run (the variants are interleaved round by round so that
 machine noise hits them alike), with 1 torch thread (CPU time of this process) and 2
 (wall time). Then the NaN path (the 124M model with one NaN weight, and with one finite
@@ -22,6 +26,7 @@ plain step, and the peak memory of each variant
 
     python benchmarks/bench_trace.py [--rounds 3] [--models transformer,gpt2_124m]
         [--threads 1,2] [--no-memory] [--kernels both|eager]
+        [--variants trace_compiled,trace_no_grad]
 """
 
 from __future__ import annotations
@@ -45,6 +50,23 @@ from models import cnn, gpt2_124m, gpt2_deep, mean_square, resnet18, transformer
 
 import nbdebug
 from nbdebug.core import kernels
+from nbdebug.core.trace import recorder
+
+
+def bert() -> tuple[nn.Module, dict]:
+    """A BERT-style encoder (MiniLM-L6's shape: 6 x 384, 12 heads, 22.7M parameters) from a
+    ``transformers.BertConfig`` with random init (nothing downloaded), masked-LM loss on a
+    batch of 16 x 26 token ids."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536
+    )
+    model = BertForMaskedLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (16, 26))
+    return model, {"input_ids": ids, "labels": ids}
+
 
 MODELS = {
     "transformer": transformer,
@@ -52,6 +74,7 @@ MODELS = {
     "resnet18": resnet18,
     "gpt2_124m": gpt2_124m,
     "gpt2_80x304": gpt2_deep,
+    "bert": bert,
 }
 BIG = ("gpt2_124m", "gpt2_80x304")  # fewer rounds, and DebugUnderflowOverflow
 
@@ -178,11 +201,47 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
     return out
 
 
-def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
+def per_event(model: nn.Module, x: Any) -> tuple[int, float]:
+    """One trace's events and the wall time its statistics took (every ``quick_parts``
+    call of the recorder and the parameter gradients measured after the backward, with
+    their Python)."""
+    spent = [0.0]
+    quick, many = recorder.quick_parts, recorder.Recorder.measure_param_grads
+
+    def timed_quick(*args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return quick(*args)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    def timed_many(self: recorder.Recorder) -> None:
+        t = time.perf_counter()
+        try:
+            many(self)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    recorder.quick_parts = timed_quick  # type: ignore[assignment]
+    recorder.Recorder.measure_param_grads = timed_many  # type: ignore[method-assign]
+    try:
+        model.zero_grad(set_to_none=True)
+        n = len(_trace(model, x).events)
+    finally:
+        recorder.quick_parts = quick
+        recorder.Recorder.measure_param_grads = many  # type: ignore[method-assign]
+    return n, spent[0]
+
+
+def timed(
+    names: list[str], rounds: int, clock: Callable[[], float], keep: list[str] | None = None
+) -> None:
     for name in names:
         model, x = MODELS[name]()
         big = name in BIG
         vs = variants(model, x, big)
+        if keep:
+            vs = {k: f for k, f in vs.items() if k == "plain" or k in keep}
         for f in vs.values():  # warm-up
             f()
         times: dict[str, list[float]] = {k: [] for k in vs}
@@ -206,6 +265,14 @@ def timed(names: list[str], rounds: int, clock: Callable[[], float]) -> None:
             if k in faults
         )
         print(f"{'':12s} minor page faults per call: {pf}")
+        if "trace_no_grad" in med:
+            n, stats_s = per_event(model, x)
+            extra = med["trace_no_grad"] - med["plain"]
+            print(
+                f"{'':12s} per event ({n} events): trace_no_grad - plain "
+                f"{extra / n * 1e6:.1f} us, of which statistics {stats_s / n * 1e6:.1f} us "
+                f"(wall, one trace), the rest hooks and records"
+            )
         del model, x, vs
 
 
@@ -352,6 +419,9 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     ap.add_argument("--threads", default="1,2", help="torch thread counts timed; 0: none")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--variants", default="", help="comma-separated variants timed beside plain (all)"
+    )
     ap.add_argument("--memory-child", nargs=2)
     ap.add_argument(
         "--kernels",
@@ -373,15 +443,16 @@ def main() -> None:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         ap.error(f"--models expects names from {sorted(MODELS)}, got {unknown}")
+    keep = [v for v in a.variants.split(",") if v]
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     for n in [int(v) for v in a.threads.split(",") if int(v) > 0]:
         torch.set_num_threads(n)
         if n == 1:
             print("-- 1 torch thread, CPU time of this process (median per call; ratio to plain)")
-            timed(names, a.rounds, time.process_time)
+            timed(names, a.rounds, time.process_time, keep)
         else:
             print(f"-- {n} torch threads, wall time (median per call; ratio to plain)")
-            timed(names, a.rounds, time.perf_counter)
+            timed(names, a.rounds, time.perf_counter, keep)
     torch.set_num_threads(1)
     if "gpt2_124m" in names:
         nan_path(a.rounds, time.process_time)

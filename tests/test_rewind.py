@@ -413,3 +413,32 @@ def test_inspect_shows_the_window_in_one_line(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("rewind")]
     # copies after the optimizer steps of steps 0 and 4: the window starts at step 5
     assert len(lines) == 1 and "state at the start of step 5, steps 5..5 (1; 1 batches" in lines[0]
+
+
+def test_a_window_with_a_spike_is_held_so_the_state_stays_from_before_it(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = nbdebug.NaNGuard(
+        model, opt, directory=tmp_path, rewind=4, spike={"z": 6, "window": 16, "warmup": 8}
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    starts = []
+    for t in range(30):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        # a steady loss, then from step 20 on a loss 1000x the usual: every step a spike
+        shown = loss.detach() * (1000.0 if t >= 20 else 1.0)
+        if guard.check(shown, inputs=x, target=y):
+            opt.step()
+        opt.zero_grad()
+        w = guard.rewind.current()
+        starts.append(w.start_step if w is not None else None)
+    flagged = [r["step"] for r in guard.history if r.get("spikes")]
+    assert flagged and flagged[0] == 20  # the detector saw the jump (plain arithmetic: 1000x)
+    held = starts[20]
+    assert held is not None and held <= 20, starts
+    # while the spikes go on the window is not refreshed: its state is from before step 20
+    assert all(s == held for s in starts[20:]), starts
+    assert len(guard.rewind.current().steps) == 30 - held
+    guard.close()

@@ -18,7 +18,9 @@ ahead of it), and only the next update waits for it (from the next ``check()`` o
 the optimizer step's pre-hook; long done by then). The scheduler, the scaler and the
 learning rates are read at the next ``check()``, after ``scheduler.step()`` and
 ``scaler.update()``: the window starts at that step. Refreshed every ``K`` steps, the
-window holds the failing step and the 0 to ``K - 1`` steps before it.
+window holds the failing step and the 0 to ``K - 1`` steps before it; but a window in
+which the spike detector flagged a step is not refreshed (up to ``4 * K`` steps), so a run
+that has begun to grow keeps the state from before it, the state a diagnosis replays from.
 
 A step whose update the guard skipped (``check()`` returned ``False``) ends the window:
 a new copy is taken at the next optimizer step.
@@ -48,6 +50,7 @@ from ..text import fmt_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .guard import NaNGuard
+    from .history import HistoryRow
     from .reading import StepReading
     from .stepstart import StepStart
     from .verdict import Verdict
@@ -244,6 +247,8 @@ class RewindKeeper:
         #: the memory the state copy is expected to take (:func:`state_estimate`)
         self.estimate = 0
         self.window: RewindWindow | None = None
+        #: the guard's history rows: a window whose steps were flagged as spikes is held
+        self.history: Sequence[HistoryRow] = ()
         self._armed = False  # the next optimizer step takes the copy
         self._fresh = False  # it did: the next check starts a window
         # the copy's layout: model state names, optimizer state (index, key) of each
@@ -257,7 +262,7 @@ class RewindKeeper:
             keeper = ref()
             if keeper is not None and keeper._armed:
                 try:
-                    keeper._take()
+                    keeper._take_if_settled()
                 except Exception as e:  # the training step must not fail for the window
                     keeper.give_up(e)
 
@@ -298,15 +303,21 @@ class RewindKeeper:
                 f"rewind={option!r} needs the optimizer (NaNGuard(model, optimizer, ...)): the "
                 "window's copy is taken when optimizer.step() returns; got none."
             )
+        if any(is_dtensor(p) for p in model.parameters()):  # its state_dict gathers
+            if every == "auto":
+                return None
+            raise ValueError(
+                f"rewind={option!r} needs a model whose parameters are whole on this rank; "
+                "got sharded (DTensor, FSDP2) parameters: use rewind=False."
+            )
         estimate = state_estimate(model, optimizer)
         if every == "auto":
-            sharded = any(is_dtensor(p) for p in model.parameters())  # its state_dict gathers
-            if sharded or estimate > rewind_budget():
+            if estimate > rewind_budget():
                 return None
             every = DEFAULT_EVERY
         cuda = any(p.is_cuda for p in model.parameters())
         keeper = cls(int(every), model, optimizer, guard.scheduler, guard.scaler, cuda=cuda)
-        keeper.start, keeper.estimate = guard.start, estimate
+        keeper.start, keeper.estimate, keeper.history = guard.start, estimate, guard.history
         guard.writer.rewind = keeper.payload
         return keeper
 
@@ -418,6 +429,19 @@ class RewindKeeper:
         passed = verdict.kind is None and self.every > 0
         if passed and (self.window is None or len(self.window.steps) >= self.every):
             self._armed = True
+
+    def _take_if_settled(self) -> None:
+        """Take the armed copy (the optimizer step just ended) unless the spike detector
+        flagged a step of the window, this one included: a run that has begun to grow
+        keeps the state from before it (up to ``4 * every`` steps), so that a diagnosis
+        replays from a healthy state."""
+        window = self.window
+        if window is not None:
+            first = window.start_step
+            if any(r.get("spikes") for r in self.history if r["step"] >= first):
+                self._armed = False  # the next check arms it again
+                return
+        self._take()
 
     def _add(
         self,
