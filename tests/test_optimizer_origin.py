@@ -278,3 +278,50 @@ def test_the_guarded_step_form_rolls_back_too(tmp_path: Path) -> None:
     assert guard.ok is False and guard.history[-1]["nonfinite"] == FailureKind.OPTIMIZER
     assert s.ok is False  # the step's own outcome says the update was undone
     guard.close()
+
+
+def test_half_weights_are_read_every_step_float32_ones_every_tenth(tmp_path: Path) -> None:
+    """Between two full reads (every 10th watched step) only float16/bfloat16 weights are
+    read after the update; a float32 update gone bad then meets the next check."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = nbdebug.NaNGuard(model, opt, directory=tmp_path, spike=False, rewind=False)
+    x = torch.randn(8, 4) * 100
+    loss = loss_of(model(x))
+    loss.backward()
+    assert guard.check(loss, inputs=x)
+    opt.step()  # watched step 0: a full read, healthy
+    opt.zero_grad()
+    for g in opt.param_groups:
+        g["lr"] = 1e38  # lr x grad > 3.4e38 in float32: the weights overflow (plain torch)
+    loss = loss_of(model(x))
+    loss.backward()
+    assert guard.check(loss, inputs=x)
+    opt.step()  # watched step 1: only half-precision weights are read
+    opt.zero_grad()
+    assert not torch.isfinite(model.weight).all()  # the update did overflow
+    assert all(r["nonfinite"] is None for r in guard.history)  # not seen at its step
+    loss = loss_of(model(x))
+    loss.backward()
+    assert not guard.check(loss, inputs=x)  # the next check meets the non-finite weights
+    assert guard.history[-1]["nonfinite"] is not None
+    guard.close()
+    # float16 weights are read after every update: a bad second update is caught at once
+    hmodel, hopt, hx = half_case()
+    hx[:, 1] = 1.0  # no zero gradient entry: a healthy first update
+    hguard = nbdebug.NaNGuard(hmodel, hopt, directory=tmp_path / "h", spike=False, rewind=False)
+    for t in range(2):
+        if t == 1:
+            hopt.state[hmodel.weight]["exp_avg_sq"][0, 0] = float("nan")  # a corrupt state
+        loss = loss_of(hmodel(hx))
+        loss.backward()
+        assert hguard.check(loss, inputs=hx)
+        if t == 0:
+            hopt.step()
+        else:
+            with pytest.raises(NonFiniteError):  # skip cannot undo it without rollback
+                hopt.step()
+        hopt.zero_grad()
+    assert hguard.history[-1]["nonfinite"] == FailureKind.OPTIMIZER
+    hguard.close()

@@ -34,7 +34,9 @@ batch is over :data:`IDS_ONLY_ABOVE`; nothing above :data:`BATCH_LIMIT`).
 from __future__ import annotations
 
 import copy
+import math
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -59,8 +61,10 @@ __all__ = [
     "BATCH_LIMIT",
     "BUDGET_CAP",
     "BUDGET_SHARE",
+    "COPY_SHARE",
     "DEFAULT_EVERY",
     "IDS_ONLY_ABOVE",
+    "MAX_EVERY",
     "RewindKeeper",
     "StateCopy",
     "check_rewind",
@@ -68,8 +72,13 @@ __all__ = [
     "state_estimate",
 ]
 
-#: ``rewind="auto"`` (and ``True``): the state copy is refreshed every this many steps
+#: ``rewind="auto"`` (and ``True``): the state copy is refreshed every this many steps at
+#: least; on the CPU the cadence then grows until the copy, amortised, costs at most
+#: :data:`COPY_SHARE` of a step (measured: the copy's time against the time between checks),
+#: up to :data:`MAX_EVERY` steps
 DEFAULT_EVERY = 8
+COPY_SHARE = 0.005
+MAX_EVERY = 64
 #: ``rewind="auto"`` is on when the state fits ``min(BUDGET_CAP, BUDGET_SHARE *
 #: available RAM)``: the copy doubles the training state held on the host, and a
 #: snapshot write copies it once more; 2 GiB holds GPT-2 124M with Adam (1.5 GiB) and
@@ -250,6 +259,9 @@ class RewindKeeper:
         #: the guard's history rows: a window whose steps were flagged as spikes is held
         self.history: Sequence[HistoryRow] = ()
         self._armed = False  # the next optimizer step takes the copy
+        self.auto = False  # rewind="auto": the cadence adapts to the copy's cost (CPU)
+        self._last_check: float | None = None
+        self._step_s: list[float] = []  # the last times between two checks
         self._fresh = False  # it did: the next check starts a window
         # the copy's layout: model state names, optimizer state (index, key) of each
         # tensor copied, its other values; the copies in that order
@@ -318,6 +330,7 @@ class RewindKeeper:
         cuda = any(p.is_cuda for p in model.parameters())
         keeper = cls(int(every), model, optimizer, guard.scheduler, guard.scaler, cuda=cuda)
         keeper.start, keeper.estimate, keeper.history = guard.start, estimate, guard.history
+        keeper.auto = option in ("auto", True) and not cuda
         guard.writer.rewind = keeper.payload
         return keeper
 
@@ -325,6 +338,7 @@ class RewindKeeper:
     def _take(self) -> None:
         """Copy the model and optimizer state tensors (the optimizer step just ended)."""
         self._armed = False
+        t0, refill = time.perf_counter(), self._layout is not None  # the first one allocates
         model_state = self.model.state_dict()
         memo: dict[tuple[Any, ...], int] = {}
         sources: list[torch.Tensor] = []
@@ -354,6 +368,18 @@ class RewindKeeper:
         self._copies = [where[i] for i in order]
         self.window = None
         self._fresh = True
+        if self.auto and refill:
+            self._adapt(time.perf_counter() - t0)
+
+    def _adapt(self, copy_s: float) -> None:
+        """``rewind="auto"`` on the CPU: refresh every so many steps that the copy that just
+        took ``copy_s`` seconds costs at most :data:`COPY_SHARE` of a step, amortised
+        (between :data:`DEFAULT_EVERY` and :data:`MAX_EVERY`)."""
+        if len(self._step_s) < 3:
+            return
+        step_s = sorted(self._step_s)[len(self._step_s) // 2]
+        need = math.ceil(copy_s / (COPY_SHARE * step_s)) if step_s > 0 else MAX_EVERY
+        self.every = max(DEFAULT_EVERY, min(MAX_EVERY, need))
 
     def give_up(self, error: Exception) -> None:
         """Stop keeping the window (its copy failed), with a warning."""
@@ -416,6 +442,10 @@ class RewindKeeper:
         RNG states at its start: ``start.rng``), and arm the copy when the window is
         ``every`` steps long (on a step the guard lets through)."""
         self.hold_update()
+        now = time.perf_counter()
+        if self._last_check is not None:
+            self._step_s = [*self._step_s[-7:], now - self._last_check]
+        self._last_check = now
         if self._fresh:
             self._fresh = False
             self.window = self._start(reading.step)

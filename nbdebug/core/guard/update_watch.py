@@ -5,11 +5,14 @@ an optimizer state tensor non-finite (a failure of kind ``"optimizer"``).
 - Step pre/post hooks on the guard's optimizer (removed by ``guard.close()`` or with the
   guard); a ``check()`` that passes arms them for the coming ``optimizer.step()`` (a step
   no check armed costs one attribute read).
-- After the step: the L2 norms of every parameter (one fused ``torch._foreach_norm`` per
-  device and dtype, half precision accumulated in float32), summed, read once. The state
-  tensors join every :data:`STATE_EVERY`-th step (every step with ``"rollback"``): a NaN
-  in the state reaches the weights in that step; only an overflowing second moment (Inf,
-  an update of 0) leaves them finite.
+- After the step: the L2 norms of the parameters (one fused ``torch._foreach_norm`` per
+  device and dtype, half precision accumulated in float32), summed, read once. Every step
+  for float16/bfloat16 parameters, where the optimizer's own arithmetic underflows (an
+  ``eps`` below the dtype's smallest normal); all of them, with the state tensors, every
+  :data:`STATE_EVERY`-th step and every step with ``"rollback"`` (reading every weight
+  costs 1-3 % of a CPU step: bench_guard's ResNet-18); a float32 update gone bad in
+  between meets the next ``check()``'s forward. A NaN in the state reaches the weights
+  in its step; only an overflowing second moment (an update of 0) leaves them finite.
 - Only when the sum is not finite: an element-wise look names the parameter, the state
   tensor (``exp_avg_sq``) and why (:class:`~nbdebug.core.vocab.UpdateFault`).
 - ``check_update="rollback"`` copies the parameters and the state before each armed step
@@ -87,13 +90,18 @@ def _entries(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, str | N
                     yield p, k, v
 
 
-def update_nonfinite(opt: torch.optim.Optimizer, *, state: bool = True) -> bool:
+def update_nonfinite(
+    opt: torch.optim.Optimizer, *, state: bool = True, half_only: bool = False
+) -> bool:
     """Whether a parameter (or, with ``state``, a floating state tensor) of ``opt`` may
     hold NaN/Inf: one fused norm per (device, dtype) group (half precision accumulated in
-    float32), their sum read once. ``True`` can also mean finite values whose squares
-    overflow (the element-wise :func:`look_update` tells); ``False`` means finite."""
+    float32), their sum read once; ``half_only``: only the float16/bfloat16 parameters
+    (and their state). ``True`` can also mean finite values whose squares overflow (the
+    element-wise :func:`look_update` tells); ``False`` means finite."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for _, key, t in _entries(opt):
+    for p, key, t in _entries(opt):
+        if half_only and p.dtype not in _HALF:
+            continue
         if (state or key is None) and t.is_floating_point() and t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
     sums = []
@@ -484,9 +492,9 @@ class UpdateWatch:
         guard = self.guard()
         if pending is None or guard is None:
             return
-        state = self.rollback or self.watched % STATE_EVERY == 0
+        full = self.rollback or self.watched % STATE_EVERY == 0
         self.watched += 1
-        bad = update_nonfinite(opt, state=state)
+        bad = update_nonfinite(opt, state=full, half_only=not full)
         look = look_update(opt, _names(guard)) if bad else None
         if look is None:
             self.streak = 0
