@@ -77,12 +77,19 @@ def gpt2_case() -> tuple[nn.Module, dict, None]:
     return model, batch, None
 
 
+#: every feature that adds to a step, off: the guard's own reading (loss, gradient norm,
+#: weight norm every 10th step, RNG and buffers at each step's start)
+BARE: dict[str, object] = {"rewind": False, "signals": False, "check_update": False, "spike": False}
+
 #: the guard configurations measured, by name: keyword options of ``NaNGuard`` (a feature
-#: that adds to the step adds its line here)
+#: that adds to the step adds its lines here: alone on the bare guard, and in the default)
 CONFIGS: dict[str, dict[str, object]] = {
-    "default": {},
-    "rewind=8": {"rewind": 8},  # the rewind window: a state copy every 8 steps + each batch
-    "signals": {"signals": True},  # per-layer signals (on by default: nbdebug.core.guard.signals)
+    "default": {},  # every default feature on: rewind="auto", signals, update watch, spikes
+    "bare": BARE,
+    "rewind alone": {**BARE, "rewind": "auto"},  # the state copy (adaptive cadence) + batches
+    "signals alone": {**BARE, "signals": True},  # per-layer signals
+    "update watch alone": {**BARE, "check_update": True},  # the optimizer step as an origin
+    "spike alone": {**BARE, "spike": True},  # the spike detector
     "rollback": {"check_update": "rollback"},  # a pre-step copy so a bad update is undone
 }
 
