@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 from .core.display import add_viewer_source
-from .core.sources import COMPILER_VERDICT, GUARD_CHECKS, add_source
+from .core.sources import COMPILER_VERDICT, GUARD_CHECKS, PRECISION_EVIDENCE, add_source
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -111,12 +111,17 @@ add_viewer_source(lambda: importlib.import_module("nbdebug.widgets.app").registe
 add_source(
     GUARD_CHECKS, lambda: importlib.import_module("nbdebug.analysis.checks.guard").register()
 )
-# diagnose of a compiled model's snapshot says whether its NaN is the compiler's, through the
-# replay comparison (features do not import each other)
-add_source(
-    COMPILER_VERDICT,
-    lambda: importlib.import_module("nbdebug.analysis.compare.verdict").register(),
-)
+
+
+def _replay_comparisons() -> None:
+    """diagnose of a compiled model's snapshot says whether its NaN is the compiler's, and a
+    float32 fix brings its evidence (the step against float64, op by op), through the replay
+    comparison (features do not import each other)."""
+    importlib.import_module("nbdebug.analysis.compare.verdict").register()
+
+
+add_source(COMPILER_VERDICT, _replay_comparisons)
+add_source(PRECISION_EVIDENCE, _replay_comparisons)
 
 __all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
 

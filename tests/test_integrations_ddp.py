@@ -94,7 +94,8 @@ def fit_ddp(rank: int, world: int, directory: str) -> dict[str, Any]:
     from nbdebug.integrations.lightning import NaNGuardCallback
 
     env(rank, world)
-    cb = NaNGuardCallback(directory=directory, loss_fn=F.mse_loss, timeout=30)
+    # no loss_fn=: the loss lives in training_step, the common LightningModule shape
+    cb = NaNGuardCallback(directory=directory, timeout=30)
     module = DDPModule()
     changed: list[bool] = []
 
@@ -172,7 +173,11 @@ def test_compare_ranks_over_the_lightning_snapshots_names_rank_1(ddp_run: Any) -
     assert (bad.origin_phase, bad.origin_rows) == ("forward", [BAD_ROW])
     snap = nbdebug.load_snapshot(directory / f"step-{K:09d}-rank{BAD_RANK}.nbsnap", model=DDPModule)
     assert snap.trainer is not None and snap.trainer["framework"] == "lightning"
-    assert snap.trace().origin.module == "log_in"
+    # replayed through the module's own training_step (no loss function was recorded)
+    assert snap.loss_fn_spec is None
+    assert snap.loss_source is not None and snap.loss_source["method"] == "training_step"
+    tr = snap.trace()
+    assert tr.origin.module == "log_in" and tr.origin.samples == [BAD_ROW]
 
 
 # --------------------------------------------------------------------------- Hugging Face

@@ -299,6 +299,10 @@ def test_diagnose_replays_a_float16_only_overflow_under_float16(tmp_path: Path) 
     # the row is finite, valid data that only float16 cannot hold: the precision fix ranks
     # above dropping it (issue 31, "the fix a user would choose")
     assert d.cause.finite and (d.cause.kind, d.cause.module) == ("float32", "")
+    # its evidence: the step as it ran against float64, op by op, names the first Linear,
+    # whose float16 output is Inf where float64 holds 3e4 x 4 weights (about 1.2e5)
+    (said,) = [n for n in d.notes if n.startswith("evidence for float32:")]
+    assert "torch.nn.functional.linear in '0' (forward): inf (float16)" in said
     dropped = next(r for r in d.results if r.kind == "drop_rows")
     assert dropped.finite and dropped.rows == [1] and dropped.rank > 1
     # dropping is verified under float16 too: the rows dropped, the model still runs in it

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["COMPILER_VERDICT", "GUARD_CHECKS", "add_source", "load_sources", "provide", "provider"]
+__all__ = [
+    "COMPILER_VERDICT",
+    "GUARD_CHECKS",
+    "PRECISION_EVIDENCE",
+    "add_source",
+    "load_sources",
+    "provide",
+    "provider",
+]
 
 #: the name of the provider of ``NaNGuard(checks=True | int | dict)``
 GUARD_CHECKS = "guard checks"
 #: the name of the provider of ``compiler_verdict(snapshot, ...)`` (whether a compiled
 #: model's NaN is the compiler's), which ``diagnose`` reads for a compiled model's snapshot
 COMPILER_VERDICT = "compiler verdict"
+#: the name of the provider of ``precision_evidence(source, ...)`` (the step as it ran vs
+#: float64, op by op), which ``diagnose`` gives as the evidence of a ``float32`` fix
+PRECISION_EVIDENCE = "precision evidence"
 
 _SOURCES: dict[str, list[Callable[[], None]]] = {}
 _PROVIDED: dict[str, Callable[..., object]] = {}

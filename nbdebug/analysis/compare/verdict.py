@@ -12,13 +12,13 @@ import torch
 from ...core.batch import LossFn
 from ...core.snapshot import Snapshot, load_snapshot
 from ...core.snapshot.load import ModelSource
-from ...core.sources import COMPILER_VERDICT, provide
+from ...core.sources import COMPILER_VERDICT, PRECISION_EVIDENCE, provide
 from ...core.text import fmt_num
 from .config import ReplayConfig
 from .record import OpRecord, Recording
 from .result import Difference, ReplayComparison
 
-__all__ = ["CompilerVerdict", "compiler_verdict", "register"]
+__all__ = ["CompilerVerdict", "compiler_verdict", "precision_evidence", "register"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,22 @@ def _where(record: OpRecord) -> str:
     return f"{what}{at} ({record.phase})"
 
 
+def precision_evidence(
+    source: object, inputs: object = None, target: object = None, *, loss_fn: LossFn | None = None
+) -> str:
+    """The step as it ran against the step in float64, op by op (:func:`compare_replays`
+    with ``a="eager"``, ``b="float64"``), in one sentence: the first op whose output
+    differs beyond what the dtype explains, with both values (the evidence that a NaN or
+    Inf is a precision problem), or that they agree."""
+    from . import compare_replays  # the package's entry point, defined in its __init__
+
+    return compare_replays(
+        source, inputs, target, a="eager", b="float64", loss_fn=loss_fn
+    ).summary()
+
+
 def register() -> None:
-    """Provide :func:`compiler_verdict` to the layers that read it lazily (``diagnose`` of a
-    compiled model's snapshot, through :mod:`nbdebug.core.sources`)."""
+    """Provide :func:`compiler_verdict` and :func:`precision_evidence` to the layers that
+    read them lazily (``diagnose``, through :mod:`nbdebug.core.sources`)."""
     provide(COMPILER_VERDICT, compiler_verdict)
+    provide(PRECISION_EVIDENCE, precision_evidence)

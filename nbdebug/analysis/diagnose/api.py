@@ -35,7 +35,7 @@ from ...core.state import RngState
 from ...core.text import fmt_num
 from ...core.trace import Trace, TraceError
 from ...core.vocab import FixKind, Phase
-from .compiled import compiler_note
+from .compiled import compiler_note, precision_note
 from .divergence import Diverged, find_divergence
 from .fix import FixLike
 from .fix_epsilon import EpsilonFix
@@ -231,9 +231,8 @@ def _diagnose(
     deadline = None if opts.budget_s is None else t_start + opts.budget_s
     over, said = over_steps_of(src, div, steps=beyond, deadline=deadline)
     notes += said
-    compiled = compiler_note(src)  # a torch.compile'd model: is the NaN the compiler's?
-    if compiled is not None:
-        notes.append(compiled)
+    # the replay comparison: is a compiled model's NaN the compiler's; a float32 fix's evidence
+    notes += [n for n in (compiler_note(src), precision_note(src, tr, results)) if n]
     plain_fix.pipeline = plain.finite and facts.recorded_loss() is not None
     return Diagnosis(
         cause=cause(results, tr, origin, facts),
