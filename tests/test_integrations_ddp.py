@@ -10,6 +10,7 @@ both use the group that is already there.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,23 @@ class RankRows(torch.utils.data.Dataset):
         return {"inputs_embeds": embeds, "labels": torch.randint(0, 32, (8,), generator=g)}
 
 
-def train_hf(rank: int, world: int, directory: str) -> dict[str, Any]:
+def own_loss_trainer() -> type:
+    """A Trainer subclass whose ``compute_loss`` computes the loss itself (the model is
+    called without labels, so it returns none): the common override."""
+    import transformers
+
+    class OwnLossTrainer(transformers.Trainer):
+        def compute_loss(
+            self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any
+        ) -> Any:
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    return OwnLossTrainer
+
+
+def train_hf(rank: int, world: int, directory: str, own_loss: bool = False) -> dict[str, Any]:
     import transformers
 
     from nbdebug.integrations.hf import NaNGuardCallback
@@ -224,9 +241,8 @@ def train_hf(rank: int, world: int, directory: str) -> dict[str, Any]:
         dataloader_num_workers=0,
     )
     cb = NaNGuardCallback(directory=os.path.join(directory, "snaps"), timeout=30)
-    trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=RankRows(rank), callbacks=[cb]
-    )
+    cls = own_loss_trainer() if own_loss else transformers.Trainer
+    trainer = cls(model=model, args=args, train_dataset=RankRows(rank), callbacks=[cb])
     trainer.train()
     return {
         "parallel": str(args.parallel_mode),
@@ -240,12 +256,13 @@ def train_hf(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("own_loss", [False, True], ids=["model_loss", "compute_loss_override"])
 def test_the_hf_trainer_under_ddp_skips_on_every_rank_and_names_rank_1(
-    tmp_path: Path,
+    tmp_path: Path, own_loss: bool
 ) -> None:
     pytest.importorskip("transformers", reason="the nbdebug[hf] extra is not installed")
     pytest.importorskip("accelerate", reason="the nbdebug[hf] extra (accelerate) is not installed")
-    results = h.launch(train_hf, 2, str(tmp_path), timeout=150)
+    results = h.launch(train_hf, 2, str(tmp_path), own_loss, timeout=150)
     assert sorted(results) == [0, 1], results
     for r in (0, 1):
         assert "value" in results[r], results[r].get("traceback", results[r])
@@ -259,6 +276,15 @@ def test_the_hf_trainer_under_ddp_skips_on_every_rank_and_names_rank_1(
         assert v["finite"]
     assert values[BAD_RANK]["rows"][K] == "loss" and values[0]["rows"][K] == "grad"
     assert values[0]["hash"] == values[1]["hash"]
+    if own_loss:  # the rank's step replays through the trainer's own compute_loss
+        path = tmp_path / "snaps" / f"step-{K:09d}-rank{BAD_RANK}.nbsnap"
+        snap = nbdebug.load_snapshot(path, model=tiny_gpt2)
+        assert snap.loss_fn_spec is None and snap.loss_source is not None
+        assert snap.loss_source["method"] == "compute_loss"
+        tr = snap.trace(trainer=own_loss_trainer())
+        assert (tr.origin.phase, tr.origin.samples) == ("input", [BAD_ROW])
+        assert tr.loss is not None and math.isnan(tr.loss)  # as rank 1 saw it in the run
+        return
     report = nbdebug.compare_ranks(tmp_path / "snaps", model=tiny_gpt2)
     assert report.culprit_ranks == [BAD_RANK] and report.replayed_culprits == [BAD_RANK]
     bad = report.rank(BAD_RANK)
