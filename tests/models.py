@@ -355,3 +355,20 @@ def tiny_gpt2() -> Any:
         attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
+
+
+class ReluRNN(nn.Module):
+    """An Elman RNN with ReLU and a near-identity recurrence (IRNN, recurrence 0.9 x I),
+    hidden 32 over 4 inputs, the last step's state into one output: without gradient
+    clipping its gradients grow with the sequence (the divergence tests and the corpus)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.RNN(4, 32, nonlinearity="relu", batch_first=True)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.copy_(torch.eye(32) * 0.9)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import ReluRNN
 from torch import nn
 
 import nbdebug
@@ -37,21 +38,6 @@ def _sequences(step: int) -> Batch:
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-
-
-class ReluRNN(nn.Module):
-    """An Elman RNN with ReLU and a near-identity recurrence (IRNN), no clipping."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.rnn = nn.RNN(4, 32, nonlinearity="relu", batch_first=True)
-        with torch.no_grad():
-            self.rnn.weight_hh_l0.copy_(torch.eye(32) * 0.9)
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(x)[0][:, -1])
 
 
 class Run:
