@@ -372,3 +372,19 @@ class ReluRNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(x)[0][:, -1])
+
+
+def regression_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch of a linear regression: 16 x 8 inputs, target 3 x their sum
+    plus noise (seeded by the step)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(1, keepdim=True) * 3 + 0.1 * torch.randn(16, 1, generator=g)
+
+
+def sequence_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch of sequences for :class:`ReluRNN`: 16 x 40 x 4, target the sum
+    of the first feature over time (seeded by the step)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 40, 4, generator=g)
+    return x, x[:, :, 0].sum(1, keepdim=True)

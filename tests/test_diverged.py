@@ -14,25 +14,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import ReluRNN
+from models import ReluRNN, regression_batch, sequence_batch
 from torch import nn
 
 import nbdebug
 from nbdebug.analysis.diagnose.divergence import band, find_divergence
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _regression(step: int) -> Batch:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 8, generator=g)
-    return x, x.sum(1, keepdim=True) * 3 + 0.1 * torch.randn(16, 1, generator=g)
-
-
-def _sequences(step: int) -> Batch:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 40, 4, generator=g)
-    return x, x[:, :, 0].sum(1, keepdim=True)
 
 
 def mlp() -> nn.Module:
@@ -100,8 +88,8 @@ def _warmup() -> tuple[Run, Run]:
     def sgd(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(m.parameters(), lr=0.001)
 
-    uncapped = Run(mlp, sgd, _regression, schedule=lambda t: 1.0 + t)
-    capped = Run(mlp, sgd, _regression, schedule=lambda t: min(1.0 + t, 10.0))
+    uncapped = Run(mlp, sgd, regression_batch, schedule=lambda t: 1.0 + t)
+    capped = Run(mlp, sgd, regression_batch, schedule=lambda t: min(1.0 + t, 10.0))
     return uncapped, capped
 
 
@@ -109,13 +97,13 @@ def _rnn() -> tuple[Run, Run]:
     def sgd(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(m.parameters(), lr=0.002, momentum=0.9)
 
-    return Run(ReluRNN, sgd, _sequences), Run(ReluRNN, sgd, _sequences, clip=1.0)
+    return Run(ReluRNN, sgd, sequence_batch), Run(ReluRNN, sgd, sequence_batch, clip=1.0)
 
 
 def _high_lr() -> tuple[Run, Run]:
     return (
-        Run(mlp, lambda m: torch.optim.SGD(m.parameters(), lr=3.0), _regression),
-        Run(mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), _regression),
+        Run(mlp, lambda m: torch.optim.SGD(m.parameters(), lr=3.0), regression_batch),
+        Run(mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), regression_batch),
     )
 
 

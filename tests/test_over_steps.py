@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import ReluRNN
+from models import ReluRNN, regression_batch, sequence_batch
 from state import assert_unchanged, fingerprint
 from torch import nn
 
@@ -39,21 +39,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 MakeOpt = Callable[[nn.Module], torch.optim.Optimizer]
 
 
-def _regression(step: int) -> Batch:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 8, generator=g)
-    return x, x.sum(1, keepdim=True) * 3 + 0.1 * torch.randn(16, 1, generator=g)
-
-
-def _sequences(step: int) -> Batch:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 40, 4, generator=g)
-    return x, x[:, :, 0].sum(1, keepdim=True)
-
-
 def _nan_at_30(step: int) -> Batch:
     """Healthy regression data, but the batch of step 30 holds a NaN in row 3."""
-    x, y = _regression(step)
+    x, y = regression_batch(step)
     if step == 30:
         x = x.clone()
         x[3, 2] = float("nan")
@@ -249,13 +237,13 @@ def _sgd(m: nn.Module) -> torch.optim.Optimizer:
 def warmup() -> Recorded:
     """A warm-up schedule without a cap: the learning rate keeps rising until the run
     diverges through its updates."""
-    return train(mlp, _sgd_warmup, _regression, schedule=lambda t: 1.0 + t)
+    return train(mlp, _sgd_warmup, regression_batch, schedule=lambda t: 1.0 + t)
 
 
 @pytest.fixture(scope="module")
 def rnn() -> Recorded:
     """A ReLU RNN trained with momentum and without gradient clipping."""
-    return train(ReluRNN, _sgd_momentum, _sequences)
+    return train(ReluRNN, _sgd_momentum, sequence_batch)
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +356,7 @@ def normed() -> nn.Module:
 
 
 def _constant_row_at_30(step: int) -> Batch:
-    x, y = _regression(step)
+    x, y = regression_batch(step)
     if step == 30:
         x = x.clone()
         x[3] = 0.5
@@ -413,7 +401,7 @@ def test_a_finite_batch_that_no_state_can_take_is_numerics() -> None:
 
 
 def test_a_fault_that_does_not_come_back_is_transient() -> None:
-    run = train(glitchy, _sgd, _regression)
+    run = train(glitchy, _sgd, regression_batch)
     assert run.failed == 30
     over = run.over_steps(run.window(24))
     # by hand: the failing step rerun on its recorded state (the glitch gone) is finite
@@ -488,7 +476,7 @@ def _guarded_warmup(tmp: Path, rewind: int) -> tuple[Any, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for t in range(400):
-            x, y = _regression(t)
+            x, y = regression_batch(t)
             loss = F.mse_loss(model(x), y)
             loss.backward()
             if not guard.check(loss, inputs=x, target=y, step=t):
