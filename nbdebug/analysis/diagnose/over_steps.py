@@ -35,7 +35,7 @@ from .interventions import supports as supported
 from .interventions import verdict as overall
 from .replay_plans import Plan, PlannedStep, Prepared, has_moments, plans, prepare
 from .result import Reference
-from .workbench import training_step
+from .workbench import copy_training, training_step
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -216,13 +216,7 @@ class _Bench:
     failing step's own before each replay."""
 
     def __init__(self, src: ResolvedStep, window: RewindWindow) -> None:
-        try:
-            self.model, self.optimizer = copy.deepcopy((src.model, src.optimizer))
-        except Exception as e:
-            raise TypeError(
-                f"cannot copy the {type(src.model).__qualname__} (and its optimizer) for the "
-                f"replays over steps: {type(e).__name__}: {e}."
-            ) from e
+        self.model, self.optimizer = copy_training(src, "the replays over steps")
         self.loss_fn = src.loss_fn
         self.window = window
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))

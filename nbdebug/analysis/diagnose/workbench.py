@@ -27,7 +27,22 @@ from .menu import Probed
 from .probe import ProbeMode
 from .result import StepOutcome
 
-__all__ = ["Workbench", "training_step"]
+__all__ = ["Workbench", "copy_training", "training_step"]
+
+
+def copy_training(
+    step: ResolvedStep, purpose: str
+) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """Copies of ``step``'s model and optimizer (one ``deepcopy``, so the optimizer's state
+    stays keyed by the copied parameters) for ``purpose``; a ``TypeError`` that says so
+    when the model cannot be copied."""
+    try:
+        return copy.deepcopy((step.model, step.optimizer))
+    except Exception as e:
+        raise TypeError(
+            f"cannot copy the {type(step.model).__qualname__} (and its optimizer) for "
+            f"{purpose}: {type(e).__name__}: {e}."
+        ) from e
 
 
 class Workbench:
@@ -45,13 +60,7 @@ class Workbench:
     """
 
     def __init__(self, step: ResolvedStep, *, steps: int = 1, autocast: bool = True):
-        try:
-            self.model, self.optimizer = copy.deepcopy((step.model, step.optimizer))
-        except Exception as e:
-            raise TypeError(
-                f"cannot copy the {type(step.model).__qualname__} (and its optimizer) for the "
-                f"replays: {type(e).__name__}: {e}."
-            ) from e
+        self.model, self.optimizer = copy_training(step, "the replays")
         self.inputs = _detached(step.inputs)
         self.target = _detached(step.target)
         self.loss_fn = step.loss_fn
