@@ -18,12 +18,14 @@ model, and the very same array is given to ``cleanlab.filter.find_label_issues``
 defaults, with ``n_jobs=1``, which changes no flag) and to every ``prune`` option of
 ``nbdebug.find_label_issues``. The table is the F1 of the flags against the injected
 noise, averaged over seeds and models; then the average per dataset (the rule the default
-is chosen by: never below cleanlab's), per model, the ensemble vote, and the time to rank
-1,000,000 x 10 probabilities (interleaved runs).
+is chosen by: never below cleanlab's), per model, the ensemble vote, and the time of the
+whole ``find_label_issues`` call against cleanlab's on 30,000, 300,000 and 1,000,000 x 10
+probabilities (medians of interleaved pairs, one thread; target: no slower than cleanlab).
 
     .venv/bin/pip install -e '.[bench]'      # cleanlab (2.9 measured)
     .venv/bin/python benchmarks/bench_labels.py            # full grid
     .venv/bin/python benchmarks/bench_labels.py --quick    # rates 10 and 30 %, 1 seed
+    .venv/bin/python benchmarks/bench_labels.py --timing-only   # the timing alone
 
 The full grid is 450 out-of-fold arrays, single-threaded: about 5 min on two quiet cores
 (14 and 23 min measured under loads of 10 and 15 on two cores); ``--quick`` is 60 arrays
@@ -227,8 +229,8 @@ def timed(fn, *a, **kw):
     return out, time.perf_counter() - t
 
 
-def ranking_time(n: int) -> None:
-    k = 10
+def ranking_inputs(n: int, k: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(true labels, labels with 10 % uniform noise, softmax probabilities (n, k) float64)."""
     rng = np.random.default_rng(0)
     true = rng.integers(0, k, n)
     logits = rng.normal(size=(n, k))
@@ -236,24 +238,48 @@ def ranking_time(n: int) -> None:
     P = np.exp(logits)
     P /= P.sum(axis=1, keepdims=True)
     noisy = np.where(rng.random(n) < 0.1, (true + rng.integers(1, k, n)) % k, true)
+    return true, noisy, P
+
+
+def ranking_time(n: int, pairs: int) -> int:
+    """One line: nbdebug's and cleanlab's medians over ``pairs`` interleaved calls on the
+    same inputs, their ratio (and the spread of the pairs' ratios) against the target."""
+    k = 10
+    true, noisy, P = ranking_inputs(n, k)
+    df = find_label_issues(noisy, pred_probs=P)  # warm-up, not timed
+    flags = df.sort_index()["is_issue"].to_numpy()
     nb_t, cl_t = [], []
-    for _ in range(3):  # interleaved
-        df, t = timed(find_label_issues, noisy, pred_probs=P)
-        nb_t.append(t)
+    for _ in range(pairs):  # interleaved: nbdebug, cleanlab, nbdebug, cleanlab, ...
+        nb_t.append(timed(find_label_issues, noisy, pred_probs=P)[1])
         if cleanlab_find is not None:
             mask, t = timed(cleanlab_find, noisy, P, n_jobs=1)
             cl_t.append(t)
-    flags = df.sort_index()["is_issue"].to_numpy()
-    print(f"\nranking {n:,} x {k} probabilities (10% uniform noise), best of 3, interleaved:")
-    print(f"  nbdebug find_label_issues: {min(nb_t):.2f} s, F1 {f1(flags, noisy != true):.3f}")
+    nb = float(np.median(nb_t))
+    line = f"  {n:>9,} x {k}: nbdebug {nb:.3f} s (F1 {f1(flags, noisy != true):.3f})"
     if cl_t:
-        print(
-            f"  cleanlab find_label_issues (n_jobs=1): {min(cl_t):.2f} s, F1 "
-            f"{f1(mask, noisy != true):.3f}; ratio nbdebug / cleanlab {min(nb_t) / min(cl_t):.2f}"
+        cl_med = float(np.median(cl_t))
+        r = np.array(nb_t) / np.array(cl_t)
+        line += (
+            f", cleanlab {cl_med:.3f} s (F1 {f1(mask, noisy != true):.3f}); ratio "
+            f"{nb / cl_med:.2f}x (pairs {r.min():.2f}-{r.max():.2f}x), target <= 1.0x "
+            f"cleanlab: {'met' if nb <= cl_med else 'MISSED'}"
         )
+    print(line, flush=True)
+    return len(df.columns)
+
+
+def ranking_times(sizes: tuple[int, ...], pairs: int) -> None:
+    print(
+        f"\nfind_label_issues on n x 10 probabilities (10% uniform noise), median of {pairs} "
+        "interleaved pairs, one thread; cleanlab.filter.find_label_issues with its defaults "
+        "and n_jobs=1, same inputs:"
+    )
+    for n in sizes:
+        n_columns = ranking_time(n, pairs)
     print(
         "  (nbdebug's time covers validation, the confident joint, flags, top-3 and the ranked "
-        f"{len(df.columns)}-column DataFrame; cleanlab's returns a boolean mask)"
+        f"{n_columns}-column DataFrame; cleanlab's returns a boolean mask; the target is on "
+        "the whole call)"
     )
 
 
@@ -261,15 +287,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="rates 10%% and 30%%, one seed")
     ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
+    ap.add_argument("--timing-only", action="store_true", help="only the timing against cleanlab")
+    ap.add_argument("--pairs", type=int, default=7, help="interleaved timing pairs (>= 5)")
     args = ap.parse_args()
+    if args.pairs < 5:
+        ap.error(f"--pairs must be at least 5 (medians of interleaved pairs); got {args.pairs}")
     warnings.filterwarnings("ignore")
     rates = (0.10, 0.30) if args.quick else RATES
     seeds = range(args.seeds or (1 if args.quick else 3))
+    grid = f"rates {', '.join(f'{r:.0%}' for r in rates)}; {len(seeds)} seed(s)"
     print(
         f"cleanlab {getattr(cleanlab, '__version__', 'not installed')}; default "
-        f"prune={DEFAULT!r}; rates {', '.join(f'{r:.0%}' for r in rates)}; {len(seeds)} seed(s)"
+        f"prune={DEFAULT!r}; {'timing only' if args.timing_only else grid}"
     )
+    sizes = (30_000, 300_000, 1_000_000)
     with threadpool_limits(1):
+        if args.timing_only:
+            ranking_times(sizes, args.pairs)
+            return
         t0 = time.perf_counter()
         cache = oof_cache(rates, seeds)
         t1 = time.perf_counter()
@@ -279,7 +314,7 @@ def main() -> None:
             f"\n{len(cache)} out-of-fold probability arrays in {t1 - t0:.0f} s, all detectors "
             f"on them in {t2 - t1:.0f} s (single-threaded)"
         )
-        ranking_time(200_000 if args.quick else 1_000_000)
+        ranking_times(sizes, args.pairs)
 
 
 if __name__ == "__main__":

@@ -584,3 +584,100 @@ def test_features_and_models_that_do_not_fit_get_one_sentence():
     net = torch.nn.Linear(64, 4)
     with pytest.raises(ValueError, match=r"one score per class, logits of shape \(batch, 10\)"):
         find_label_issues(y, X=X.astype(np.float32), model=net)
+
+
+# ------------------------------------------------- the fast paths against plain numpy
+
+
+def test_fast_sorts_and_confident_assignment():
+    rng = np.random.default_rng(3)
+    keys = [
+        rng.random(500),
+        np.round(rng.random(500), 1),  # many ties
+        np.array([0.0, -0.0, 1.0, -np.inf, 0.0, -np.inf, 2.0, -0.0]),
+        np.array([1.0]),
+        np.array([]),
+    ]
+    for k in keys:
+        np.testing.assert_array_equal(cl.stable_argsort(k), np.argsort(k, kind="stable"))
+    for n_classes in (2, 7, 40_000):
+        y = rng.integers(0, n_classes, 300)
+        np.testing.assert_array_equal(cl.group_order(y, n_classes), np.argsort(y, kind="stable"))
+    # a given label tied for the top confident class is kept; a row with none above gets -1
+    P = np.array([[0.5, 0.5], [0.5, 0.5], [0.1, 0.9], [0.3, 0.35]])
+    t = np.array([0.4, 0.4])
+    np.testing.assert_array_equal(
+        cl.confident_assignment(P, t, np.array([1, 0, 0, 1])), [1, 0, 1, -1]
+    )
+    np.testing.assert_array_equal(cl.confident_assignment(P, t), [0, 0, 1, -1])
+
+
+def plain_confident_learning(y: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """The default flags, sample by sample (no ties in P; every class >= 2 samples)."""
+    n, k = P.shape
+    counts = np.bincount(y, minlength=k)
+    t = np.array([P[y == j, j].mean() for j in range(k)])
+    cj = np.zeros((k, k))
+    for i in range(n):
+        above = [j for j in range(k) if P[i, j] >= t[j] - 1e-9]
+        if above:
+            best = max(above, key=lambda j: P[i, j])
+            cj[y[i], y[i] if y[i] in above and P[i, y[i]] >= P[i, best] else best] += 1
+    cal = cj / cj.sum(axis=1, keepdims=True) * counts[:, None]
+    n_est = int(np.rint(cal.sum() - np.trace(cal)))
+    by_rate = np.zeros(n, dtype=bool)
+    for i in range(k):
+        rows = np.flatnonzero(y == i)
+        hit = set()
+        for j in range(k):
+            m = min(int(np.rint(cal[i, j])), len(rows) - 1) if j != i else 0
+            hit |= set(rows[np.argsort(P[rows, i] - P[rows, j])[:m]].tolist())
+        assert len(hit) < len(rows)  # at least one sample of each class is kept
+        by_rate[sorted(hit)] = True
+    candidates = P[np.arange(n), y] < P.max(axis=1)
+    n_take = min(int((by_rate & candidates).sum()), n_est)
+    scaled = P / t
+    margin = np.array([scaled[i, y[i]] - np.delete(scaled[i], y[i]).max() for i in range(n)])
+    idx = np.flatnonzero(candidates)
+    flagged = np.zeros(n, dtype=bool)
+    flagged[idx[np.argsort(margin[idx])[:n_take]]] = True
+    return flagged
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_column_matches_a_plain_numpy_computation(seed):
+    rng = np.random.default_rng(seed)
+    n, k = 120, 4
+    true = np.concatenate([np.arange(k), np.arange(k), rng.integers(0, k, n - 2 * k)])
+    logits = rng.normal(size=(n, k))
+    logits[np.arange(n), true] += 2.0
+    P = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    y = np.where(rng.random(n) < 0.2, (true + 1) % k, true)
+    df = find_label_issues(y, pred_probs=P)
+    flagged = plain_confident_learning(y, P)
+    rows = np.arange(n)
+    sc = P[rows, y]
+    ranked = np.argsort(-P, axis=1)  # no ties
+    other = np.where(ranked[:, 0] == y, ranked[:, 1], ranked[:, 0])
+    # flagged first, then by self-confidence; equal qualities in index order
+    order = sorted(rows, key=lambda i: (not flagged[i], sc[i] - 2.0 * flagged[i], i))
+    np.testing.assert_array_equal(df.index, order)
+    s = df.sort_index()
+    np.testing.assert_array_equal(s["is_issue"], flagged)
+    np.testing.assert_array_equal(s["method"], np.where(flagged, "confident_learning", ""))
+    np.testing.assert_array_equal(s["given_label"], y)
+    np.testing.assert_array_equal(s["suggested_label"], other)
+    np.testing.assert_array_equal(s["suggested_prob"], P[rows, other])
+    np.testing.assert_array_equal(s["self_confidence"], sc)
+    np.testing.assert_array_equal(s["label_quality"], sc)
+    np.testing.assert_array_equal(s["normalized_margin"], (sc - P[rows, other] + 1) / 2)
+    for j in range(3):
+        np.testing.assert_array_equal(s[f"top{j + 1}"], ranked[:, j])
+        np.testing.assert_array_equal(s[f"top{j + 1}_prob"], P[rows, ranked[:, j]])
+    # duplicated rows tie on every score: the ranking keeps them in index order
+    dup = find_label_issues(np.tile(y, 2), pred_probs=np.tile(P, (2, 1)))
+    s = dup.sort_index()
+    f, q = s["is_issue"].to_numpy(), s["label_quality"].to_numpy()
+    assert len(set(q)) <= n
+    expect = sorted(range(2 * n), key=lambda i: (not f[i], q[i] - 2.0 * f[i], i))
+    np.testing.assert_array_equal(dup.index, expect)

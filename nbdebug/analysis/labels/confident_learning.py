@@ -69,15 +69,16 @@ def confident_assignment(
     """For each example, the most probable class among those reaching their threshold,
     or ``-1`` when none does; with ``labels``, the given label where it ties for the most
     probable (a tie is no evidence against it). Shape ``(n,)`` int64."""
-    # a small tolerance so that an example exactly at the mean counts
-    above = pred_probs >= thresholds[None, :] - 1e-9
-    scored = np.where(above, pred_probs, -1.0)
+    # a small tolerance so that an example exactly at the mean counts; probabilities are
+    # >= 0, so a class below its threshold scores -1 and a row whose best score is -1 has
+    # no class above (a given label below its threshold ties only in such a row)
+    scored = np.where(pred_probs >= thresholds[None, :] - 1e-9, pred_probs, -1.0)
     best = scored.argmax(axis=1)
+    top = np.take_along_axis(scored, best[:, None], axis=1)[:, 0]
     if labels is not None:
-        rows = np.arange(len(labels))
-        tied = above[rows, labels] & (scored[rows, labels] >= scored[rows, best])
+        tied = np.take_along_axis(scored, labels[:, None], axis=1)[:, 0] >= top
         best[tied] = labels[tied]
-    best[~above.any(axis=1)] = -1
+    best[top < 0.0] = -1
     return best
 
 
@@ -122,14 +123,14 @@ def prune_by_noise_rate(
     to_remove = np.rint(calibrated).astype(np.int64)
     np.fill_diagonal(to_remove, 0)
     flagged = np.zeros(n, dtype=bool)
-    order = np.argsort(labels, kind="stable")
+    order = group_order(labels, len(counts))
     starts = np.concatenate(([0], np.cumsum(counts)))
     for i in np.flatnonzero(to_remove.sum(axis=1) > 0):
         rows = order[starts[i] : starts[i + 1]]
         budget = max(len(rows) - min_keep, 0)
         if budget == 0:
             continue
-        p_rows = pred_probs[rows]
+        p_rows = np.take(pred_probs, rows, axis=0)  # faster than pred_probs[rows]
         margins = p_rows - p_rows[:, i : i + 1]
         hit = np.zeros(len(rows), dtype=bool)
         for j in np.flatnonzero(to_remove[i]):
@@ -141,7 +142,7 @@ def prune_by_noise_rate(
             hit[top] = True
         if hit.sum() > budget:  # keep the least suspicious ones (smallest max margin)
             mm = np.where(hit, margins.max(axis=1), -np.inf)
-            keep = np.argsort(mm, kind="stable")[: len(rows) - budget]
+            keep = stable_argsort(mm)[: len(rows) - budget]
             hit[keep] = False
         flagged[rows[hit]] = True
     return flagged
@@ -163,7 +164,8 @@ def threshold_margin(
     rows = np.arange(len(labels))
     own = scaled[rows, labels]
     scaled[rows, labels] = -np.inf
-    return own - scaled.max(axis=1)
+    # the largest value, found by argmax (faster than max on short rows)
+    return own - np.take_along_axis(scaled, scaled.argmax(axis=1)[:, None], axis=1)[:, 0]
 
 
 def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -182,6 +184,25 @@ def top_k(pred_probs: np.ndarray, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
     vals = np.take_along_axis(pred_probs, part, axis=1)
     o = np.argsort(-vals, axis=1, kind="stable")
     return np.take_along_axis(part, o, axis=1).astype(np.int64), np.take_along_axis(vals, o, axis=1)
+
+
+def stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for 1-D keys without NaN, faster: the (vectorised)
+    default sort, then equal keys put back in index order."""
+    order = np.argsort(keys)
+    s = keys[order]
+    new_run = s[1:] != s[:-1]
+    if new_run.all():
+        return order
+    run = np.concatenate(([0], np.cumsum(new_run)))
+    return np.sort(run * len(keys) + order) % len(keys)
+
+
+def group_order(labels: np.ndarray, n_classes: int) -> np.ndarray:
+    """``np.argsort(labels, kind="stable")`` for labels in ``0..n_classes-1``: the sample
+    positions grouped by label, each group in index order (a radix sort on small ints)."""
+    small = np.int16 if n_classes <= np.iinfo(np.int16).max else np.int64
+    return np.argsort(labels.astype(small, copy=False), kind="stable")
 
 
 def prune_global(scores: np.ndarray, candidates: np.ndarray, n_remove: int) -> np.ndarray:

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from . import confident_learning as cl
-from .flags import Flags, NoiseEstimate, estimate, flags
+from .flags import Flags, NoiseEstimate, Scores, estimate, flags, scores
 from .inputs import check_label_range, check_labels, warn_in_sample
 from .options import LabelOptions
 from .probabilities import probabilities
@@ -45,29 +45,28 @@ def _warn_unassessed(unassessed: list[int]) -> None:
         )
 
 
-def _table(P: np.ndarray, y: np.ndarray, f: Flags, opts: LabelOptions) -> LabelIssues:
+def _table(P: np.ndarray, y: np.ndarray, f: Flags, opts: LabelOptions, s: Scores) -> LabelIssues:
     """One row per sample, flagged first, each part by quality ascending."""
     n, k = P.shape
-    rows = np.arange(n)
-    sc = P[rows, y]
-    top_cls, top_p = cl.top_k(P, 3)
-    other, _ = cl.max_other(top_cls, top_p, y)
-    margin = (sc - other + 1.0) / 2.0
-    suggested_prob = np.where(f.suggested >= 0, P[rows, np.maximum(f.suggested, 0)], np.nan)
+    sc, top_cls, top_p = s.self_confidence, s.top_classes, s.top_probs
+    margin = (sc - s.other_prob + 1.0) / 2.0
+    picked = np.take_along_axis(P, np.maximum(f.suggested, 0)[:, None], axis=1)[:, 0]
+    suggested_prob = np.where(f.suggested >= 0, picked, np.nan)
     quality = sc if opts.rank_by == "self_confidence" else margin
     # quality lies in [0, 1]
-    order = np.argsort(np.where(f.flagged, quality - 2.0, quality), kind="stable")
+    order = cl.stable_argsort(np.where(f.flagged, quality - 2.0, quality))
+    is_issue = f.flagged[order]
     meth = pd.Categorical.from_codes(
-        f.flagged[order].astype(np.int8), categories=pd.Index(["", opts.method])
+        is_issue.astype(np.int8), categories=pd.Index(["", opts.method])
     )
     columns = {
         "given_label": y,
-        "suggested_label": f.suggested.astype(np.int64),
+        "suggested_label": f.suggested.astype(np.int64, copy=False),
         "suggested_prob": suggested_prob,
         "label_quality": quality,
         "self_confidence": sc,
         "normalized_margin": margin,
-        "is_issue": f.flagged,
+        "is_issue": None,
         "method": None,
         "top1": top_cls[:, 0],
         "top1_prob": top_p[:, 0],
@@ -76,8 +75,9 @@ def _table(P: np.ndarray, y: np.ndarray, f: Flags, opts: LabelOptions) -> LabelI
         "top3": top_cls[:, 2] if k > 2 else np.full(n, -1),
         "top3_prob": top_p[:, 2] if k > 2 else np.full(n, np.nan),
     }
+    done = {"is_issue": is_issue, "method": meth}
     return LabelIssues(
-        {c: (meth if v is None else np.take(v, order)) for c, v in columns.items()},
+        {c: done[c] if v is None else np.take(v, order) for c, v in columns.items()},
         index=pd.Index(order, name="index"),
         copy=False,
     )
@@ -191,12 +191,12 @@ def find_label_issues(
     probs = probabilities(y, pred_probs, X, model, opts)
     P = probs.P
     check_label_range(y, P.shape[1])
+    s = scores(P, y)
     if probs.supplied:
-        top_cls, _ = cl.top_k(P, 3)
-        warn_in_sample(P[np.arange(len(y)), y], top_cls[:, 0], y)
+        warn_in_sample(s.self_confidence, s.top_classes[:, 0], y)
     est = estimate(P, y)
     _warn_unassessed(est.unassessed)
-    f = flags(P, y, est, probs.stack, opts)
-    df = _table(P, y, f, opts)
+    f = flags(P, y, est, probs.stack, opts, s)
+    df = _table(P, y, f, opts, s)
     df.attrs["label_noise"] = _noise(est, f, opts, probs.models)
     return df

@@ -47,6 +47,27 @@ def estimate(pred_probs: np.ndarray, labels: np.ndarray) -> NoiseEstimate:
 
 
 @dataclass
+class Scores:
+    """Per sample, computed once per call: ``p[given]`` ``(n,)``, the three most probable
+    classes and their probabilities ``(n, 3)`` (:func:`~.confident_learning.top_k`), and the
+    most probable class other than the given one with its probability ``(n,)``."""
+
+    self_confidence: np.ndarray
+    top_classes: np.ndarray
+    top_probs: np.ndarray
+    other_prob: np.ndarray
+    other_class: np.ndarray
+
+
+def scores(P: np.ndarray, y: np.ndarray) -> Scores:
+    """The :class:`Scores` of probabilities ``P (n, K)`` and labels ``y (n,)``."""
+    sc = np.take_along_axis(P, y[:, None], axis=1)[:, 0]
+    top_cls, top_p = cl.top_k(P, 3)
+    other_p, other_cls = cl.max_other(top_cls, top_p, y)
+    return Scores(sc, top_cls, top_p, other_p, other_cls)
+
+
+@dataclass
 class Flags:
     """The flagged samples ``(n,)`` bool, the suggested label of each ``(n,)`` int64 (``-1``:
     none) and why the number flagged differs from the estimate."""
@@ -109,18 +130,17 @@ def flags(
     est: NoiseEstimate,
     stack: np.ndarray | None,
     opts: LabelOptions,
+    s: Scores,
 ) -> Flags:
-    """Flags and suggestions; ``stack``: the ensemble's ``(M, n, K)`` probabilities."""
-    top_cls, top_p = cl.top_k(P, 3)
-    _, other_cls = cl.max_other(top_cls, top_p, y)
-    sc = P[np.arange(len(y)), y]
+    """Flags and suggestions; ``stack``: the ensemble's ``(M, n, K)`` probabilities, ``s``
+    the :func:`scores` of ``P`` and ``y``."""
     unassessed = est.unassessed
     # the model's prediction: a given label tied for the top probability counts as it
-    candidates = sc < top_p[:, 0]
+    candidates = s.self_confidence < s.top_probs[:, 0]
     if unassessed:
         candidates &= ~np.isin(y, unassessed)
     flagged, note = prune(P, y, est, candidates, opts)
-    suggested = other_cls
+    suggested = s.other_class
     if opts.method == "ensemble":
         assert stack is not None
         agreed, c = agreement(stack, y, opts.tau, unassessed)
