@@ -41,11 +41,11 @@ def guard_of(model: nn.Module, opt: Any, tmp_path: Path, signals: Any = True, **
     )
 
 
-def run(steps: int, tmp_path: Path, signals: Any = EVERY, bad: int | None = None):
+def run(steps: int, tmp_path: Path, signals: Any = EVERY, bad: int | None = None, **kw: Any):
     """Train ``steps`` steps; per step what plain torch says (grad norms, Adam lag from
     the optimizer state, update ratio around optimizer.step())."""
     model, opt = make()
-    guard = guard_of(model, opt, tmp_path, signals, on_nonfinite="continue")
+    guard = guard_of(model, opt, tmp_path, signals, on_nonfinite="continue", **kw)
     want: list[dict[str, Any]] = []
     for i in range(steps):
         x, y = batch(i)
@@ -97,7 +97,8 @@ def test_grad_norms_update_ratio_and_adam_lag_match_plain_torch(tmp_path):
 
 
 def test_unmeasured_steps_are_nan_and_the_cadence_is_kept(tmp_path):
-    guard, _, want = run(7, tmp_path, signals={"update_every": 3, "adam_every": 2})
+    signals = {"update_every": 3, "adam_every": 2}
+    guard, _, want = run(7, tmp_path, signals=signals, check_update=False)
     sig = guard.signals
     measured = [i for i in range(7) if not np.isnan(sig.update_ratio[i]).all()]
     assert measured == [0, 3]  # step 6 was armed: its ratio comes with the next check
@@ -106,6 +107,23 @@ def test_unmeasured_steps_are_nan_and_the_cadence_is_kept(tmp_path):
     assert lag_steps == [2, 4, 6]  # step 0 is due too, but Adam has no state yet
     np.testing.assert_allclose(sig.adam_lag[4], want[4]["lag"], rtol=1e-4)
     assert np.isfinite(sig.grad_norm).all()  # every step
+
+
+def test_adam_lag_comes_from_the_update_watchs_read_of_the_state(tmp_path, monkeypatch):
+    """The update watch reads the optimizer state after every 10th step: the check after
+    it measures Adam's lag from that read (no pass over exp_avg_sq of its own)."""
+    from nbdebug.core.guard import signal_meter
+
+    own: list[int] = []
+    plain = signal_meter.plain_sums
+    monkeypatch.setattr(signal_meter, "plain_sums", lambda ts: own.append(len(ts)) or plain(ts))
+    guard, _, want = run(13, tmp_path, signals={"adam_every": 50})
+    sig = guard.signals
+    lag_steps = [i for i in range(13) if not np.isnan(sig.adam_lag[i]).all()]
+    assert lag_steps == [1, 11]  # after the watch's reads at steps 0 and 10
+    for i in lag_steps:
+        np.testing.assert_allclose(sig.adam_lag[i], want[i]["lag"], rtol=1e-4)
+    assert own == []  # every sum of v came with the update watch's read
 
 
 def test_the_ring_keeps_the_newest_steps(tmp_path):

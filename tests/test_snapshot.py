@@ -754,3 +754,36 @@ def test_a_torchscript_archive_is_named_and_a_bad_path_or_flag_too(tmp_path: Pat
     path = save_snapshot(tmp_path / "s.nbsnap", nn.Linear(2, 1), torch.zeros(1, 2))
     with pytest.raises(TypeError, match=r"trust_recipe must be True or False; got 'yes'"):
         load_snapshot(path, trust_recipe="yes")  # type: ignore[arg-type]
+
+
+def test_numpy_rng_captured_as_np_random_get_state_says_through_every_kind_of_draw():
+    """RngState.capture reuses its last numpy state only while the generator is unchanged:
+    after uniform draws, a normal draw (which caches its twin), the cached twin's use
+    (which changes no word of the generator), a reseed and a set_state, the captured state
+    equals np.random.get_state() field by field."""
+    from nbdebug.core.state import RngState
+
+    def same(a, b):
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+    saved = np.random.get_state()
+    try:
+        np.random.seed(3)
+        draws = [
+            lambda: None,
+            lambda: np.random.rand(5),
+            lambda: np.random.randn(),  # caches the second normal
+            lambda: np.random.randn(),  # uses it: the generator's words stay the same
+            lambda: None,
+            lambda: np.random.seed(3),
+            lambda: np.random.set_state(saved),
+            lambda: np.random.randint(0, 10, 3),
+        ]
+        for draw in draws:
+            draw()
+            got = RngState.capture().numpy
+            assert same(got, np.random.get_state())
+            got_again = RngState.capture().numpy
+            assert same(got_again, np.random.get_state())
+    finally:
+        np.random.set_state(saved)

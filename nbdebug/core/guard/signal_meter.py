@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..norms import device_norms
+from ..norms import device_norms, plain_sums
 from ..parallel import local_tensor
 from .signals import SIGNAL_NAMES, LayerSignals, SignalSettings
 
@@ -214,14 +214,6 @@ def _partition(params: Sequence[torch.Tensor], budget: int | None) -> list[list[
     return parts
 
 
-def _sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The sum of each non-negative tensor: one fused L1 norm per device and dtype (on
-    the CPU a plain sum per tensor is faster)."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return [t.sum() for t in tensors]
-    return list(torch._foreach_norm(list(tensors), 1))
-
-
 def _lags(
     terms: Sequence[AdamTerm],
     vsums: np.ndarray,
@@ -263,6 +255,10 @@ class SignalMeter:
         self._modules = np.full((cap, n_m, 2), np.nan, np.float32)
         self._count = 0  # rows written so far (the next row is _count % ring)
         self._checks = 0
+        self._adam_last: int | None = None  # the check that last measured Adam's lag
+        #: ``sum(exp_avg_sq)`` per parameter (by ``id``), read by the update watch after
+        #: the optimizer step this check follows (:meth:`offer_sums`), or ``None``
+        self._offer: dict[int, torch.Tensor] | None = None
         #: the parts whose weights one measuring check copies (at most ``copy_budget``
         #: bytes each; one part when they all fit), measured in turn
         self._chunks = _partition(self.params, settings.copy_budget)
@@ -294,11 +290,40 @@ class SignalMeter:
     def _due(self, every: int | None) -> bool:
         return every is not None and self._checks % every == 0
 
+    def offer_sums(self, sums: dict[int, torch.Tensor] | None) -> None:
+        """``sum(exp_avg_sq)`` of each parameter (by ``id``; 0-d, on its device) as the
+        update watch read it after an optimizer step (``None``: another step began): the
+        next check measures Adam's lag from them instead of reading the state again."""
+        self._offer = sums
+
+    def _adam_due(self, offered: dict[int, torch.Tensor] | None) -> bool:
+        """Adam's lag is measured on a check that follows the update watch's read of the
+        state (no pass of its own), and at least every ``adam_every`` checks."""
+        every = self.settings.adam_every
+        if every is None:
+            return False
+        last = self._adam_last
+        return offered is not None or last is None or self._checks - last >= every
+
+    def _state_sums(
+        self, terms: Sequence[AdamTerm], offered: dict[int, torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """``sum(v)`` of each term: the update watch's where it offered them, else one
+        pass over ``v`` here."""
+        got = offered or {}
+        sums = [got.get(id(self.params[t.index])) for t in terms]
+        missing = [i for i, v in enumerate(sums) if v is None]
+        if missing:
+            for i, v in zip(missing, plain_sums([terms[i].exp_avg_sq for i in missing])):
+                sums[i] = v
+        return [v for v in sums if v is not None]
+
     @torch.no_grad()
     def collect(self, grads: Sequence[torch.Tensor], device: torch.device) -> SignalRead:
         """Measure this check's signals on the device (no host sync). ``grads``: the
         gradients of the parameters that have one, in parameter order."""
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        offered, self._offer = self._offer, None
         before = self._update()
         # the gradients' norms and the update's in one fused reduction
         norms = device_norms([*grads, *before], dtype=torch.float32)
@@ -313,10 +338,11 @@ class SignalMeter:
             read.armed = True
         elif before and len(self._chunks) > 1:
             self._weights = None  # a part's copy lives from its check to the next only
-        if self._due(self.settings.adam_every):
+        if self._adam_due(offered):
             read.adam = adam_terms(self.optimizer, self.params)
+            self._adam_last = self._checks
         if read.adam:  # sum(v) per parameter (one pass over v), and device step counts
-            parts.append(_stacked(_sums([t.exp_avg_sq for t in read.adam]), device))
+            parts.append(_stacked(self._state_sums(read.adam, offered), device))
             read.segments.append(("adam_lag", [t.index for t in read.adam]))
             steps = [t.step_tensor for t in read.adam if t.step_tensor is not None]
             if steps:
@@ -359,9 +385,6 @@ class SignalMeter:
         cap = self.settings.ring
         row = self._count % cap
         self._steps[row] = step
-        for a in self._arrays.values():
-            a[row] = np.nan
-        self._modules[row] = np.nan
         arr = np.asarray(values, dtype=np.float64)
         div = scale if scale is not None and scale > 0 else 1.0
         chunks: dict[str, np.ndarray] = {}
@@ -371,7 +394,15 @@ class SignalMeter:
             chunks[name] = arr[at : at + n]
             at += n
         grad = self._arrays["grad_norm"]
-        grad[row, read.segments[0][1]] = chunks["grad_norm"] / div
+        with_grad = read.segments[0][1]
+        if len(with_grad) == len(self.params):  # (in order: every parameter has one)
+            grad[row] = chunks["grad_norm"] / div
+        else:
+            grad[row] = np.nan
+            grad[row, with_grad] = chunks["grad_norm"] / div
+        self._arrays["update_ratio"][row] = np.nan  # (measured at the next check)
+        self._arrays["adam_lag"][row] = np.nan
+        self._modules[row] = np.nan
         pending = self._pending
         if "update_ratio" in chunks and pending is not None and self._count - pending < cap:
             part = dict(read.segments)["update_ratio"]  # the part armed at that check

@@ -75,7 +75,9 @@ class SignalSettings:
         turn (each parameter every ``update_every x parts`` checks; a larger parameter
         is a part alone). ``None``: all at once.
     adam_every : int or None
-        Measure Adam's lag on every this many checks (``None``: never).
+        Measure Adam's lag at least every this many checks (``None``: never), and on
+        each check that follows the guard's update watch reading the optimizer state
+        (``check_update``: every 10th step), from that read, with no pass of its own.
     modules : tuple of str
         The modules (names as in ``model.named_modules()``) whose output's max-logit and
         log-sum-exp are recorded (forward hooks on those modules only).

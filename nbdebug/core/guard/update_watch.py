@@ -8,17 +8,21 @@ an optimizer state tensor non-finite (a failure of kind ``"optimizer"``).
 - After the step: the L2 norms of the parameters (one fused ``torch._foreach_norm`` per
   device and dtype, half precision accumulated in float32), summed, read once. Every step
   for float16/bfloat16 parameters, where the optimizer's own arithmetic underflows (an
-  ``eps`` below the dtype's smallest normal); all of them, with the state tensors, every
-  :data:`STATE_EVERY`-th step and every step with ``"rollback"`` (reading every weight
-  costs 1-3 % of a CPU step: bench_guard's ResNet-18); a float32 update gone bad in
-  between meets the next ``check()``'s forward. A NaN in the state reaches the weights
-  in its step; only an overflowing second moment (an update of 0) leaves them finite.
+  ``eps`` below the dtype's smallest normal); all of them, with the state tensors that
+  divide the update (:data:`DENOMINATORS`: ``exp_avg_sq``...), every
+  :data:`STATE_EVERY`-th step, and with every state tensor every step with
+  ``"rollback"`` (reading every weight costs 1-3 % of a CPU step: bench_guard's
+  ResNet-18); a float32 update gone bad in between meets the next ``check()``'s
+  forward. A NaN in any other state tensor (``exp_avg``, a momentum buffer) reaches the
+  weights in its step; only an overflowing denominator (an update of 0) leaves them
+  finite.
 - Only when the sum is not finite: an element-wise look names the parameter, the state
   tensor (``exp_avg_sq``) and why (:class:`~nbdebug.core.vocab.UpdateFault`).
 - ``check_update="rollback"`` copies the parameters and the state before each armed step
   (into buffers reused across steps): a bad update is undone exactly, and its snapshot holds
   the pre-step state and the gradients the step consumed (``update_grads``), so
-  ``snap.trace()`` replays the update alone (:func:`with_update_origin`). Without it the
+  ``snap.trace()`` replays the update alone
+  (:func:`nbdebug.core.guard.update_replay.with_update_origin`). Without it the
   failure is recorded and snapshotted, but cannot be undone: ``"skip"`` raises.
 
 The snapshot's ``reason`` holds ``param``, ``state``, ``fault``, ``lr``, ``eps``,
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..measure import exact_vector
+from ..norms import plain_sums
 from ..snapshot.write import TrainingObjects
 from ..stats import finalize, has_nan, has_nonfinite
 from ..trace.events import Event
@@ -45,9 +50,7 @@ from ..vocab import EventKind, FailureKind, Phase, UpdateFault
 from .failure import record_error, streak_error
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..snapshot.snapshot import Snapshot
     from ..state import RngState
-    from ..trace.result import Trace
     from .guard import NaNGuard
 
 __all__ = [
@@ -58,7 +61,6 @@ __all__ = [
     "check_update_mode",
     "look_update",
     "update_nonfinite",
-    "with_update_origin",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -91,30 +93,51 @@ def _entries(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, str | N
 
 
 def update_nonfinite(
-    opt: torch.optim.Optimizer, *, state: bool = True, half_only: bool = False
+    opt: torch.optim.Optimizer,
+    *,
+    state: bool = True,
+    half_only: bool = False,
+    keys: tuple[str, ...] | None = None,
+    sums: dict[int, torch.Tensor] | None = None,
 ) -> bool:
     """Whether a parameter (or, with ``state``, a floating state tensor) of ``opt`` may
     hold NaN/Inf: one fused norm per (device, dtype) group (half precision accumulated in
     float32), their sum read once; ``half_only``: only the float16/bfloat16 parameters
-    (and their state). ``True`` can also mean finite values whose squares overflow (the
-    element-wise :func:`look_update` tells); ``False`` means finite."""
+    (and their state); ``keys``: only these state tensors (``None``: all). ``True`` can
+    also mean finite values whose squares overflow (the element-wise :func:`look_update`
+    tells); ``False`` means finite. ``sums``: filled with each ``exp_avg_sq``'s sum (by
+    its parameter's ``id``; read with the rest, for the per-layer signals)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p, key, t in _entries(opt):
-        if half_only and p.dtype not in _HALF:
-            continue
-        if (state or key is None) and t.is_floating_point() and t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    sums = []
+    second: list[tuple[int, torch.Tensor]] = []  # (id(param), exp_avg_sq): summed
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if half_only and p.dtype not in _HALF:
+                continue  # (before its state is looked at: this runs at every step)
+            watched = [p]
+            if state:
+                for k, v in opt.state.get(p, {}).items():
+                    if k == "exp_avg_sq" and sums is not None and isinstance(v, torch.Tensor):
+                        second.append((id(p), v.detach()))
+                    elif keys is None or k in keys:
+                        watched.append(v)
+            for t in watched:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    totals = []
     for (_, dt), ts in groups.items():
         try:  # measured on CPU: 2-4x faster than a dot product per tensor
             norms = torch._foreach_norm(ts, 2, dtype=torch.float32 if dt in _HALF else None)
         except (RuntimeError, TypeError):  # a dtype _foreach_norm lacks
             norms = tuple(torch.linalg.vector_norm(t.double()) for t in ts)
-        sums.append(torch.stack([n.float() for n in norms]).sum())
-    if not sums:
+        totals.append(torch.stack([n.float() for n in norms]).sum())
+    if second and sums is not None:  # finite sums of v mean a finite v
+        v_sums = plain_sums([v for _, v in second])
+        sums.update((key, s) for (key, _), s in zip(second, v_sums))
+        totals += [s.float() for s in v_sums]
+    if not totals:
         return False
-    first = sums[0].device
-    total = torch.stack([v.to(first) for v in sums]).sum()
+    first = totals[0].device
+    total = torch.stack([v.to(first) for v in totals]).sum()
     return not math.isfinite(float(total))
 
 
@@ -352,75 +375,6 @@ def look_update(
 _STATE_FAULTS = (UpdateFault.STATE_NONFINITE, UpdateFault.STATE_OVERFLOW)
 
 
-# ---------------------------------------------------------------------- the replay
-def replay_update(snap: Snapshot) -> UpdateLook | None:
-    """Replay the snapshot's optimizer step alone: the stored pre-step weights and
-    optimizer state, the stored gradients (``update_grads``), one ``optimizer.step()``
-    on nbdebug's own model; the look at its result (``None``: it replayed finite). The
-    stored weights are put back afterwards."""
-    grads = snap.update_grads
-    if not grads or snap.optimizer_state is None:
-        return None
-    model = snap.reset_model()
-    try:
-        opt = snap.build_optimizer()
-        named = dict(model.named_parameters())
-        for name, g in grads.items():
-            if name in named:
-                named[name].grad = g.to(device=named[name].device, dtype=named[name].dtype)
-        pre = PreStep()
-        pre.capture(opt)
-        opt.step()
-        look = look_update(opt, {id(p): n for n, p in named.items()}, pre)
-        if look is not None:
-            look.tensor = look.tensor.clone()  # the stored weights are put back below
-        return look
-    finally:
-        for p in model.parameters():
-            p.grad = None
-        snap.reset_model()
-
-
-def _recorded(snap: Snapshot) -> UpdateLook:
-    """The origin as the guard recorded it (the update was not rolled back: no replay)."""
-    r = snap.reason
-    param = str(r.get("param", ""))
-    tensor = snap.model_state.get(param)
-    fault = UpdateFault(r.get("fault", UpdateFault.ZERO_OVER_ZERO))
-    return UpdateLook(
-        param=param,
-        state=r.get("state"),
-        fault=fault,
-        tensor=tensor if isinstance(tensor, torch.Tensor) else torch.zeros(0),
-        lr=r.get("lr"),
-        eps=r.get("eps"),
-        dtype=str(r.get("dtype", "float32")),
-        optimizer=str(r.get("optimizer", "optimizer")),
-    )
-
-
-def with_update_origin(snap: Snapshot, tr: Trace) -> Trace:
-    """``tr`` (a replay of ``snap``'s forward and backward) with the optimizer step as its
-    origin when the snapshot's step failed in the update (reason kind ``"optimizer"``)
-    and the trace found no earlier one: the update replayed alone from the stored
-    pre-step state when the guard rolled it back, else the origin it recorded."""
-    if snap.kind != FailureKind.OPTIMIZER or tr.origin is not None:
-        return tr
-    look = replay_update(snap)
-    note = "the optimizer step replayed alone from the stored pre-step state"
-    if look is None:
-        look = _recorded(snap)
-        note = "the optimizer step as the guard recorded it (the update was not rolled back)"
-    origin = look.event(len(tr.events))
-    return dataclasses.replace(
-        tr,
-        events=[*tr.events, origin],
-        origin=origin,
-        first_nonfinite=tr.first_nonfinite or origin,
-        notes=[*tr.notes, f"{origin.note} ({note})"],
-    )
-
-
 # ---------------------------------------------------------------------- the watch
 def _hook(ref: weakref.ReferenceType[UpdateWatch], after: bool) -> Callable[..., None]:
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -484,6 +438,9 @@ class UpdateWatch:
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         self._pending, self._armed = self._armed, None
+        guard = self.guard()
+        if guard is not None and guard.meter.signals is not None:
+            guard.meter.signals.offer_sums(None)  # what the last step left is changing
         if self._pending is not None and self.rollback:
             self.pre.capture(opt)
 
@@ -494,7 +451,14 @@ class UpdateWatch:
             return
         full = self.rollback or self.watched % STATE_EVERY == 0
         self.watched += 1
-        bad = update_nonfinite(opt, state=full, half_only=not full)
+        # of the state, the tensors that divide the update (a NaN elsewhere reaches the
+        # weights in its step); with rollback, all of them
+        keys = None if self.rollback else DENOMINATORS
+        signals = guard.meter.signals
+        sums: dict[int, torch.Tensor] | None = {} if full and signals is not None else None
+        bad = update_nonfinite(opt, state=full, half_only=not full, keys=keys, sums=sums)
+        if signals is not None and sums:
+            signals.offer_sums(sums)  # the next check's Adam lag reads no state of its own
         look = look_update(opt, _names(guard)) if bad else None
         if look is None:
             self.streak = 0

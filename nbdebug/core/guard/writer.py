@@ -20,6 +20,12 @@ from .options import SnapshotOptions
 
 __all__ = ["SnapshotWriter"]
 
+#: the snapshot fields a guard can be given (:meth:`SnapshotWriter.set_field`): every field
+#: of the table but those the guard writes itself
+_SETTABLE = frozenset(f.key for f in FIELDS) - {
+    "step", "reason", "history", "inputs", "target", *SNAPSHOT_FIELDS,
+}  # fmt: skip
+
 
 def _check_directory(directory: Path) -> None:
     """Refuse, when the guard is made rather than at the failing step, a snapshot
@@ -78,8 +84,7 @@ class SnapshotWriter:
         TypeError
             ``key`` is not a field of the snapshot table, or one the guard writes itself.
         """
-        own = ("step", "reason", "history", "inputs", "target", *SNAPSHOT_FIELDS)
-        if key not in {f.key for f in FIELDS} or key in own:
+        if key not in _SETTABLE:
             raise TypeError(f"{key!r} is not a snapshot field a guard can be given.")
         if value is None:
             self._fields.pop(key, None)

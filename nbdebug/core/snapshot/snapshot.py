@@ -506,7 +506,7 @@ class Snapshot:
                 tr = trace_step(model, inputs, target, loss_fn, forward=forward, backward=backward)
         finally:
             caller.restore()
-        from ..guard.update_watch import with_update_origin  # core.guard imports the snapshots
+        from ..guard.update_replay import with_update_origin  # core.guard imports the snapshots
 
         return with_update_origin(self, tr)  # a failed optimizer step: the update is the origin
 
