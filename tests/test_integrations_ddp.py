@@ -289,3 +289,56 @@ def test_the_hf_trainer_under_ddp_skips_on_every_rank_and_names_rank_1(
     assert report.culprit_ranks == [BAD_RANK] and report.replayed_culprits == [BAD_RANK]
     bad = report.rank(BAD_RANK)
     assert bad.origin_phase == "input" and bad.origin_rows == [BAD_ROW]
+
+
+# ------------------------------------------------------------- dataset ids under DDP
+BAD_ID = 11  # the dataset row (of 2 * BATCH * STEPS) that makes log(-1)
+
+
+def ids_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(2 * BATCH * STEPS, 4, generator=g) + 0.5
+    x[BAD_ID, 0] = -1.0
+    return torch.utils.data.TensorDataset(x, torch.randn(2 * BATCH * STEPS, 1, generator=g))
+
+
+def fit_ddp_ids(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """One rank of a run on one shuffled loader: Lightning gives each rank its own
+    ``DistributedSampler``; the ids and the rows of the rank's snapshot."""
+    from nbdebug.integrations.lightning import NaNGuardCallback
+
+    env(rank, world)
+    cb = NaNGuardCallback(directory=directory, timeout=30)
+    trainer = L.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    ds = ids_data()
+    trainer.fit(DDPModule(), torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True))
+    (path,) = cb.guard.snapshots
+    snap = nbdebug.load_snapshot(path, model=DDPModule)
+    held = [int((ds.tensors[0] == r).all(1).nonzero().item()) for r in snap.inputs]
+    return {"skipped": list(cb.skipped), "ids": snap.ids, "held": held}
+
+
+@needs_lightning
+@pytest.mark.timeout(180)
+def test_under_ddp_each_rank_snapshot_holds_its_distributed_sampler_ids(tmp_path: Path) -> None:
+    results = h.launch(fit_ddp_ids, 2, str(tmp_path), timeout=120)
+    assert sorted(results) == [0, 1], results
+    expected = []  # each rank's batches, from its DistributedSampler (Lightning's seed: 0)
+    for r in (0, 1):
+        assert "value" in results[r], results[r].get("traceback", results[r])
+        order = list(torch.utils.data.DistributedSampler(ids_data(), 2, r, shuffle=True, seed=0))
+        expected.append([order[i : i + BATCH] for i in range(0, len(order), BATCH)])
+    (step,) = [i for r in (0, 1) for i, b in enumerate(expected[r]) if BAD_ID in b]
+    for r in (0, 1):
+        v = results[r]["value"]
+        assert v["skipped"] == [step] and v["ids"] == v["held"] == expected[r][step]

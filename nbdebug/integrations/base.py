@@ -15,6 +15,7 @@ import torch
 from ..core.guard import GuardOptions, NaNGuard
 from ..core.snapshot.data import object_name
 from ..core.stats import has_nonfinite
+from .sampler_ids import SamplerIds
 
 __all__ = [
     "StepBatch",
@@ -228,6 +229,8 @@ class CallbackState:
         The guard (made when training starts).
     skipped : list of int
         The steps whose update was skipped.
+    sampler_ids : nbdebug.integrations.sampler_ids.SamplerIds
+        The dataset indices of the training batches (its ``note``: why some had none).
     """
 
     def init_state(
@@ -238,9 +241,11 @@ class CallbackState:
         framework: str,
         version: str,
         supported: tuple[str, str],
+        sampler_ids: bool = True,
     ) -> None:
         """Check the framework's version and the options; start with no guard."""
         check_version(framework, version, *supported)
+        self.sampler_ids = SamplerIds(enabled=sampler_ids)
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
                 "NaNGuardCallback's directory must be a str or os.PathLike; got "
@@ -263,3 +268,15 @@ class CallbackState:
     def record_global_step(self, step: int) -> None:
         """The trainer's ``global_step`` of the step about to be checked."""
         self.record_trainer({**self.trainer_record, "global_step": step})
+
+    def restart_ids(self) -> None:
+        """A new run: the batches' dataset indices are recorded afresh."""
+        self.sampler_ids.close()
+        self.sampler_ids = SamplerIds(enabled=self.sampler_ids.enabled)
+
+    def ids_repr(self) -> str:
+        """The repr's note on the dataset ids (empty when every batch had them)."""
+        if not self.sampler_ids.enabled:
+            return ", dataset ids off (sampler_ids=False)"
+        note = self.sampler_ids.note
+        return "" if note is None else f", no dataset ids: {note}"

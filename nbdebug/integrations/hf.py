@@ -220,10 +220,25 @@ else:
         every rank makes a step that any rank found non-finite a no-op, and each writes
         ``step-...-rankN.nbsnap`` (see :func:`nbdebug.compare_ranks`).
 
+        Dataset indices: the guard gets each micro-batch's indices as the training
+        ``DataLoader``'s batch sampler yielded them (under DDP accelerate's per-rank
+        shard of them), recorded as the loader fetched them
+        (:mod:`nbdebug.integrations.sampler_ids`; the batches, their order and the random
+        draws are those of a run without the callback): the snapshot's ``ids``,
+        :func:`nbdebug.row_blame`'s ids and a skipped batch's in ``skip_batches.json``.
+        Where they cannot be known (an ``IterableDataset``, accelerate's
+        ``dispatch_batches``, the epoch a resumed run fast-forwards through) no ids are
+        passed and the callback's repr says why (nothing for a resumed epoch). The
+        recording hook is on the Trainer's loader from ``on_epoch_begin`` to the iterator
+        the Trainer makes next, which takes it off (after an error in between: the
+        loader's next iterator, which records nothing).
+
         Parameters
         ----------
         directory : str or PathLike
             Where snapshots go (``step-000000012.nbsnap``; step = ``state.global_step``).
+        sampler_ids : bool
+            ``False``: pass the guard no dataset indices (nothing is recorded).
         **guard_options
             Further :class:`nbdebug.NaNGuard` options (``patience``, ``on_nonfinite``,
             ``max_snapshots``, ``checks``, ...). The model, optimizer and scheduler come
@@ -236,7 +251,11 @@ else:
         """
 
         def __init__(
-            self, directory: str | os.PathLike[str] = "nbdebug-snapshots", **guard_options: Any
+            self,
+            directory: str | os.PathLike[str] = "nbdebug-snapshots",
+            *,
+            sampler_ids: bool = True,
+            **guard_options: Any,
         ):
             self.init_state(
                 directory,
@@ -244,7 +263,9 @@ else:
                 framework="transformers",
                 version=transformers.__version__,
                 supported=SUPPORTED,
+                sampler_ids=sampler_ids,
             )
+            self._ids_kept = False  # this micro-batch is the one the snapshot holds
             self._unlogged = 0
             self._device_type = "cpu"
             self._autocast_seen: dict[str, str] | None = None
@@ -269,7 +290,7 @@ else:
         def __repr__(self) -> str:
             return (
                 f"hf NaNGuardCallback(directory={str(self.directory)!r}, "
-                f"{len(self.skipped)} skipped step(s))"
+                f"{len(self.skipped)} skipped step(s){self.ids_repr()})"
             )
 
         # a Lightning Trainer calls this first: the wrong trainer
@@ -412,6 +433,7 @@ else:
             self._loss_pending = source is not None
             if not self.step_batch.bad:  # the micro-batch the snapshot will hold
                 self._step_source = source
+                self._ids_kept = True
             batch = dict(kwargs) if kwargs and not args else (args or kwargs)
             self.step_batch.add(call[0] if source is not None and call is not None else batch)
             if loss is not None:
@@ -449,6 +471,7 @@ else:
                 }
             )
             self._disarm()
+            self.restart_ids()
             self._model = model
             self._device_type = next((p.device.type for p in model.parameters()), "cpu")
             self._autocast_seen = None
@@ -466,29 +489,49 @@ else:
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._disarm()
+            self.sampler_ids.close()
             self._model = None
             self._loop_codes, self._loop_ids, self._trainer = (), frozenset(), None
 
+        def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # the Trainer makes the epoch's iterator next: it records the batches' indices
+            # (not an iterator made once training stopped on an error after this)
+            loop = self._loop_ids
+            self.sampler_ids.arm(
+                kwargs.get("train_dataloader"),
+                active=lambda: not loop or _on_stack(sys._getframe(1), loop),
+            )
+
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.sampler_ids.disarm()  # the epoch's iterator is made (the loader is as it was)
             if self.guard is not None:
                 self.guard.mark_step_start()
                 self._arm()
 
+        def _take_ids(self) -> None:
+            """A micro-batch is over: its dataset indices are the next recorded."""
+            self.sampler_ids.take(kept=self._ids_kept)
+            self._ids_kept = False
+
         def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._take_ids()
             self._arm()  # the next micro-batch of gradient accumulation
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._disarm()  # a step whose forward never reached the model
+            self._take_ids()
             if self.guard is None:
                 return
             step = int(state.global_step)
             inputs, loss = self.step_batch.batch, self.step_batch.loss
+            ids = self.sampler_ids.step_ids(inputs)
+            self.sampler_ids.end_step()
             self.step_batch.reset()
             self.record_global_step(step)
             self.guard.set_snapshot_field("autocast", self._autocast_seen)  # None: none seen
             self.guard.set_snapshot_field("loss_source", self._step_source)  # None: the model's
             self._autocast_seen, self._step_source, self._loss_pending = None, None, False
-            ok = self.guard.check(loss, inputs=inputs, step=step)
+            ok = self.guard.check(loss, inputs=inputs, step=step, ids=ids)
             if ok or not self.guard.history[-1].get("skipped"):
                 return
             self.skipped.append(step)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any
@@ -82,10 +83,23 @@ else:
         ``all_reduce``), every rank skips a step that any rank found non-finite, and each
         writes ``step-...-rankN.nbsnap`` (see :func:`nbdebug.compare_ranks`).
 
+        Dataset indices: the guard gets each batch's indices as the training
+        ``DataLoader``'s batch sampler yielded them (each rank its own, under DDP: the
+        global indices of its ``DistributedSampler``), recorded as the loader fetched them
+        (:mod:`nbdebug.integrations.sampler_ids`; the batches, their order and the random
+        draws are those of a run without the callback): the snapshot's ``ids``,
+        :func:`nbdebug.row_blame`'s ids and a skipped batch's in ``skip_batches.json``.
+        Where they cannot be known (an ``IterableDataset``, several training loaders, ...)
+        no ids are passed and the callback's repr says why. The strategy's
+        ``process_dataloader`` (which gets the training loader last) arms it, an attribute
+        of the strategy from ``on_fit_start`` to the end of ``fit`` (or its error).
+
         Parameters
         ----------
         directory : str or PathLike
             Where snapshots go (``step-000000012.nbsnap``; step = ``trainer.global_step``).
+        sampler_ids : bool
+            ``False``: pass the guard no dataset indices (nothing is recorded).
         **guard_options
             Further :class:`nbdebug.NaNGuard` options (``patience``, ``on_nonfinite``,
             ``loss_fn``, ``recipe``, ``max_snapshots``, ``checks``, ...). The model,
@@ -98,7 +112,11 @@ else:
         """
 
         def __init__(
-            self, directory: str | os.PathLike[str] = "nbdebug-snapshots", **guard_options: Any
+            self,
+            directory: str | os.PathLike[str] = "nbdebug-snapshots",
+            *,
+            sampler_ids: bool = True,
+            **guard_options: Any,
         ):
             self.init_state(
                 directory,
@@ -106,7 +124,10 @@ else:
                 framework="lightning",
                 version=lightning.__version__,
                 supported=SUPPORTED,
+                sampler_ids=sampler_ids,
             )
+            # (the strategy, our process_dataloader, the one of the instance's own it hides)
+            self._strategy_hook: tuple[Any, Any, Any] | None = None
             self._stepped = False  # an optimizer step ran during this training_step
             self._clip_val: Any = None  # the trainer's gradient_clip_val, off for a skip
             self._batch_idx = 0  # the index training_step got the step's batch with
@@ -114,7 +135,7 @@ else:
         def __repr__(self) -> str:
             return (
                 f"lightning NaNGuardCallback(directory={str(self.directory)!r}, "
-                f"{len(self.skipped)} skipped step(s))"
+                f"{len(self.skipped)} skipped step(s){self.ids_repr()})"
             )
 
         # a transformers.Trainer calls this first: the wrong trainer
@@ -138,6 +159,47 @@ else:
                     f"lightning.pytorch.Trainer; it was attached to a {type(trainer).__module__}."
                     f"{type(trainer).__qualname__}."
                 )
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            # the training loader is made (and its first iterator) before on_train_start:
+            # the strategy's process_dataloader, which gets it last, arms it
+            self.restart_ids()
+            strategy = trainer.strategy
+            process = strategy.process_dataloader
+
+            def process_dataloader(dataloader: Any) -> Any:
+                out = process(dataloader)
+                if trainer.training:  # not a sanity check's or validation's loader
+                    self.sampler_ids.arm(out)
+                return out
+
+            previous = vars(strategy).get("process_dataloader")  # an instance's own, if any
+            strategy.process_dataloader = process_dataloader
+            self._strategy_hook = (strategy, process_dataloader, previous)
+
+        def _stop_ids(self) -> None:
+            """Leave the strategy and the training loaders as they were."""
+            if self._strategy_hook is not None:
+                strategy, hook, previous = self._strategy_hook
+                if vars(strategy).get("process_dataloader") is hook:
+                    del vars(strategy)["process_dataloader"]
+                    if previous is not None:
+                        strategy.process_dataloader = previous
+                self._strategy_hook = None
+            self.sampler_ids.close()
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            loaders = trainer.train_dataloader  # the next epoch's iterator records
+            if isinstance(loaders, (list, tuple, dict)):
+                self.sampler_ids.close("the training batches come from several loaders")
+            elif "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
+                self.sampler_ids.close("training_step takes the batches itself (dataloader_iter)")
+            else:
+                self.sampler_ids.arm(loaders)
+
+        def teardown(self, *args: Any, **kwargs: Any) -> None:
+            if isinstance(self, NaNGuardCallback):  # (not the class, called unbound)
+                self._stop_ids()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
@@ -179,6 +241,7 @@ else:
                 self.guard.mark_step_start()
             if not self.step_batch.bad:  # the micro-batch the snapshot will hold
                 self._batch_idx = int(batch_idx)
+            self.sampler_ids.take(kept=not self.step_batch.bad)
             self.step_batch.add(batch)
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
@@ -200,9 +263,11 @@ else:
             # Lightning's call of it unbound leaves setup()'s error standing
             if isinstance(self, NaNGuardCallback):
                 self._restore_clipping(trainer)
+                self._stop_ids()
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self._restore_clipping(trainer)
+            self._stop_ids()
 
         def _record_loss_source(self, pl_module: Any, inputs: Any, target: Any) -> None:
             """Without ``loss_fn=``, the loss is ``training_step``'s: the snapshot records
@@ -241,7 +306,8 @@ else:
             self._stepped = True
             self.record_global_step(step)
             self._record_loss_source(pl_module, inputs, target)
-            if self.guard.check(loss, inputs=inputs, target=target, step=step):
+            ids = self.sampler_ids.step_ids(inputs)
+            if self.guard.check(loss, inputs=inputs, target=target, step=step, ids=ids):
                 return
             row = self.guard.history[-1]
             if not row.get("skipped"):  # on_nonfinite="continue": recorded, not skipped
