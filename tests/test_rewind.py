@@ -156,6 +156,26 @@ def test_a_refresh_reuses_its_buffers(tmp_path):
     assert guard.rewind.state.allocations == 1
 
 
+def test_a_window_copies_its_batches_into_the_buffers_of_the_window_before(tmp_path):
+    full: list[set[int]] = []  # the batch buffers of each window, once it is k steps long
+    data = batches(9)
+
+    def each(t: int, guard: nbdebug.NaNGuard, kept: dict[int, dict[str, Any]]) -> None:
+        assert guard.rewind is not None
+        window = guard.rewind.current()
+        if window is not None and len(window.steps) == 2:
+            full.append(
+                {p for r in window.steps for p in (r.inputs.data_ptr(), r.target.data_ptr())}
+            )
+            for r in window.steps:  # and they hold this window's batches
+                assert torch.equal(r.inputs, data[r.step][0])
+                assert torch.equal(r.target, data[r.step][1])
+
+    train(tmp_path, 9, each=each, rewind=2)
+    assert len(full) == 4 and all(len(p) == 4 for p in full)
+    assert full[1] == full[0] and full[2] == full[0] and full[3] == full[0]
+
+
 def test_the_snapshot_holds_the_window(tmp_path):
     k, bad = 4, 7
     _, guard, kept = train(tmp_path, 9, bad=bad, rewind=k, loss_fn=F.cross_entropy)

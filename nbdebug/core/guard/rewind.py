@@ -27,8 +27,9 @@ a new copy is taken at the next optimizer step.
 
 Memory: the copy is the model's ``state_dict()`` and the optimizer's state tensors once
 (tied tensors once), allocated at the first refresh and reused by every later one; plus
-each step's batch (a CPU copy; only its dataset ``ids`` when they are given and the
-batch is over :data:`IDS_ONLY_ABOVE`; nothing above :data:`BATCH_LIMIT`).
+each step's batch (a CPU copy, into the buffers of the window before; only its dataset ``ids``
+when they are given and the batch is over :data:`IDS_ONLY_ABOVE`; nothing above
+:data:`BATCH_LIMIT`).
 """
 
 from __future__ import annotations
@@ -116,13 +117,46 @@ def check_rewind(value: object) -> int | str | None:
 
 def _bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (dicts, lists, tuples of them)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+class BatchBuffers:
+    """The CPU buffers a window's batches are copied into: those of the window before,
+    reused (a step's batch copy then allocates nothing: fresh memory costs a page fault
+    per 4 KiB, and freeing a window's batches at once lets the allocator hand memory back
+    to the system, which the training step then faults in again)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A spare buffer of ``t``'s shape and dtype (``None``: none, or ``t`` is not a
+        dense tensor)."""
+        if t.layout != torch.strided:
+            return None
+        free = self._free.get((tuple(t.shape), t.dtype))
+        return free.pop() if free else None
+
+    def reuse(self, window: RewindWindow) -> None:
+        """The batches of ``window`` (dropped) are the spares now (the earlier spares go)."""
+        self._free = {}
+        seen: set[int] = set()
+        for step in window.steps:
+            for t in _tensors([step.inputs, step.target]):
+                if id(t) not in seen and t.layout == torch.strided:
+                    seen.add(id(t))
+                    self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (dicts, lists, tuples of them)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return [obj]
     if isinstance(obj, Mapping):
-        return sum(_bytes(v) for v in obj.values())
+        return [t for v in obj.values() for t in _tensors(v)]
     if isinstance(obj, (list, tuple)):
-        return sum(_bytes(v) for v in obj)
-    return 0
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def state_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -256,6 +290,7 @@ class RewindKeeper:
         #: the memory the state copy is expected to take (:func:`state_estimate`)
         self.estimate = 0
         self.window: RewindWindow | None = None
+        self._buffers = BatchBuffers()  # the batches of the window before, reused
         #: the guard's history rows: a window whose steps were flagged as spikes is held
         self.history: Sequence[HistoryRow] = ()
         self._armed = False  # the next optimizer step takes the copy
@@ -366,7 +401,7 @@ class RewindKeeper:
         where = dict(zip(steady + volatile, filled))
         self._layout = (list(model_state), slots, plain)
         self._copies = [where[i] for i in order]
-        self.window = None
+        self._drop_window()
         self._fresh = True
         if self.auto and refill:
             self._adapt(time.perf_counter() - t0)
@@ -448,11 +483,12 @@ class RewindKeeper:
         self._last_check = now
         if self._fresh:
             self._fresh = False
+            self._drop_window()
             self.window = self._start(reading.step)
         elif last_ok is False:
-            self.window = None
+            self._drop_window()
         if self.window is not None and len(self.window.steps) >= 4 * self.every:
-            self.window = None  # no optimizer step took the copy: the memory stays bounded
+            self._drop_window()  # no optimizer step took the copy: the memory stays bounded
         if self.window is not None:
             rng = self.start.rng if self.start is not None else RngState.capture()
             self._add(self.window, reading, batch, ids, rng)
@@ -486,8 +522,9 @@ class RewindKeeper:
         inputs = target = None
         if stored:
             dropped: list[str] = []
-            inputs = cpu_copy(to_plain(batch[0], "inputs", dropped, clone=False))
-            target = cpu_copy(to_plain(batch[1], "target", dropped, clone=False))
+            take = self._buffers.take
+            inputs = cpu_copy(to_plain(batch[0], "inputs", dropped, clone=False), into=take)
+            target = cpu_copy(to_plain(batch[1], "target", dropped, clone=False), into=take)
             window.nbytes += size
         lr = [float(g["lr"]) for g in self.optimizer.param_groups]
         window.steps.append(
@@ -504,11 +541,17 @@ class RewindKeeper:
             )
         )
 
+    def _drop_window(self) -> None:
+        """End the window (if any): its batches' buffers are reused by the next one."""
+        if self.window is not None:
+            self._buffers.reuse(self.window)
+        self.window = None
+
     # ------------------------------------------------------------------ views
     def current(self) -> RewindWindow | None:
         """The window as it stands (``None`` before the first copy; after a skipped
-        update until the next one), its copy complete. Its state tensors are the keeper's
-        buffers, refilled by the next refresh: copy what is to be kept."""
+        update until the next one), its copy complete. Its state tensors and batches are
+        the keeper's buffers, refilled by the next refreshes: copy what is to be kept."""
         if self.window is not None:
             self.state.wait()
         return self.window

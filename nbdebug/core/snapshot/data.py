@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -89,10 +89,16 @@ def to_plain(obj: Any, path: str, dropped: list[str], *, clone: bool) -> Any:
     return None
 
 
-def cpu_copy(obj: Any, memo: dict[Any, torch.Tensor] | None = None) -> Any:
+def cpu_copy(
+    obj: Any,
+    memo: dict[Any, torch.Tensor] | None = None,
+    *,
+    into: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+) -> Any:
     """``obj`` (tensors in dicts, lists and tuples) with every tensor copied to the CPU, so
     that it can be written while training goes on. Tensors that share memory (tied
-    weights) stay shared in the copy."""
+    weights) stay shared in the copy. ``into(t)``: a CPU tensor of ``t``'s shape and
+    dtype to copy ``t`` into (a buffer reused), or ``None`` for a new one."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
@@ -105,14 +111,15 @@ def cpu_copy(obj: Any, memo: dict[Any, torch.Tensor] | None = None) -> Any:
             str(t.device),
         )
         if key not in memo:
-            memo[key] = t.to("cpu", copy=True)
+            buffer = into(t) if into is not None else None
+            memo[key] = t.to("cpu", copy=True) if buffer is None else buffer.copy_(t)
         return memo[key]
     if isinstance(obj, dict):
-        return {k: cpu_copy(v, memo) for k, v in obj.items()}
+        return {k: cpu_copy(v, memo, into=into) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [cpu_copy(v, memo) for v in obj]
+        return [cpu_copy(v, memo, into=into) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(cpu_copy(v, memo) for v in obj)
+        return tuple(cpu_copy(v, memo, into=into) for v in obj)
     return obj
 
 
