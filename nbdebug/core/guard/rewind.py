@@ -78,7 +78,7 @@ __all__ = [
 #: :data:`COPY_SHARE` of a step (measured: the copy's time against the time between checks),
 #: up to :data:`MAX_EVERY` steps
 DEFAULT_EVERY = 8
-COPY_SHARE = 0.005
+COPY_SHARE = 0.0025
 MAX_EVERY = 64
 #: ``rewind="auto"`` is on when the state fits ``min(BUDGET_CAP, BUDGET_SHARE *
 #: available RAM)``: the copy doubles the training state held on the host, and a
