@@ -504,9 +504,12 @@ class RewindKeeper:
         window = self.window
         if window is not None:
             first = window.start_step
-            if any(r.get("spikes") for r in self.history if r["step"] >= first):
-                self._armed = False  # the next check arms it again
-                return
+            for r in reversed(self.history):  # the window's rows are the last ones
+                if r["step"] < first:
+                    break
+                if r.get("spikes"):
+                    self._armed = False  # the next check arms it again
+                    return
         self._take()
 
     def _add(
