@@ -18,7 +18,7 @@ about 9 GB on disk) written once, then ``nbdebug inspect`` of it in a subprocess
 time (target < 5 s) and peak resident memory from ``wait4``'s ``ru_maxrss`` (< 1 GB).
 Every file is deleted at the end.
 
-    python benchmarks/bench_snapshot.py [--quick] [--rounds 3] [--threads 1] [--large]
+    python benchmarks/bench_snapshot.py [--quick] [--rounds 5] [--threads 1] [--large]
     python benchmarks/bench_snapshot.py --large-only
 """
 
@@ -218,7 +218,7 @@ def _measured(code: str, path: Path) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)  # IO here is at times throttled
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one round, no --large")
     ap.add_argument("--large", action="store_true", help="also GPT-2 large + nbdebug inspect")

@@ -280,17 +280,23 @@ def atomic_save(obj: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     :mod:`~nbdebug.core.snapshot.containerwrite`): a temporary file in the same
     directory, fsynced, renamed over ``path``, then the directory fsynced. A crash at any
     point leaves either no file or the complete file under ``path`` (and never a
-    temporary file after an exception)."""
-    return PendingSave(obj, path).finish()
+    temporary file after an exception). ``obj``'s tensors do not change meanwhile, so
+    they are measured while they are written (``measure_live``)."""
+    return PendingSave(obj, path, measure_live=True).finish()
 
 
 class PendingSave:
     """:func:`atomic_save` in two parts. Made: the temporary file holds every tensor's
     bytes (copied from ``obj``, whose tensors may change from then on). :meth:`finish`
     (on any thread, once): checksums and header, fsync, rename over ``path``. An
-    exception in either part removes the temporary file and releases the name."""
+    exception in either part removes the temporary file and releases the name.
+    ``measure_live``: ``obj``'s tensors stay as they are until :meth:`finish` returns, and
+    are measured from themselves while written (see
+    :class:`~nbdebug.core.snapshot.containerwrite.ContainerWrite`)."""
 
-    def __init__(self, obj: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, obj: Mapping[str, Any], path: str | os.PathLike[str], *, measure_live: bool = False
+    ) -> None:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +309,7 @@ class PendingSave:
         os.close(fd)
         self._tmp = Path(tmp)
         try:
-            self._file = ContainerWrite(obj, self._tmp)
+            self._file = ContainerWrite(obj, self._tmp, measure_live=measure_live)
         except BaseException:
             self._abandon()
             raise
