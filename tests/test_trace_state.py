@@ -250,3 +250,32 @@ def test_a_forward_that_writes_its_weight_is_left_as_one_forward_leaves_it(nan: 
     assert torch.equal(model.fc.weight, start * 0.5)
     assert any("forward writes fc.weight in place" in n for n in tr.notes), tr.notes
     assert "note: the model's forward writes fc.weight" in repr(tr)
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_rng_capture_follows_numpy_draws_seeds_and_set_state() -> None:
+    """The guard's cached numpy capture equals ``np.random.get_state()`` after draws
+    (uniform and Gaussian, which leaves a cached twin), a reseed and ``set_state``."""
+    from nbdebug.core.state import RngState
+
+    saved = np.random.get_state()
+    try:
+        np.random.seed(3)
+        steps = [
+            lambda: None,
+            lambda: np.random.rand(5),
+            lambda: np.random.randn(),  # one of a pair: the twin is cached
+            lambda: np.random.randn(),
+            lambda: np.random.seed(11),
+            lambda: np.random.set_state(saved),
+            lambda: np.random.rand(700),  # past the 624-word block: the key is regenerated
+        ]
+        for change in steps:
+            change()
+            for _ in range(2):  # the second capture takes the cached path
+                assert _same_numpy_state(RngState.capture().numpy, np.random.get_state())
+    finally:
+        np.random.set_state(saved)

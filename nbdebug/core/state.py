@@ -77,14 +77,21 @@ class _NumpyGlobalState:
     def __init__(self) -> None:
         self._raw: bytes | None = None
         self._state: Any = None
+        # the global bit generator last seen and its state struct's address (``ctypes``
+        # builds a new interface object per access: looked up once per generator)
+        self._bg: Any = None
+        self._address: int | None = None
 
-    @staticmethod
-    def _struct() -> bytes | None:
+    def _struct(self) -> bytes | None:
         """The MT19937 state struct of the global generator (``None``: another one)."""
         bg = np.random.get_bit_generator()  # type: ignore[attr-defined]
-        if type(bg).__name__ != "MT19937":
+        if bg is not self._bg:
+            self._bg = bg  # held: its struct stays at this address
+            mt = type(bg).__name__ == "MT19937"
+            self._address = int(bg.ctypes.state_address) if mt else None
+        if self._address is None:
             return None
-        return ctypes.string_at(bg.ctypes.state_address, _MT_BYTES)
+        return ctypes.string_at(self._address, _MT_BYTES)
 
     def capture(self) -> Any:
         raw = self._struct()

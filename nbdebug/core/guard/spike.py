@@ -213,10 +213,14 @@ class _Window:
 
     def score(self, x: float) -> tuple[float, float, bool] | None:
         """(z, median in raw units, whether ``x`` is above every value held), or ``None``
-        with too few values."""
+        with too few values. Only a value above every value held can be a spike, so the
+        median and the spread are computed for it alone (most steps cost one ``max``)."""
         if self.n < MIN_WINDOW:
             return None
-        ordered = np.sort(self.ring[: self.n])  # one sort: the median and the top
+        held = self.ring[: self.n]
+        if not x > float(held.max()):
+            return -math.inf, math.nan, False
+        ordered = np.sort(held)  # one sort: the median and the top
         med = _middle(ordered)
         deviations = np.abs(ordered - med)
         deviations.sort()
