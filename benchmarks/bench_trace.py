@@ -49,8 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import cnn, gpt2_124m, gpt2_deep, mean_square, resnet18, transformer
 
 import nbdebug
-from nbdebug.core import kernels
-from nbdebug.core.trace import recorder
+from nbdebug.core import engine, kernels
 
 
 def bert() -> tuple[nn.Module, dict]:
@@ -202,34 +201,34 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
 
 
 def per_event(model: nn.Module, x: Any) -> tuple[int, float]:
-    """One trace's events and the wall time its statistics took (every ``quick_parts``
-    call of the recorder and the parameter gradients measured after the backward, with
+    """One trace's events and the wall time its statistics took (every measurement of the
+    recorder's engine, one by one or many at once, and the host read of its rows, with
     their Python)."""
-    spent = [0.0]
-    quick, many = recorder.quick_parts, recorder.Recorder.measure_param_grads
+    spent, depth = [0.0], [0]
+    names = ("measure", "measure_many", "host_rows")
+    saved = {n: getattr(engine.QuickEngine, n) for n in names}
 
-    def timed_quick(*args: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return quick(*args)
-        finally:
-            spent[0] += time.perf_counter() - t
+    def timing(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:  # measure_many measures some tensors one by one
+                    spent[0] += time.perf_counter() - t
 
-    def timed_many(self: recorder.Recorder) -> None:
-        t = time.perf_counter()
-        try:
-            many(self)
-        finally:
-            spent[0] += time.perf_counter() - t
+        return run
 
-    recorder.quick_parts = timed_quick  # type: ignore[assignment]
-    recorder.Recorder.measure_param_grads = timed_many  # type: ignore[method-assign]
+    for n, f in saved.items():
+        setattr(engine.QuickEngine, n, timing(f))
     try:
         model.zero_grad(set_to_none=True)
         n = len(_trace(model, x).events)
     finally:
-        recorder.quick_parts = quick
-        recorder.Recorder.measure_param_grads = many  # type: ignore[method-assign]
+        for name, f in saved.items():
+            setattr(engine.QuickEngine, name, f)
     return n, spent[0]
 
 

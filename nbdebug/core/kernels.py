@@ -34,6 +34,12 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 #: when it was built)
 ENV = "NBDEBUG_KERNELS"
 
+#: compiler flags: ``-fopenmp`` makes ``at::parallel_for`` (an OpenMP pragma in ATen's
+#: headers) run on torch's intra-op threads; without it the pragma is ignored and the
+#: kernel runs on one thread. Only compiled with it: the library is not linked against an
+#: OpenMP runtime of its own, its calls resolve to the one libtorch loaded.
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
 _loaded: dict[tuple[str | None, ...], ModuleType | None] = {}
 _tags: dict[str, str] = {}
 
@@ -43,6 +49,7 @@ def _tag() -> str:
     tag = _tags.get(torch.__version__)
     if tag is None:
         key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu().encode()
+        key += " ".join(CFLAGS).encode()
         tag = _tags[torch.__version__] = hashlib.sha256(key).hexdigest()[:12]
     return tag
 
@@ -118,7 +125,12 @@ def compiled() -> ModuleType | None:
     ``quick_stats(x, *measure.kernel_args())`` takes a non-empty contiguous CPU tensor of a
     floating dtype and returns one float64 row: ``[sum, sum of squares, min, max]``, then
     the histogram (bin counts, zeros, NaN/Inf, size) of every ``ceil(numel /
-    max_sample)``-th element."""
+    max_sample)``-th element. ``quick_stats_row(x, out, row, *args)`` writes that row into
+    row ``row`` of a preallocated float64 ``out``, ``quick_stats_into(xs, out, first_row,
+    *args)`` the rows of many tensors in one call (large ones split across torch's
+    intra-op threads, small ones packed into shared tasks), and ``moments_many(xs,
+    wide)`` returns float64 ``[len(xs), 4]`` of ``[sum, sum of squares, min, max]``
+    (squares in float64 lanes when ``wide``)."""
     mode = os.environ.get(ENV)
     if mode is None or mode == "compiled":
         return _module()
@@ -147,7 +159,7 @@ def build(*, verbose: bool = False) -> Path:
             name=_name(),
             sources=[str(SOURCE)],
             build_directory=str(out),
-            extra_cflags=["-O3", "-march=native"],
+            extra_cflags=list(CFLAGS),
             verbose=verbose,
         )
     except (RuntimeError, OSError) as err:

@@ -66,7 +66,7 @@ def _sample(flat: torch.Tensor) -> torch.Tensor:
 QuickParts = tuple[torch.Tensor, ...]
 
 
-def _flat_view(x: torch.Tensor) -> torch.Tensor | None:
+def flat_view(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as a 1-D view in memory order (statistics do not depend on the order), or
     None when its elements do not fill a dense block (then only a copy can flatten it)."""
     if x.is_contiguous():
@@ -132,17 +132,17 @@ def quick_parts(t: torch.Tensor, kernel: ModuleType | Lookup | None = LOOKUP) ->
     """
     # a floating strided tensor is read as it is (the hot path: no detached copy of the
     # tensor object); anything else is made real and dense first
-    x = t if t.layout == torch.strided and t.dtype in _FLOATING else as_real(t)
+    x = t if t.layout == torch.strided and t.dtype in FLOATING else as_real(t)
     if x.numel() == 0:
         return ()
     if x.device.type == "cpu":
         fused = kernels.compiled() if isinstance(kernel, Lookup) else kernel
         if fused is not None:
-            flat = x if x.is_contiguous() else _flat_view(x.detach())
+            flat = x if x.is_contiguous() else flat_view(x.detach())
             if flat is not None:
                 return (fused.quick_stats(flat, *kernel_args()),)
     x = x.detach()
-    flat = _flat_view(x)
+    flat = flat_view(x)
     lo, hi = torch.aminmax(x)  # one pass for both (one dispatch fewer per tensor)
     return (
         x.sum(dtype=_accum_dtype(x)),
@@ -153,7 +153,7 @@ def quick_parts(t: torch.Tensor, kernel: ModuleType | Lookup | None = LOOKUP) ->
     )
 
 
-_FLOATING = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+FLOATING = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
 _KERNEL_ARGS: list[tuple[int, int, float, float, torch.Tensor, float]] = []
@@ -205,14 +205,9 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     left at -1 (not counted): a finite sum, min and max mean there are none (see
     :func:`vector_is_finite`)."""
     n = len(parts)
-    out = np.zeros((n, VECTOR_LEN))
-    out[:, IDX_NNAN] = out[:, IDX_NINF] = out[:, IDX_NFIN] = -1.0
-    out[:, IDX_NUMEL] = numels
+    rows = np.zeros((n, 4 + HIST_BINS + 3))
     live = [i for i in range(n) if parts[i]]
     dead = [i for i in range(n) if not parts[i]]
-    if dead:
-        out[dead, IDX_MIN] = out[dead, IDX_MAX] = np.nan
-        out[dead, IDX_NNAN] = out[dead, IDX_NINF] = 0.0
     # one group per dtype: stacking tensors of mixed dtypes takes torch's slow path (about
     # 10x per tensor; an integer batch measured in float64 among float32 activations), and
     # float64 samples make :func:`sample_hist` bin all of its samples in float64
@@ -221,49 +216,63 @@ def assemble_quick(parts: list[QuickParts], numels: list[int]) -> np.ndarray:
     for i in live:
         groups.setdefault((len(parts[i]), parts[i][0].dtype, parts[i][-1].dtype), []).append(i)
     for idx in groups.values():
-        _assemble_group(parts, idx, out)
+        rows[idx] = eager_rows([parts[i] for i in idx]).cpu().numpy()
+    out = rows_to_vectors(rows, numels, dead)
+    eager = [i for i in live if len(parts[i]) > 1]
+    if eager:
+        rescue_tiny_norms([parts[i] for i in eager], eager, out)
     return out
 
 
-def _assemble_group(parts: list[QuickParts], live: list[int], out: np.ndarray) -> None:
-    """Fill the rows ``live`` of ``out`` from their parts (all of one dtype and form)."""
-    k = len(live)
-    if len(parts[live[0]]) == 1:  # compiled: one float64 row each, histogram included
-        host = torch.stack([parts[i][0] for i in live]).cpu().numpy()
-        sc, hs = host[:, :4], host[:, 4:]
-    else:  # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
-        scal = torch.stack(
-            [torch.stack([parts[i][j] for i in live]).to(torch.float64) for j in range(4)], 1
-        )
-        hist = sample_hist([parts[i][-1] for i in live])
-        flat = torch.cat([scal.reshape(-1), hist.reshape(-1)]).cpu().numpy()
-        sc = flat[: 4 * k].reshape(k, 4)
-        hs = flat[4 * k :].reshape(k, HIST_BINS + 3)
-    rows = np.asarray(live)
-    out[rows, IDX_SUM] = sc[:, 0]
+def eager_rows(parts: list[QuickParts]) -> torch.Tensor:
+    """Float64 ``(len(parts), 4 + HIST_BINS + 3)`` on the parts' device, the compiled
+    kernel's row layout (``[sum, sum of squares, min, max, histogram]``), from the
+    :func:`quick_parts` of tensors of one dtype and form, with device ops only."""
+    if len(parts[0]) == 1:  # compiled: one float64 row each, histogram included
+        return torch.stack([p[0] for p in parts])
+    # one stack per kind of scalar (4 stacks, not one per tensor), float64 on arrival
+    scal = torch.stack([torch.stack([p[j] for p in parts]).to(torch.float64) for j in range(4)], 1)
+    return torch.cat([scal, sample_hist([p[-1] for p in parts])], 1)
+
+
+def rows_to_vectors(rows: np.ndarray, numels: list[int], dead: list[int]) -> np.ndarray:
+    """Statistics vectors (``VECTOR_LEN`` columns) from host rows in the kernel's layout
+    (see :func:`eager_rows`); the rows ``dead`` are of empty tensors (not read). NaN/Inf
+    counts are left at -1 (not counted), the share of zeros is scaled up from the
+    sample."""
+    n = len(rows)
+    out = np.zeros((n, VECTOR_LEN))
+    out[:, IDX_NNAN] = out[:, IDX_NINF] = out[:, IDX_NFIN] = -1.0
+    out[:, IDX_NUMEL] = numels
+    out[:, IDX_SUM] = rows[:, 0]
     with np.errstate(invalid="ignore"):
-        out[rows, IDX_NORM] = np.sqrt(sc[:, 1])
-    out[rows, IDX_MIN] = sc[:, 2]
-    out[rows, IDX_MAX] = sc[:, 3]
-    if len(parts[live[0]]) > 1:
-        _rescue_tiny_norms(parts, live, out)
-    out[rows, IDX_HIST0:] = hs
-    # zeros: scaled up from the sample
+        out[:, IDX_NORM] = np.sqrt(rows[:, 1])
+    out[:, IDX_MIN] = rows[:, 2]
+    out[:, IDX_MAX] = rows[:, 3]
+    hs = rows[:, 4:]
+    out[:, IDX_HIST0:] = hs
     zero_share = hs[:, HIST_BINS] / np.maximum(hs[:, HIST_BINS + 2], 1)
-    out[rows, IDX_NNZ] = out[rows, IDX_NUMEL] * (1.0 - zero_share)
+    out[:, IDX_NNZ] = out[:, IDX_NUMEL] * (1.0 - zero_share)
+    if dead:
+        out[dead] = 0.0
+        out[dead, IDX_NUMEL] = [numels[i] for i in dead]
+        out[dead, IDX_MIN] = out[dead, IDX_MAX] = np.nan
+        out[dead, IDX_NFIN] = -1.0
+    return out
 
 
-def _rescue_tiny_norms(parts: list[QuickParts], live: list[int], out: np.ndarray) -> None:
-    """Eager rows whose largest element is below :data:`UNDERFLOW`: their float32 sum of
-    squares rounded to 0 (or lost its precision), so their norm comes from their sample,
-    squared in float64 (exact up to ``HIST_SAMPLE`` elements, scaled up past it). The
-    compiled kernel squares such a tensor again in float64 itself."""
-    rows = np.asarray(live)
+def rescue_tiny_norms(parts: list[QuickParts], rows: list[int], out: np.ndarray) -> None:
+    """Eager rows (``out[rows[j]]`` measured from ``parts[j]``) whose largest element is
+    below :data:`UNDERFLOW`: their float32 sum of squares rounded to 0 (or lost its
+    precision), so their norm comes from their sample, squared in float64 (exact up to
+    ``HIST_SAMPLE`` elements, scaled up past it). The compiled kernel squares such a
+    tensor again in float64 itself."""
+    at = np.asarray(rows)
     with np.errstate(invalid="ignore"):
-        absmax = np.maximum(np.abs(out[rows, IDX_MIN]), np.abs(out[rows, IDX_MAX]))
+        absmax = np.maximum(np.abs(out[at, IDX_MIN]), np.abs(out[at, IDX_MAX]))
     for j in np.flatnonzero((absmax > 0) & (absmax < UNDERFLOW)):
-        i = live[j]
-        sample = parts[i][-1].detach().to(torch.float64)
+        i = rows[j]
+        sample = parts[j][-1].detach().to(torch.float64)
         share = out[i, IDX_NUMEL] / max(sample.numel(), 1)
         out[i, IDX_NORM] = math.sqrt(float(sample.square().sum()) * share)
 
@@ -343,7 +352,7 @@ def exact_vector(t: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return empty_vector(dev)
     numel = x.numel()
-    flat = _flat_view(x)
+    flat = flat_view(x)
     f64 = torch.float64
     total = x.sum(dtype=_accum_dtype(x))
     sample = _sample_of(x, flat)

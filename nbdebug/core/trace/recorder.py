@@ -5,13 +5,14 @@ A pass installs a forward pre-hook and a forward hook on every module (or on tho
 every module input that no module produced), and one hook on every parameter (of
 those modules). Two modes:
 
-* quick (``exact=False``): statistics vectors stay on the device (:func:`quick_parts`);
-  nothing is synchronised until the pass is over. A parameter's gradient is measured
-  right after autograd accumulated it into ``.grad`` (a post-accumulate hook), and then
-  dropped, so a pass never holds a second full set of gradients beside the user's (kept
-  aside by the trace). Under (Distributed)DataParallel or FSDP2, whose own hooks read the
-  accumulated gradients, a tensor hook marks the event's place and the gradients are
-  measured after the backward.
+* quick (``exact=False``): statistics rows stay on the device, one row per measured
+  tensor in the pass's :class:`..engine.QuickEngine` (an event's vector is its
+  measurement id); nothing is synchronised until the pass is over. A parameter's
+  gradient is measured right after autograd accumulated it into ``.grad`` (a
+  post-accumulate hook), and then dropped, so a pass never holds a second full set of
+  gradients beside the user's (kept aside by the trace). Under (Distributed)DataParallel
+  or FSDP2, whose own hooks read the accumulated gradients, a tensor hook marks the
+  event's place and the gradients are measured after the backward, in one engine call.
 * exact (``exact=True``): run only when the quick pass saw a NaN/Inf. Element-wise
   statistics, the batch rows holding non-finite values, which inputs of each module call
   were finite, the data flow between calls, and a copy of the inputs of the calls still
@@ -32,7 +33,8 @@ import torch
 
 from .. import kernels
 from ..batch import named_tensors
-from ..measure import QuickParts, assemble_quick, exact_vector, quick_parts
+from ..engine import QuickEngine
+from ..measure import exact_vector
 from ..parallel import is_dtensor, unwrap_data_parallel
 from ..stats import (
     IDX_NNAN,
@@ -100,6 +102,7 @@ class Recorder:
         self._pending_grads: list[tuple[int, torch.Tensor]] = []
         self.exact = exact
         self.kernel = kernels.compiled()  # quick mode: decided once per pass
+        self.engine = QuickEngine(self.kernel)  # quick mode: every measured tensor's row
         self.capture = options.capture and exact
         self.batch_size = batch_size
         self.raw: list[RawEvent] = []
@@ -222,7 +225,7 @@ class Recorder:
         """The statistics of ``t``, and in the exact pass the batch rows holding its
         non-finite values (``rows=False``: none, for a tensor without a batch dimension)."""
         if not self.exact:
-            return quick_parts(t, self.kernel), []
+            return self.engine.measure(t), []
         # no autograd state from the hooks: under activation checkpointing a tensor saved
         # here in the first run but not in the recomputation is a CheckpointError
         with torch.no_grad():
@@ -404,7 +407,7 @@ class Recorder:
             # here; its statistics are taken from ``.grad`` once the backward is over (off
             # its critical path, and no reference to ``grad`` held, which would make
             # autograd copy it into ``.grad``)
-            i = self._record_param(module, short, qual, grad, ())
+            i = self._record_param(module, short, qual, grad, -1)
             self._pending_grads.append((i, param))
             return None
 
@@ -421,7 +424,7 @@ class Recorder:
             g = p.grad
             if g is None:  # pragma: no cover - autograd calls the hook after writing it
                 return None
-            vector = quick_parts(g, self.kernel)
+            vector = self.engine.measure(g)
             self._record_param(module, short, qual, g, vector)
             p.grad = None
             return None
@@ -430,10 +433,11 @@ class Recorder:
 
     def measure_param_grads(self) -> None:
         """Quick mode: measure the parameter gradients whose hooks fired and that are not
-        measured yet, from their ``.grad`` (the backward is over)."""
-        for i, p in self._pending_grads:
-            g = p.grad
-            self.raw[i].vector = quick_parts(g, self.kernel) if g is not None else ()
+        measured yet, from their ``.grad`` (the backward is over): one call of the engine
+        for all of them."""
+        ids = self.engine.measure_many([p.grad for _, p in self._pending_grads])
+        for (i, _), v in zip(self._pending_grads, ids):
+            self.raw[i].vector = v
         self._pending_grads = []
 
     def keep_output(self, module: str, name: str, t: torch.Tensor) -> None:
@@ -455,20 +459,11 @@ class Recorder:
                 return np.zeros((0, VECTOR_LEN))
             return np.vstack([r.vector for r in self.raw])
         self.measure_param_grads()
-        out = np.empty((len(self.raw), VECTOR_LEN))
-        by_device: dict[torch.device | None, list[int]] = {}
-        first: dict[int, int] = {}  # events sharing one measurement are assembled once
-        source = []
-        for i, r in enumerate(self.raw):
-            j = first.setdefault(id(r.vector), i)
-            source.append(j)
-            if j == i:
-                dev = r.vector[0].device if r.vector else None
-                by_device.setdefault(dev, []).append(i)
-        for idx in by_device.values():
-            parts = cast("list[QuickParts]", [self.raw[i].vector for i in idx])  # quick pass
-            out[idx] = assemble_quick(parts, [_numel(self.raw[i].shape) for i in idx])
-        return out[source]
+        # events sharing one measurement share its row
+        ids = cast("list[int]", [r.vector for r in self.raw])  # quick pass: measurement ids
+        out: np.ndarray = self.engine.host_rows()[ids]
+        out[:, IDX_NUMEL] = [_numel(r.shape) for r in self.raw]
+        return out
 
 
 def select_modules(

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..measure import QuickParts
 from ..vocab import EventKind, Phase
 from .capture import CallCapture
 
@@ -39,9 +38,9 @@ PHASE_OF: dict[EventKind, Phase] = {
     EventKind.PARAM_GRAD: Phase.BACKWARD,
 }
 
-#: a statistics vector: quick parts on the device (:func:`..measure.quick_parts`), or the
-#: exact pass's host vector
-Vector = QuickParts | np.ndarray
+#: a statistics vector: the quick pass's measurement id in its engine
+#: (:class:`..engine.QuickEngine`; -1: not measured yet), or the exact pass's host vector
+Vector = int | np.ndarray
 
 
 #: (call, kind, name): a module call that owns an event when a tensor's gradient arrives
@@ -69,8 +68,8 @@ class RecordOptions:
 
 
 def host(v: Vector) -> np.ndarray:
-    """An exact pass's statistics vector, a host array (a quick pass's are device parts)."""
-    if not isinstance(v, np.ndarray):  # pragma: no cover - an exact-pass reader on quick parts
+    """An exact pass's statistics vector, a host array (a quick pass's are measurement ids)."""
+    if not isinstance(v, np.ndarray):  # pragma: no cover - an exact-pass reader on a quick id
         raise TypeError("expected an exact pass's host vector")
     return v
 
