@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from nbdebug.core.norms import device_norms, fused_norms, total_norm
+from nbdebug.core.norms import (
+    copy_norms,
+    device_norms,
+    fused_norms,
+    norm_vector,
+    total_norm,
+    update_norms,
+)
 
 
 def test_fused_norms_match_one_norm_per_tensor_across_dtypes() -> None:
@@ -84,3 +91,94 @@ def test_norms_match_float64_reference_in_both_engines(
     flat = torch.cat([t.double().reshape(-1) for t in finite])
     total = total_norm(finite, device=torch.device("cpu"), dtype=torch.float64)
     assert float(total) == pytest.approx(float(flat.norm()), rel=1e-5)
+
+
+def _engine(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbdebug.core import kernels
+
+    if mode == "compiled" and not kernels.active():
+        pytest.skip("the compiled kernel is not built (nbdebug build-kernels)")
+    monkeypatch.setenv(kernels.ENV, mode)
+
+
+def _close(got: float, want: float, dtype: torch.dtype) -> None:
+    if math.isnan(want):
+        assert math.isnan(got)
+    elif math.isinf(want):
+        assert got == want
+    else:
+        rel = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+        assert got == pytest.approx(want, rel=rel, abs=1e-30)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_norm_vector_is_one_vector_of_the_float64_norms(
+    mode: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _engine(mode, monkeypatch)
+    ts = _mixed_tensors()  # mixed dtypes, empty, transposed, strided, NaN and Inf
+    cpu = torch.device("cpu")
+    got = norm_vector(ts, device=cpu, dtype=dtype)
+    assert got.dtype == dtype and got.shape == (len(ts),)
+    for t, n in zip(ts, got.tolist()):
+        _close(n, torch.linalg.vector_norm(t.double()).item(), t.dtype)
+    assert norm_vector([], device=cpu).shape == (0,)
+
+
+def _pairs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Weights before and after an update: every float dtype, a large tensor (several
+    parallel tasks), a small one, an empty one, a NaN weight after the update."""
+    g = torch.Generator().manual_seed(2)
+    before, after = [], []
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for shape in ((300_000,), (17, 3), (0,)):
+            w = torch.randn(*shape, generator=g).to(dt)
+            before.append(w)
+            after.append((w.double() - 1e-2 * torch.randn(*shape, generator=g)).to(dt))
+    after[1][0, 0] = float("nan")
+    return before, after
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_copy_norms_copies_and_measures_the_tensors(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _engine(mode, monkeypatch)
+    weights, _ = _pairs()
+    copies = [torch.full_like(w, 7.0) for w in weights]
+    got = copy_norms(copies, weights, device=torch.device("cpu"))
+    assert got.dtype == torch.float32 and got.shape == (len(weights),)
+    for c, w, n in zip(copies, weights, got.tolist()):
+        assert torch.equal(c, w)
+        _close(n, torch.linalg.vector_norm(w.double()).item(), w.dtype)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_update_norms_are_the_norms_of_the_differences(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _engine(mode, monkeypatch)
+    before, after = _pairs()
+    want = [torch.linalg.vector_norm(b.double() - a.double()).item() for b, a in zip(before, after)]
+    kept = [a.clone() for a in after]
+    copies = [b.clone() for b in before]
+    got = update_norms(copies, after, device=torch.device("cpu"), dtype=torch.float64)
+    assert got.dtype == torch.float64 and got.shape == (len(before),)
+    for b, n, w in zip(before, got.tolist(), want):
+        _close(n, w, b.dtype)
+    assert math.isnan(got[1].item())  # the NaN weight
+    for a, k in zip(after, kept):  # the weights are only read
+        torch.testing.assert_close(a, k, rtol=0, atol=0, equal_nan=True)
+    if mode == "compiled":  # nothing written: the copies are as they were
+        assert all(torch.equal(c, b) for c, b in zip(copies, before))
+
+
+def test_update_norms_fall_back_for_a_pair_the_kernel_cannot_read() -> None:
+    w = torch.randn(30, 40)
+    now = (w + 1).t().contiguous().t()  # the same values, not contiguous
+    got = update_norms([w.clone()], [now], device=torch.device("cpu"))
+    assert got.item() == pytest.approx(math.sqrt(1200), rel=1e-5)
+    copy = torch.empty(40, 30).t()  # a copy buffer that is not contiguous
+    got = copy_norms([copy], [w], device=torch.device("cpu"))
+    assert torch.equal(copy, w) and got.item() == pytest.approx(w.double().norm().item(), rel=1e-5)

@@ -370,9 +370,107 @@ torch::Tensor moments_many(const std::vector<torch::Tensor>& xs, bool wide) {
   return out;
 }
 
+namespace {
+
+// The float64 sum of squares of a[begin, end) (COPY: copied into dst on the way), or of
+// a - b, in acc_t lanes flushed to float64 per block.
+template <typename scalar_t, typename acc_t, bool COPY>
+double pair_sq_range(const scalar_t* a, const scalar_t* b, scalar_t* dst, int64_t begin,
+                     int64_t end) {
+  double out = 0.0;
+  int64_t i = begin;
+  auto term = [&](int64_t j) -> acc_t {
+    if constexpr (COPY) {
+      const scalar_t s = a[j];
+      dst[j] = s;
+      return static_cast<acc_t>(s);
+    } else {
+      return static_cast<acc_t>(a[j]) - static_cast<acc_t>(b[j]);
+    }
+  };
+  while (i + LANES <= end) {
+    const int64_t stop = std::min(end, i + BLOCK);
+    acc_t q[LANES] = {0};
+    for (; i + LANES <= stop; i += LANES) {
+      for (int64_t l = 0; l < LANES; ++l) {
+        const acc_t v = term(i + l);
+        q[l] += v * v;
+      }
+    }
+    double bq = 0.0;
+    for (int64_t l = 0; l < LANES; ++l) bq += q[l];
+    out += bq;
+  }
+  for (; i < end; ++i) {
+    const double v = static_cast<double>(term(i));
+    out += v * v;
+  }
+  return out;
+}
+
+// Per pair (a[i], b[i]) of equal shape and dtype, the float64 sum of squares of a[i] - b[i]
+// (COPY: of b[i], copied into a[i]), the pieces of all pairs over torch's intra-op threads.
+template <bool COPY>
+torch::Tensor pair_sq_many(const std::vector<torch::Tensor>& as,
+                           const std::vector<torch::Tensor>& bs, bool wide, const char* who) {
+  TORCH_CHECK(as.size() == bs.size(), who, " expects two lists of the same length, got ",
+              as.size(), " and ", bs.size());
+  check_tensors(as, who);
+  check_tensors(bs, who);
+  for (size_t i = 0; i < as.size(); ++i) {
+    TORCH_CHECK(as[i].sizes() == bs[i].sizes() && as[i].scalar_type() == bs[i].scalar_type(),
+                who, " expects pairs of one shape and dtype, got ", as[i].sizes(), " ",
+                as[i].scalar_type(), " and ", bs[i].sizes(), " ", bs[i].scalar_type());
+  }
+  const Work w = plan(as);
+  std::vector<double> parts(w.pieces.size(), 0.0);
+  const int64_t tasks = static_cast<int64_t>(w.task_start.size()) - 1;
+  at::parallel_for(0, tasks, 1, [&](int64_t s, int64_t e) {
+    for (int64_t t = s; t < e; ++t) {
+      for (int64_t j = w.task_start[t]; j < w.task_start[t + 1]; ++j) {
+        const Piece& pc = w.pieces[j];
+        const torch::Tensor& a = as[pc.tensor];
+        const torch::Tensor& b = bs[pc.tensor];
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "pair_sq_many", [&] {
+          scalar_t* dst = COPY ? a.data_ptr<scalar_t>() : nullptr;
+          const scalar_t* src = COPY ? b.const_data_ptr<scalar_t>() : a.const_data_ptr<scalar_t>();
+          const scalar_t* other = COPY ? nullptr : b.const_data_ptr<scalar_t>();
+          if (wide || std::is_same_v<scalar_t, double>) {
+            parts[j] = pair_sq_range<scalar_t, double, COPY>(src, other, dst, pc.begin, pc.end);
+          } else {
+            parts[j] = pair_sq_range<scalar_t, float, COPY>(src, other, dst, pc.begin, pc.end);
+          }
+        });
+      }
+    }
+  });
+  auto out = torch::zeros({static_cast<int64_t>(as.size())}, torch::kFloat64);
+  double* o = out.data_ptr<double>();
+  for (size_t j = 0; j < w.pieces.size(); ++j) o[w.pieces[j].tensor] += parts[j];
+  return out;
+}
+
+}  // namespace
+
+// A new float64 [len(as)] of the sum of squares of as[i] - bs[i] (the update of a weight
+// against its copy), reading both once and writing nothing.
+torch::Tensor diff_sq_many(const std::vector<torch::Tensor>& as,
+                           const std::vector<torch::Tensor>& bs, bool wide) {
+  return pair_sq_many<false>(as, bs, wide, "diff_sq_many");
+}
+
+// Copy srcs[i] into dsts[i] and return a new float64 [len(srcs)] of the sum of squares of
+// each srcs[i], in one pass over each.
+torch::Tensor copy_sq_many(const std::vector<torch::Tensor>& dsts,
+                           const std::vector<torch::Tensor>& srcs, bool wide) {
+  return pair_sq_many<true>(dsts, srcs, wide, "copy_sq_many");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quick_stats", &quick_stats, "sum, sum of squares, min, max and a sample's histogram");
   m.def("quick_stats_row", &quick_stats_row, "quick_stats into one row of a float64 buffer");
   m.def("quick_stats_into", &quick_stats_into, "quick_stats of many tensors into buffer rows");
   m.def("moments_many", &moments_many, "sum, sum of squares, min and max of many tensors");
+  m.def("diff_sq_many", &diff_sq_many, "sum of squares of a - b for many pairs");
+  m.def("copy_sq_many", &copy_sq_many, "copy many tensors and return their sums of squares");
 }

@@ -7,11 +7,19 @@ health checks all call these.
 >>> device_norms([w, b])              # [tensor(3.1), tensor(0.2)]: on their devices, no sync
 >>> total_norm(grads, device=dev)     # tensor(4.5): one 0-d tensor on ``dev``, no sync
 >>> fused_norms([w, b])               # array([3.1, 0.2]): float64, one host read per device
+>>> norm_vector(grads, device=dev)    # tensor([3.1, 0.2]): one 1-D float32 vector on ``dev``
+>>> copy_norms(copies, weights, device=dev)   # copies the weights, returns their norms
+>>> update_norms(copies, weights, device=dev) # the norms of copies - weights
+
+On the CPU, with the compiled kernel (:mod:`nbdebug.core.kernels`), each of these is one
+call over torch's intra-op threads for the whole list (the statistics engine of the trace
+uses the same kernel); elsewhere fused ``torch._foreach_*`` ops, one per device and dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -19,7 +27,15 @@ import torch
 from . import kernels
 from .measure import FLOATING, flat_view
 
-__all__ = ["device_norms", "fused_norms", "plain_sums", "total_norm"]
+__all__ = [
+    "copy_norms",
+    "device_norms",
+    "fused_norms",
+    "norm_vector",
+    "plain_sums",
+    "total_norm",
+    "update_norms",
+]
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
@@ -124,16 +140,88 @@ def total_norm(
     without a host sync (0 for no tensors)."""
     if not tensors:
         return torch.zeros((), dtype=dtype, device=device)
-    norms = device_norms(tensors, dtype=dtype)
-    by_dev: dict[torch.device, list[torch.Tensor]] = {}
-    for n in norms:
-        by_dev.setdefault(n.device, []).append(n)
-    parts = [torch.linalg.vector_norm(torch.stack(ns)) for ns in by_dev.values()]
-    parts = [n if n.device == device else n.to(device) for n in parts]
-    total: torch.Tensor = (
-        parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
-    )
+    total: torch.Tensor = torch.linalg.vector_norm(norm_vector(tensors, device=device, dtype=dtype))
     return total
+
+
+def _kernel_for(tensors: Sequence[torch.Tensor]) -> ModuleType | None:
+    """The compiled kernel for a list of CPU tensors (it checks them itself: a layout,
+    dtype or device it cannot read raises, and the caller falls back on fused torch ops)."""
+    fused = kernels.compiled()
+    return fused if fused is not None and tensors[0].device.type == "cpu" else None
+
+
+def _as_vector(sq: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    out = sq.sqrt().to(dtype)
+    return out if device.type == "cpu" else out.to(device)
+
+
+#: what the kernel raises for a tensor it cannot read (not contiguous, not a float, ...)
+_UNREADABLE = (RuntimeError, TypeError)
+
+
+def norm_vector(
+    tensors: Sequence[torch.Tensor], *, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The L2 norm of each tensor, as one 1-D ``dtype`` vector on ``device`` (no host
+    sync): on the CPU one call of the compiled kernel for all of them (squares
+    accumulated in float64 when ``dtype`` is), else :func:`device_norms` stacked."""
+    if not tensors:
+        return torch.zeros(0, dtype=dtype, device=device)
+    fused = _kernel_for(tensors)
+    if fused is not None:
+        try:
+            sq = fused.moments_many(list(tensors), dtype == torch.float64)[:, 1]
+            return _as_vector(sq, device, dtype)
+        except _UNREADABLE:
+            pass
+    norms = device_norms(tensors, dtype=dtype)
+    return torch.stack([n if n.device == device else n.to(device) for n in norms])
+
+
+def copy_norms(
+    copies: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Copy each tensor into its buffer in ``copies`` (same shapes and dtypes) and return
+    the tensors' L2 norms as in :func:`norm_vector`: one pass over each tensor with the
+    compiled kernel, a ``torch._foreach_copy_`` and a norm otherwise."""
+    fused = _kernel_for(tensors) if copies else None
+    if fused is not None:
+        try:
+            sq = fused.copy_sq_many(list(copies), list(tensors), dtype == torch.float64)
+            return _as_vector(sq, device, dtype)
+        except _UNREADABLE:  # (checked before anything is copied)
+            pass
+    if copies:
+        torch._foreach_copy_(list(copies), list(tensors))
+    return norm_vector(tensors, device=device, dtype=dtype)
+
+
+def update_norms(
+    before: Sequence[torch.Tensor],
+    after: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The L2 norm of each ``before - after`` as in :func:`norm_vector` (an update: a
+    weight's copy against the weight now). With the compiled kernel both are read once and
+    nothing is written; otherwise ``before`` is overwritten with the difference (a fused
+    ``torch._foreach_sub_``), so pass a copy that is not needed afterwards."""
+    fused = _kernel_for(before) if before else None
+    if fused is not None:
+        try:
+            sq = fused.diff_sq_many(list(before), list(after), dtype == torch.float64)
+            return _as_vector(sq, device, dtype)
+        except _UNREADABLE:
+            pass
+    if before:
+        torch._foreach_sub_(list(before), list(after))
+    return norm_vector(before, device=device, dtype=dtype)
 
 
 def fused_norms(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> np.ndarray:

@@ -4,13 +4,16 @@ read with the guard's one host read per step, kept in a ring of float32 arrays.
 Each ``check()``:
 
 - **gradient norm** of every parameter, every step: the per-parameter norms the guard's
-  total gradient norm is made of (one ``torch._foreach_norm`` per device and dtype,
-  stacked into one vector; the total is that vector's norm), so it costs no extra pass;
+  total gradient norm is made of (:func:`..norms.norm_vector`: on the CPU one call of the
+  compiled kernel that the trace's statistics engine uses, else one
+  ``torch._foreach_norm`` per device and dtype; the total is that vector's norm), so it
+  costs no extra pass;
 - **update ratio** ``||w_after - w_before|| / ||w_before||`` on every ``update_every``-th
-  check: that check copies the weights (``x * 1`` the first time, then
-  ``torch._foreach_copy_`` into the same buffer) and takes their norms; the next check
-  subtracts the weights it finds (after the optimizer step) and takes the norms of the
-  difference in the same fused reduction as the gradients'. The ratio of step ``t`` is
+  check: that check copies the weights into one buffer kept for it and takes their norms
+  in the same pass (:func:`..norms.copy_norms`); the next check, after the optimizer
+  step, takes the norm of each copy minus the weight it finds
+  (:func:`..norms.update_norms`: both read once, nothing written, with the kernel). The
+  ratio of step ``t`` is
   thus read at step ``t + 1`` (the newest row's is NaN until then). No optimizer hook: it
   works for any optimizer, wrapped or not, with a closure or not (a trainer's check runs
   inside it), and a skipped update reads as 0. The copy is at most ``copy_budget``
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..norms import device_norms, plain_sums
+from ..norms import copy_norms, norm_vector, plain_sums, update_norms
 from ..parallel import local_tensor
 from .signals import SIGNAL_NAMES, LayerSignals, SignalSettings
 
@@ -324,19 +327,17 @@ class SignalMeter:
         gradients of the parameters that have one, in parameter order."""
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
         offered, self._offer = self._offer, None
-        before = self._update()
-        # the gradients' norms and the update's in one fused reduction
-        norms = device_norms([*grads, *before], dtype=torch.float32)
-        gvec = _stacked(norms[: len(grads)], device)
+        update = self._update(device)  # before the weights are copied again below
+        gvec = norm_vector(grads, device=device, dtype=torch.float32)
         read = SignalRead(torch.linalg.vector_norm(gvec), gvec, segments=[("grad_norm", idx)])
         parts = [gvec]
-        if before and self._weight_norms is not None:
-            parts.append(_stacked(norms[len(grads) :], device) / self._weight_norms)
+        if update is not None and self._weight_norms is not None:
+            parts.append(update / self._weight_norms)
             read.segments.append(("update_ratio", list(self._chunk)))
         if self._due(self.settings.update_every) and self._chunks:
             read.param_total = self._arm(device)
             read.armed = True
-        elif before and len(self._chunks) > 1:
+        elif update is not None and len(self._chunks) > 1:
             self._weights = None  # a part's copy lives from its check to the next only
         if self._adam_due(offered):
             read.adam = adam_terms(self.optimizer, self.params)
@@ -354,26 +355,27 @@ class SignalMeter:
         read.values = torch.cat(parts) if len(parts) > 1 else gvec
         return read
 
-    def _update(self) -> list[torch.Tensor]:
-        """The armed part's ``w_before - w_after`` (in its buffer), or none."""
+    def _update(self, device: torch.device) -> torch.Tensor | None:
+        """The norms of the armed part's ``w_before - w_after`` (its copy against the
+        weights now; the copy may be overwritten), or ``None``."""
         if self._pending is None or not self._weights:
-            return []
-        torch._foreach_sub_(self._weights, [local_tensor(self.params[i]) for i in self._chunk])
-        return self._weights
+            return None
+        now = [local_tensor(self.params[i]) for i in self._chunk]
+        return update_norms(self._weights, now, device=device, dtype=torch.float32)
 
     def _arm(self, device: torch.device) -> torch.Tensor | None:
-        """Copy the next part's weights and take their norms; the total weight norm when
-        the part is all of them."""
+        """Copy the next part's weights and take their norms (in one pass with the
+        compiled kernel); the total weight norm when the part is all of them."""
         chunk = self._chunks[self._cursor % len(self._chunks)]
         self._cursor += 1
         weights = [local_tensor(self.params[i]) for i in chunk]  # (under no_grad)
-        if self._weights is not None and chunk == self._chunk:
-            torch._foreach_copy_(self._weights, weights)  # the buffer, kept
-        else:
+        if self._weights is None or chunk != self._chunk:
             self._weights = None
-            self._weights = list(torch._foreach_mul(weights, 1.0))  # an exact copy
+            self._weights = [
+                torch.empty_like(w, memory_format=torch.contiguous_format) for w in weights
+            ]
         self._chunk = chunk
-        self._weight_norms = _stacked(device_norms(weights, dtype=torch.float32), device)
+        self._weight_norms = copy_norms(self._weights, weights, device=device, dtype=torch.float32)
         whole = len(self._chunks) == 1
         return torch.linalg.vector_norm(self._weight_norms) if whole else None
 
