@@ -5,8 +5,10 @@ an optimizer state tensor non-finite (a failure of kind ``"optimizer"``).
 - Step pre/post hooks on the guard's optimizer (removed by ``guard.close()`` or with the
   guard); a ``check()`` that passes arms them for the coming ``optimizer.step()`` (a step
   no check armed costs one attribute read).
-- After the step: the L2 norms of the parameters (one fused ``torch._foreach_norm`` per
-  device and dtype, half precision accumulated in float32), summed, read once. Every step
+- After the step: the L2 norms of the parameters (:func:`..norms.norm_vector`: one call of
+  the compiled statistics kernel per device on the CPU, else one fused
+  ``torch._foreach_norm`` per device and dtype; half precision accumulated in float32),
+  summed, read once. Every step
   for float16/bfloat16 parameters, where the optimizer's own arithmetic underflows (an
   ``eps`` below the dtype's smallest normal); all of them, with the state tensors that
   divide the update (:data:`DENOMINATORS`: ``exp_avg_sq``...), every
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..measure import exact_vector
-from ..norms import plain_sums
+from ..norms import norm_vector, plain_sums
 from ..snapshot.write import TrainingObjects
 from ..stats import finalize, has_nan, has_nonfinite
 from ..trace.events import Event
@@ -101,13 +103,13 @@ def update_nonfinite(
     sums: dict[int, torch.Tensor] | None = None,
 ) -> bool:
     """Whether a parameter (or, with ``state``, a floating state tensor) of ``opt`` may
-    hold NaN/Inf: one fused norm per (device, dtype) group (half precision accumulated in
-    float32), their sum read once; ``half_only``: only the float16/bfloat16 parameters
-    (and their state); ``keys``: only these state tensors (``None``: all). ``True`` can
+    hold NaN/Inf: the norms of each device's tensors in one call (half precision
+    accumulated in float32), their sum read once; ``half_only``: only the float16/bfloat16
+    parameters (and their state); ``keys``: only these state tensors (``None``: all). ``True`` can
     also mean finite values whose squares overflow (the element-wise :func:`look_update`
     tells); ``False`` means finite. ``sums``: filled with each ``exp_avg_sq``'s sum (by
     its parameter's ``id``; read with the rest, for the per-layer signals)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    groups: dict[torch.device, list[torch.Tensor]] = {}
     second: list[tuple[int, torch.Tensor]] = []  # (id(param), exp_avg_sq): summed
     for g in opt.param_groups:
         for p in g["params"]:
@@ -122,14 +124,10 @@ def update_nonfinite(
                         watched.append(v)
             for t in watched:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-                    groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    totals = []
-    for (_, dt), ts in groups.items():
-        try:  # measured on CPU: 2-4x faster than a dot product per tensor
-            norms = torch._foreach_norm(ts, 2, dtype=torch.float32 if dt in _HALF else None)
-        except (RuntimeError, TypeError):  # a dtype _foreach_norm lacks
-            norms = tuple(torch.linalg.vector_norm(t.double()) for t in ts)
-        totals.append(torch.stack([n.float() for n in norms]).sum())
+                    groups.setdefault(t.device, []).append(t.detach())
+    # the statistics engine's norms: one kernel call per device on the CPU, else one
+    # fused norm per dtype (half precision accumulated in float32)
+    totals = [norm_vector(ts, device=dev, dtype=torch.float32).sum() for dev, ts in groups.items()]
     if second and sums is not None:  # finite sums of v mean a finite v
         v_sums = plain_sums([v for _, v in second])
         sums.update((key, s) for (key, _), s in zip(second, v_sums))
