@@ -407,7 +407,7 @@ def test_the_hooks_go_with_the_guard(tmp_path):
 
 
 def test_state_copy_refills_in_place_and_reallocates_on_a_new_shape():
-    from nbdebug.core.guard.rewind import StateCopy
+    from nbdebug.core.guard.statecopy import StateCopy
 
     copies = StateCopy()
     a, b, c = torch.arange(3.0), torch.ones(2, 2), torch.tensor([7], dtype=torch.int64)

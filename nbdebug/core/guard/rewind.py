@@ -40,7 +40,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +50,7 @@ from ..snapshot.data import cpu_copy, to_plain
 from ..snapshot.rewind import RewindStep, RewindWindow, window_to_payload
 from ..state import RngState
 from ..text import fmt_bytes
+from .statecopy import BatchBuffers, StateCopy, tensor_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .guard import NaNGuard
@@ -67,7 +68,6 @@ __all__ = [
     "IDS_ONLY_ABOVE",
     "MAX_EVERY",
     "RewindKeeper",
-    "StateCopy",
     "check_rewind",
     "rewind_budget",
     "state_estimate",
@@ -115,50 +115,6 @@ def check_rewind(value: object) -> int | str | None:
     return value
 
 
-def _bytes(obj: Any) -> int:
-    """Bytes of the tensors in ``obj`` (dicts, lists, tuples of them)."""
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
-
-
-class BatchBuffers:
-    """The CPU buffers a window's batches are copied into: those of the window before,
-    reused (a step's batch copy then allocates nothing: fresh memory costs a page fault
-    per 4 KiB, and freeing a window's batches at once lets the allocator hand memory back
-    to the system, which the training step then faults in again)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-
-    def take(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A spare buffer of ``t``'s shape and dtype (``None``: none, or ``t`` is not a
-        dense tensor)."""
-        if t.layout != torch.strided:
-            return None
-        free = self._free.get((tuple(t.shape), t.dtype))
-        return free.pop() if free else None
-
-    def reuse(self, window: RewindWindow) -> None:
-        """The batches of ``window`` (dropped) are the spares now (the earlier spares go)."""
-        self._free = {}
-        seen: set[int] = set()
-        for step in window.steps:
-            for t in _tensors([step.inputs, step.target]):
-                if id(t) not in seen and t.layout == torch.strided:
-                    seen.add(id(t))
-                    self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (dicts, lists, tuples of them)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
 def state_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the state copy: the model's ``state_dict()`` and the optimizer's state;
     an optimizer that holds none yet counts twice the parameters with ``betas`` (Adam's
@@ -171,7 +127,7 @@ def state_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
             seen.add(key)
             total += t.numel() * t.element_size()
     if optimizer.state:
-        return total + _bytes(list(optimizer.state.values()))
+        return total + tensor_bytes(list(optimizer.state.values()))
     params = int(
         sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
     )
@@ -194,78 +150,6 @@ def rewind_budget() -> int:
     if available is None:
         return BUDGET_CAP
     return min(BUDGET_CAP, int(BUDGET_SHARE * available))
-
-
-class StateCopy:
-    """Host copies of a list of tensors, allocated once and refilled in place while the
-    tensors keep their shapes and dtypes (``allocations`` counts the allocations).
-
-    ``cuda``: the copies are pinned and filled on a side stream (``non_blocking``), the
-    ``volatile`` tensors (buffers the next forward writes) on the current stream, ordered
-    before it; :attr:`done` is the event to wait for."""
-
-    def __init__(self, *, cuda: bool = False) -> None:
-        self.cuda = cuda
-        self.buffers: list[torch.Tensor] = []
-        self.allocations = 0
-        self._nbytes = 0
-        self.done: Any = None  # torch.cuda.Event of the last CUDA copy
-        self.held = True  # the current stream waits for it
-        self._signature: list[tuple[tuple[int, ...], torch.dtype]] = []
-        self._stream: Any = None
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the copies."""
-        return self._nbytes
-
-    def fill(self, steady: list[torch.Tensor], volatile: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy ``steady + volatile`` into the buffers (reallocated only when a shape or
-        dtype changed); the buffers, in that order."""
-        sources = steady + volatile
-        signature = [(tuple(t.shape), t.dtype) for t in sources]
-        if signature != self._signature:
-            self.buffers = [
-                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.cuda)
-                for t in sources
-            ]
-            self._signature = signature
-            self._nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
-            self.allocations += 1
-        with torch.no_grad():
-            if self.cuda:
-                self._fill_cuda(steady, volatile)
-            elif sources:
-                torch._foreach_copy_(self.buffers, sources)
-        return self.buffers
-
-    def _fill_cuda(self, steady: list[torch.Tensor], volatile: list[torch.Tensor]) -> None:
-        main = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        n = len(steady)
-        for dst, src in zip(self.buffers[n:], volatile):  # ordered before the next forward
-            dst.copy_(src, non_blocking=True)
-        side = self._stream
-        side.wait_stream(main)  # the optimizer step's writes come first
-        with torch.cuda.stream(side):
-            for dst, src in zip(self.buffers[:n], steady):
-                dst.copy_(src, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record(side)
-        self.held = False
-
-    def wait(self) -> None:
-        """Block the host until the last copy is complete (CUDA; nothing on the CPU)."""
-        if self.done is not None:
-            self.done.synchronize()
-
-    def hold(self) -> None:
-        """Make the current CUDA stream wait for the last copy (once per copy): the
-        update that follows writes the tensors it reads."""
-        if self.done is not None and not self.held:
-            torch.cuda.current_stream().wait_event(self.done)
-            self.held = True
 
 
 class RewindKeeper:
@@ -520,7 +404,7 @@ class RewindKeeper:
         ids: Sequence[int] | None,
         rng: RngState,
     ) -> None:
-        size = _bytes(list(batch))
+        size = tensor_bytes(list(batch))
         stored = size <= BATCH_LIMIT and (ids is None or size <= IDS_ONLY_ABOVE)
         inputs = target = None
         if stored:
