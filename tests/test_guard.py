@@ -402,8 +402,23 @@ class _KernelCalls:
         return counted
 
 
-@pytest.mark.parametrize("engine", ["compiled", "eager"])
-def test_one_fused_host_read_per_healthy_step(tmp_path, monkeypatch, engine):
+#: the kernel calls and foreach ops of checks 0 and 1 (the parameters are measured every
+#: 10th check): the gradients' norms, the weights' norms, the update ratio's copy and update
+FUSED = {
+    # the default: the update ratio measures against the rewind window's copy (none yet)
+    ("compiled", "auto"): ([["moments_many", "moments_many"], ["moments_many"]], {}),
+    ("eager", "auto"): ([[], []], {"_foreach_norm": (2, 1)}),
+    # its own copy: copied with the weights' norms in one pass, the update read at check 1
+    ("compiled", 10): ([["moments_many", "copy_sq_many"], ["diff_sq_many", "moments_many"]], {}),
+    ("eager", 10): (
+        [[], []],
+        {"_foreach_norm": (2, 2), "_foreach_copy_": (1, 0), "_foreach_sub_": (0, 1)},
+    ),
+}
+
+
+@pytest.mark.parametrize(("engine", "every"), list(FUSED))
+def test_one_fused_host_read_per_healthy_step(tmp_path, monkeypatch, engine, every):
     from nbdebug.core import kernels
 
     module = kernels.compiled()
@@ -412,30 +427,24 @@ def test_one_fused_host_read_per_healthy_step(tmp_path, monkeypatch, engine):
     counted = _KernelCalls(module)
     monkeypatch.setattr(kernels, "compiled", lambda: counted if engine == "compiled" else None)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])  # 24 parameters
-    guard = NaNGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), directory=tmp_path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NaNGuard(model, opt, directory=tmp_path, signals={"update_every": every})
     loss = model(torch.randn(4, 16)).pow(2).mean()
     loss.backward()
-    with _Count() as c:
-        assert guard.check(loss, step=0)
-    assert c.reads == ["tolist"]  # one read of [loss, grad norm, param norm], not one per parameter
-    # fused: one reduction over all gradients and one over all parameters (the weights'
-    # copy for the update ratio and their norms in one pass), by the kernel or foreach ops
-    steady = [op for op in c.ops if op != "empty_like"]  # the copy's buffer, allocated once
-    if engine == "compiled":
-        assert counted.calls == ["moments_many", "copy_sq_many"], counted.calls
-        assert "_foreach_norm" not in c.ops and len(steady) < 20, c.ops
-    else:
-        assert not counted.calls and len(steady) < 20, c.ops
-        assert c.ops.count("_foreach_norm") == 2 and c.ops.count("_foreach_copy_") == 1, c.ops
-    counted.calls.clear()
-    with _Count() as c:  # the parameters are measured every 10th step only
-        assert guard.check(loss, step=1)
-    assert c.reads == ["tolist"]
-    assert len(c.ops) < 20, c.ops
-    if engine == "compiled":  # the gradients, and the update of the weights copied at step 0
-        assert counted.calls == ["diff_sq_many", "moments_many"], counted.calls
-    else:
-        assert c.ops.count("_foreach_norm") == 2 and c.ops.count("_foreach_sub_") == 1, c.ops
+    calls, ops = FUSED[engine, every]
+    for step in (0, 1):
+        counted.calls.clear()
+        with _Count() as c:
+            assert guard.check(loss, step=step)
+        # one read of [loss, grad norm, param norm, signals], not one per parameter
+        assert c.reads == ["tolist"]
+        steady = [op for op in c.ops if op != "empty_like"]  # the copy's buffer, made once
+        assert len(steady) < 20, c.ops  # fused: no op per parameter
+        assert counted.calls == calls[step], counted.calls
+        for op, counts in ops.items():
+            assert c.ops.count(op) == counts[step], (op, c.ops)
+        if engine == "compiled":
+            assert "_foreach_norm" not in c.ops
 
 
 def test_healthy_check_changes_nothing(tmp_path):

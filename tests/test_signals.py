@@ -235,7 +235,10 @@ def test_the_snapshot_holds_the_signals_and_an_older_file_reads_none(tmp_path):
     [
         ("yes", "signals must be True, False, a dict of settings .* got 'yes'"),
         ({"ring": 0}, "signals ring must be a positive int; got 0"),
-        ({"update_every": 1.5}, r"signals update_every must be a positive int or None \(off\)"),
+        (
+            {"update_every": 1.5},
+            r"signals update_every must be a positive int, 'auto' or None \(off\); got 1.5\.",
+        ),
         ({"rng": 5}, "signals got the unknown setting 'rng'; its settings are ring, "),
         ({"modules": [3]}, r"signals modules must be a list of module names \(str\); got \[3\]"),
         ({"modules": ["head"]}, "signals modules must name modules of the model .* got 'head'"),
@@ -352,3 +355,74 @@ def test_a_model_over_the_copy_budget_is_measured_in_parts(tmp_path):
     # the ring (500 steps: int64 + 3 x 4 float32) and the armed part's copy (parameter 0)
     assert guard.meter.signals is not None
     assert guard.meter.signals.nbytes == 500 * 8 + 3 * 500 * 4 * 4 + 128
+
+
+@pytest.mark.parametrize("engine", ["compiled", "eager"])
+def test_update_ratio_reads_the_rewind_windows_copy_with_update_every_auto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """``update_every="auto"`` with a rewind window: the check after each of the window's
+    copies is measured against that copy (no weight copy of the signals' own), the
+    values are plain torch's, and the window's copy is left as it was."""
+    from nbdebug.core import kernels
+
+    if engine == "compiled" and not kernels.active():
+        pytest.skip("the compiled kernel is not built (nbdebug build-kernels)")
+    monkeypatch.setenv(kernels.ENV, engine)
+    model, opt = make()
+    guard = NaNGuard(model, opt, directory=tmp_path, rewind=3, spike=False)
+    signals = guard.meter.signals
+    assert signals is not None and signals.sharing
+    copied_after: list[int] = []  # the steps whose optimizer.step() took the window's copy
+    weights_at_copy: list[torch.Tensor] = []
+    ratios: list[list[float]] = []
+    for i in range(14):
+        x, y = batch(i)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        taken = guard.rewind.taken
+        assert guard.check(loss, inputs=x, target=y, step=i)
+        opt.step()
+        opt.zero_grad()
+        if guard.rewind.taken > taken:
+            copied_after.append(i)
+            weights_at_copy = [p.detach().clone() for p in model.parameters()]
+        elif copied_after and i == copied_after[-1] + 2:  # its update was just measured
+            window = guard.rewind.current()
+            assert window is not None  # the window's copy holds the weights it copied
+            for (name, _), w in zip(model.named_parameters(), weights_at_copy):
+                assert torch.equal(window.model_state[name], w), (i, name)
+        ratios.append(
+            [
+                float(torch.linalg.vector_norm(p.detach() - b) / torch.linalg.vector_norm(b))
+                for p, b in zip(model.parameters(), before)
+            ]
+        )
+    sig = guard.signals
+    measured = [i for i in range(len(sig)) if not np.isnan(sig.update_ratio[i]).all()]
+    # the check after each copy (the last one's update is read by a check still to come)
+    assert copied_after and measured == [s + 1 for s in copied_after if s + 2 < 14]
+    for i in measured:
+        np.testing.assert_allclose(sig.update_ratio[i], ratios[i], rtol=1e-4)
+    assert (sig.update_ratio[measured] > 0).all()
+    # no weight copy of its own: its bytes are the ring's alone
+    ring_only = guard_of(*make(), tmp_path / "b", {"update_every": None})
+    assert signals.nbytes == ring_only.meter.signals.nbytes
+
+
+def test_an_explicit_update_every_keeps_its_own_copy_beside_the_rewind_window(
+    tmp_path: Path,
+) -> None:
+    model, opt = make()
+    guard = NaNGuard(model, opt, directory=tmp_path, rewind=3, signals={"update_every": 2})
+    assert not guard.meter.signals.sharing
+    for i in range(6):
+        x, y = batch(i)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        assert guard.check(loss, inputs=x, target=y, step=i)
+        opt.step()
+        opt.zero_grad()
+    measured = [not np.isnan(r).all() for r in guard.signals.update_ratio]
+    assert measured == [True, False, True, False, True, False]  # every 2nd (the last: pending)

@@ -207,11 +207,12 @@ def update_norms(
     *,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    scratch: bool = True,
 ) -> torch.Tensor:
     """The L2 norm of each ``before - after`` as in :func:`norm_vector` (an update: a
     weight's copy against the weight now). With the compiled kernel both are read once and
     nothing is written; otherwise ``before`` is overwritten with the difference (a fused
-    ``torch._foreach_sub_``), so pass a copy that is not needed afterwards."""
+    ``torch._foreach_sub_``) when ``scratch``, else the difference is a new tensor."""
     fused = _kernel_for(before) if before else None
     if fused is not None:
         try:
@@ -219,6 +220,10 @@ def update_norms(
             return _as_vector(sq, device, dtype)
         except _UNREADABLE:
             pass
+    if not scratch and before:
+        return norm_vector(
+            torch._foreach_sub(list(before), list(after)), device=device, dtype=dtype
+        )
     if before:
         torch._foreach_sub_(list(before), list(after))
     return norm_vector(before, device=device, dtype=dtype)

@@ -187,6 +187,9 @@ class RewindKeeper:
         self._layout: tuple[list[str], list[tuple[Any, str]], list[tuple[Any, str, Any]]] | None
         self._layout = None
         self._copies: list[torch.Tensor] = []
+        #: copies taken so far; the copy of each tensor by :meth:`_index`'s key
+        self.taken = 0
+        self._copy_of: dict[tuple[Any, ...], torch.Tensor] = {}
         ref = weakref.ref(self)
 
         def after_step(*_: object) -> None:
@@ -251,6 +254,8 @@ class RewindKeeper:
         keeper.start, keeper.estimate, keeper.history = guard.start, estimate, guard.history
         keeper.auto = option in ("auto", True) and not cuda
         guard.writer.rewind = keeper.payload
+        if guard.meter.signals is not None and not cuda:  # host copies of host weights
+            guard.meter.signals.share_copies(keeper)  # the update ratio reads this copy
         return keeper
 
     # ------------------------------------------------------------------ the copy
@@ -285,6 +290,8 @@ class RewindKeeper:
         where = dict(zip(steady + volatile, filled))
         self._layout = (list(model_state), slots, plain)
         self._copies = [where[i] for i in order]
+        self._copy_of = {key: where[i] for key, i in memo.items()}
+        self.taken += 1
         self._drop_window()
         self._fresh = True
         if self.auto and refill:
@@ -315,9 +322,27 @@ class RewindKeeper:
         (called by ``check()`` and before each optimizer step; once per copy)."""
         self.state.hold()
 
+    @property
+    def active(self) -> bool:
+        """Whether the keeper still takes copies (not given up)."""
+        return self.every > 0
+
+    def param_copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The last copy of each of ``params`` (as they were when the optimizer step that
+        took it returned), or ``None`` (no copy yet, or a parameter not in it). The keeper
+        refills them at its next refresh: only read them, and not after ``taken`` moved."""
+        if not self.taken or not self.active:
+            return None
+        out = [self._copy_of.get(self._key(p)) for p in params]
+        return None if any(c is None for c in out) else [c for c in out if c is not None]
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+
     @staticmethod
     def _index(t: torch.Tensor, memo: dict[tuple[Any, ...], int], out: list[torch.Tensor]) -> int:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        key = RewindKeeper._key(t)
         if key not in memo:
             memo[key] = len(out)
             out.append(t.detach())

@@ -42,21 +42,35 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from ..norms import copy_norms, norm_vector, plain_sums, update_norms
 from ..parallel import local_tensor
-from .signals import SIGNAL_NAMES, LayerSignals, SignalSettings
+from .signals import SIGNAL_NAMES, UPDATE_EVERY, LayerSignals, SignalSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from .options import GuardOptions
     from .reading import StepMeter
     from .writer import SnapshotWriter
 
-__all__ = ["SignalMeter", "SignalRead"]
+__all__ = ["SharedCopies", "SignalMeter", "SignalRead"]
+
+
+class SharedCopies(Protocol):
+    """Copies of the weights someone else keeps (the rewind window's, taken when an
+    optimizer step returns): the update ratio measures against them instead of a copy of
+    its own."""
+
+    @property
+    def taken(self) -> int: ...  # copies taken so far: a new one when it moves
+
+    @property
+    def active(self) -> bool: ...  # still taking copies
+
+    def param_copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None: ...
 
 
 @dataclass
@@ -270,6 +284,14 @@ class SignalMeter:
         self._weights: list[torch.Tensor] | None = None  # its weights at that check
         self._weight_norms: torch.Tensor | None = None
         self._pending: int | None = None  # the row (as a count) whose update ratio is due
+        self._shared: SharedCopies | None = None  # (share_copies) the copies measured against
+        self._seen = 0  # the shared copy last armed (its ``taken``)
+        self._owned = True  # whether ``_weights`` is the meter's own buffer
+        every = settings.update_every
+        #: the own copy's cadence (``"auto"``: :data:`UPDATE_EVERY` unless shared)
+        self._update_every: int | None = (
+            UPDATE_EVERY if every == "auto" else every if isinstance(every, int) else None
+        )
 
     @classmethod
     def create(
@@ -334,7 +356,11 @@ class SignalMeter:
         if update is not None and self._weight_norms is not None:
             parts.append(update / self._weight_norms)
             read.segments.append(("update_ratio", list(self._chunk)))
-        if self._due(self.settings.update_every) and self._chunks:
+        shared = self._shared_copy()
+        if shared is not None:
+            self._arm_shared(shared, device)
+            read.armed = True
+        elif not self.sharing and self._due(self._update_every) and self._chunks:
             read.param_total = self._arm(device)
             read.armed = True
         elif update is not None and len(self._chunks) > 1:
@@ -357,11 +383,48 @@ class SignalMeter:
 
     def _update(self, device: torch.device) -> torch.Tensor | None:
         """The norms of the armed part's ``w_before - w_after`` (its copy against the
-        weights now; the copy may be overwritten), or ``None``."""
+        weights now; the meter's own copy may be overwritten), or ``None``."""
         if self._pending is None or not self._weights:
             return None
         now = [local_tensor(self.params[i]) for i in self._chunk]
-        return update_norms(self._weights, now, device=device, dtype=torch.float32)
+        if self._owned:
+            return update_norms(self._weights, now, device=device, dtype=torch.float32)
+        before, self._weights = self._weights, None  # the keeper's: read once, not held
+        if self._shared is None or self._shared.taken != self._seen:
+            return None  # refilled since (not on the keeper's cadence; never measured stale)
+        return update_norms(before, now, device=device, dtype=torch.float32, scratch=False)
+
+    # ------------------------------------------------------------------ shared copies
+    def share_copies(self, source: SharedCopies) -> None:
+        """With ``update_every="auto"``, measure the update ratio against ``source``'s
+        copies (the rewind window's): on the check after each new copy (its cadence), with
+        no copy of the meter's own. An explicit ``update_every`` keeps its own copies."""
+        if self.settings.update_every != "auto":
+            return
+        self._shared, self._seen = source, source.taken
+        self._weights = self._weight_norms = None
+        self._pending = None
+
+    @property
+    def sharing(self) -> bool:
+        """Whether the update ratio reads shared copies (:meth:`share_copies`)."""
+        return self._shared is not None and self._shared.active
+
+    def _shared_copy(self) -> list[torch.Tensor] | None:
+        """The copies of a new shared copy since the last check (``None``: none new)."""
+        src = self._shared
+        if src is None or not src.active:
+            return None
+        if src.taken == self._seen:
+            return None
+        self._seen = src.taken
+        return src.param_copies(self.params)
+
+    def _arm_shared(self, copies: list[torch.Tensor], device: torch.device) -> None:
+        """Arm the update ratio on a shared copy of every weight (their norms now)."""
+        self._weights, self._owned = copies, False
+        self._chunk = list(range(len(self.params)))
+        self._weight_norms = norm_vector(copies, device=device, dtype=torch.float32)
 
     def _arm(self, device: torch.device) -> torch.Tensor | None:
         """Copy the next part's weights and take their norms (in one pass with the
@@ -369,7 +432,8 @@ class SignalMeter:
         chunk = self._chunks[self._cursor % len(self._chunks)]
         self._cursor += 1
         weights = [local_tensor(self.params[i]) for i in chunk]  # (under no_grad)
-        if self._weights is None or chunk != self._chunk:
+        if self._weights is None or not self._owned or chunk != self._chunk:
+            self._owned = True
             self._weights = None
             self._weights = [
                 torch.empty_like(w, memory_format=torch.contiguous_format) for w in weights
@@ -461,7 +525,7 @@ class SignalMeter:
         """Host bytes of the ring and device bytes of the weight copy."""
         ring = self._steps.nbytes + self._modules.nbytes
         ring += sum(a.nbytes for a in self._arrays.values())
-        copy = sum(w.numel() * w.element_size() for w in self._weights or ())
+        copy = sum(w.numel() * w.element_size() for w in self._weights or ()) if self._owned else 0
         return int(ring + copy)
 
     def summary(self) -> str:

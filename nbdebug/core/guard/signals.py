@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "MODULE_SIGNALS",
     "SIGNAL_NAMES",
+    "UPDATE_EVERY",
     "LayerSignals",
     "SignalSettings",
     "signal_settings",
@@ -48,12 +49,14 @@ __all__ = [
 SIGNAL_NAMES: tuple[str, ...] = ("grad_norm", "update_ratio", "adam_lag")
 #: the per-module signals (on the modules named in ``signals={"modules": [...]}``)
 MODULE_SIGNALS: tuple[str, ...] = ("max_logit", "logsumexp")
+#: ``update_every="auto"`` without a rewind window that keeps a host copy of the weights
+UPDATE_EVERY = 10
 
 
-def _positive(value: object, name: str, *, none: bool) -> None:
+def _positive(value: object, name: str, *, none: bool, auto: bool = False) -> None:
     ok = not isinstance(value, bool) and isinstance(value, int) and value >= 1
     if not ok and not (none and value is None):
-        also = " or None (off)" if none else ""
+        also = (", 'auto'" if auto else "") + (" or None (off)" if none else "")
         raise ValueError(f"signals {name} must be a positive int{also}; got {value!r}.")
 
 
@@ -65,10 +68,14 @@ class SignalSettings:
     ----------
     ring : int
         How many steps the arrays hold (the oldest is dropped first).
-    update_every : int or None
+    update_every : int, "auto" or None
         Measure the update ratio on every this many checks (``None``: never). A measured
         step copies the weights when it is checked and compares them at the next check,
-        with one weight-sized buffer kept for it.
+        with one weight-sized buffer kept for it. ``"auto"`` (the default): where the
+        guard's rewind window keeps a host copy of the weights (``rewind``, CPU), the
+        check after each of its copies measures against that copy (the window's cadence,
+        8-64 steps; no weight copy of the signals' own), else every
+        :data:`UPDATE_EVERY` checks.
     copy_budget : int or None
         The most bytes of weights one measuring check copies for the update ratio
         (default 512 MiB): larger models are measured in parts of at most this size, in
@@ -84,14 +91,15 @@ class SignalSettings:
     """
 
     ring: int = 500
-    update_every: int | None = 10
+    update_every: int | str | None = "auto"
     copy_budget: int | None = 512 * 2**20
     adam_every: int | None = 10
     modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _positive(self.ring, "ring", none=False)
-        _positive(self.update_every, "update_every", none=True)
+        if self.update_every != "auto":
+            _positive(self.update_every, "update_every", none=True, auto=True)
         _positive(self.copy_budget, "copy_budget", none=True)
         _positive(self.adam_every, "adam_every", none=True)
         mods = self.modules
