@@ -82,8 +82,9 @@ class WatchOptions:
     signals : bool, dict or SignalSettings
         The per-layer signals (:mod:`nbdebug.core.guard.signals`): ``True`` (default:
         gradient norms every step, the update ratio after each rewind copy (every 10th
-        step without one), Adam's lag every 10th, a ring of 500 steps), a dict ``{"ring", "update_every", "adam_every", "modules"}`` or a
-        :class:`SignalSettings`; ``False``/``None``: off.
+        step without one), Adam's lag every 10th, a ring of 500 steps), a dict
+        ``{"ring", "update_every", "adam_every", "modules"}`` or a :class:`SignalSettings`;
+        ``False``/``None``: off.
     check_update : bool or "rollback"
         Check every optimizer step after a passed ``check()``
         (:mod:`nbdebug.core.guard.update_watch`: one fused finiteness read of the updated
