@@ -9,9 +9,11 @@ keeps aside (the user's gradients survive it) while plain's ``zero_grad`` frees 
 trace then needs a gradient-sized block of memory more than plain, page-faulted in on every
 call. ``trace_no_grad`` (the kernel when built, else eager) starts from plain's state,
 ``zero_grad`` first, so its ratio is the trace's own cost. After each model, the per-event
-line: the extra time of ``trace_no_grad`` over plain per event, and the part of one trace's
-wall time spent computing statistics (kernel calls and their Python); the rest is hooks,
-records and the trace's fixed costs (the weights' norms, keeping the user's state aside).
+line: the extra time of ``trace_no_grad`` over plain per event, and the parts of one
+trace's wall time spent computing statistics (kernel calls and their Python) and
+appending the event records (from the hooks, statistics excluded); the rest is hooks,
+building the events and the trace's fixed costs (the weights' norms, keeping the user's
+state aside).
 
 Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
 5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
@@ -50,6 +52,7 @@ from models import cnn, gpt2_124m, gpt2_deep, mean_square, resnet18, transformer
 
 import nbdebug
 from nbdebug.core import engine, kernels
+from nbdebug.core.trace.recorder import Recorder
 
 
 def bert() -> tuple[nn.Module, dict]:
@@ -200,36 +203,54 @@ def variants(model: nn.Module, x: Any, big: bool) -> dict[str, Callable[[], None
     return out
 
 
-def per_event(model: nn.Module, x: Any) -> tuple[int, float]:
-    """One trace's events and the wall time its statistics took (every measurement of the
-    recorder's engine, one by one or many at once, and the host read of its rows, with
-    their Python)."""
-    spent, depth = [0.0], [0]
-    names = ("measure", "measure_many", "host_rows")
-    saved = {n: getattr(engine.QuickEngine, n) for n in names}
+class _Split:
+    """Wall time per part, each exclusive of the parts timed inside it (a measurement
+    made inside a record counts as statistics only)."""
 
-    def timing(f: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self.open: list[list[float]] = []  # [start, time in timed calls inside]
+
+    def timing(self, part: str, f: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
-            depth[0] += 1
-            t = time.perf_counter()
+            frame = [time.perf_counter(), 0.0]
+            self.open.append(frame)
             try:
                 return f(*args)
             finally:
-                depth[0] -= 1
-                if depth[0] == 0:  # measure_many measures some tensors one by one
-                    spent[0] += time.perf_counter() - t
+                self.open.pop()
+                dt = time.perf_counter() - frame[0]
+                self.spent[part] = self.spent.get(part, 0.0) + dt - frame[1]
+                if self.open:
+                    self.open[-1][1] += dt
 
         return run
 
-    for n, f in saved.items():
-        setattr(engine.QuickEngine, n, timing(f))
+
+#: what per_event times: the statistics (every measurement of the recorder's engine, one
+#: by one or many at once, and the host read of its rows, with their Python) and the
+#: records (appending one event from the hooks, statistics excluded); each part includes
+#: its own timing's overhead, a fraction of a microsecond per call
+TIMED = {
+    "statistics": (engine.QuickEngine, ("measure", "measure_many", "host_rows")),
+    "records": (Recorder, ("record", "record_param")),
+}
+
+
+def per_event(model: nn.Module, x: Any) -> tuple[int, dict[str, float]]:
+    """One trace's events and the wall time of each part of :data:`TIMED` in it."""
+    split = _Split()
+    saved = [(cls, n, getattr(cls, n)) for cls, names in TIMED.values() for n in names]
+    for part, (cls, names) in TIMED.items():
+        for n in names:
+            setattr(cls, n, split.timing(part, getattr(cls, n)))
     try:
         model.zero_grad(set_to_none=True)
         n = len(_trace(model, x).events)
     finally:
-        for name, f in saved.items():
-            setattr(engine.QuickEngine, name, f)
-    return n, spent[0]
+        for cls, name, f in saved:
+            setattr(cls, name, f)
+    return n, {part: split.spent.get(part, 0.0) for part in TIMED}
 
 
 def timed(
@@ -265,12 +286,14 @@ def timed(
         )
         print(f"{'':12s} minor page faults per call: {pf}")
         if "trace_no_grad" in med:
-            n, stats_s = per_event(model, x)
+            n, spent = per_event(model, x)
             extra = med["trace_no_grad"] - med["plain"]
             print(
                 f"{'':12s} per event ({n} events): trace_no_grad - plain "
-                f"{extra / n * 1e6:.1f} us, of which statistics {stats_s / n * 1e6:.1f} us "
-                f"(wall, one trace), the rest hooks and records"
+                f"{extra / n * 1e6:.1f} us, of which statistics "
+                f"{spent['statistics'] / n * 1e6:.1f} us, records "
+                f"{spent['records'] / n * 1e6:.1f} us (wall, one trace), the rest hooks "
+                f"and building the events"
             )
         del model, x, vs
 

@@ -14,9 +14,10 @@ from ..stats import Histogram, TensorStats, finalize_many
 from ..text import dtype_name, qualified_name
 from ..vocab import EventKind
 from .call import StepCall
+from .columns import Row
 from .events import Chain, Event, ParamInfo
 from .recorder import Recorder
-from .records import RawEvent
+from .records import PHASE_OF
 from .result import Trace
 from .weights import WeightHealth
 
@@ -58,49 +59,51 @@ def build_events(
     the origin is its own record with the same index."""
     events = []
     origin: Event | None = None
-    for i, (r, (stats, hist)) in enumerate(zip(rec.raw, finalize_many(vectors))):
-        ev = _event(i, r, stats, hist)
+    # straight from the rows: no RawEvent object per event
+    for i, (row, (stats, hist)) in enumerate(zip(rec.raw.rows, finalize_many(vectors))):
+        ev = _event(i, row, stats, hist)
         if found is not None and i == found.event >= 0:
-            origin = _origin(ev, r, found, rec)
+            origin = _origin(ev, found, rec)
             if found.module is None:
                 ev = origin
         events.append(ev)
     return events, origin
 
 
-def _origin(ev: Event, r: RawEvent, found: Found, rec: Recorder) -> Event:
+def _origin(ev: Event, found: Found, rec: Recorder) -> Event:
     """The origin's own record: ``ev`` with the op, source, chain and note found."""
     module = ev.module if found.module is None else found.module
     return dataclasses.replace(
         ev,
         module=module,
         module_type=ev.module_type if found.module is None else rec.types.get(module, ""),
-        samples=list(r.samples) or list(found.rows),
+        samples=list(ev.samples) or list(found.rows),
         op=found.op,
         source=found.source,
         chain=found.chain,
         note=found.note,
-        param=found.param or r.param,
+        param=found.param or ev.param,
         corrupted=found.corrupted,
     )
 
 
-def _event(i: int, r: RawEvent, stats: TensorStats, hist: Histogram) -> Event:
+def _event(i: int, row: Row, stats: TensorStats, hist: Histogram) -> Event:
+    kind, module, name, shape, dtype, call, depth, module_type, _, samples, param, _ = row
     return Event(
         index=i,
-        phase=r.phase,
-        module=r.module,
-        kind=r.kind,
-        name=r.name,
-        shape=r.shape,
-        dtype=r.dtype,
+        phase=PHASE_OF[kind],
+        module=module,
+        kind=kind,
+        name=name,
+        shape=shape,
+        dtype=dtype,
         stats=stats,
         hist=hist,
-        samples=list(r.samples),
-        call=r.call,
-        depth=r.depth,
-        module_type=r.module_type,
-        param=r.param,
+        samples=list(samples),
+        call=call,
+        depth=depth,
+        module_type=module_type,
+        param=param,
     )
 
 

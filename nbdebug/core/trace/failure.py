@@ -35,8 +35,9 @@ def trace_error(
             f"target {describe(call.target)}).{_executed(rec)}"
         )
     else:
-        grads = [r.module or "<model>" for r in rec.raw if r.phase == Phase.BACKWARD]
-        last = f" Gradients computed up to: {grads[-1]}." if grads else ""
+        # the columns: no event object is needed for this
+        grads = [m for m, p in zip(rec.raw.modules(), rec.raw.phases()) if p == Phase.BACKWARD]
+        last = f" Gradients computed up to: {grads[-1] or '<model>'}." if grads else ""
         msg = f"{type(e).__name__}: {e} during the backward pass.{last}"
     if partial is not None:
         partial.error = msg

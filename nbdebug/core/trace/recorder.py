@@ -48,18 +48,17 @@ from ..stats import (
     vector_is_finite,
 )
 from ..text import dtype_name, qualified_name
-from ..vocab import EventKind, Phase
+from ..vocab import EventKind
 from .capture import CallCapture
+from .columns import EventColumns
 from .hooks import HookSet, hookable_named_modules
 from .records import (
-    PHASE_OF,
     Args,
     CallRecord,
     Kwargs,
     Owner,
     PostHook,
     PreHook,
-    RawEvent,
     RecordOptions,
     Slot,
     Vector,
@@ -105,7 +104,7 @@ class Recorder:
         self.engine = QuickEngine(self.kernel)  # quick mode: every measured tensor's row
         self.capture = options.capture and exact
         self.batch_size = batch_size
-        self.raw: list[RawEvent] = []
+        self.raw = EventColumns()  # the events, one row each (RawEvent objects on reading)
         self.calls: list[CallRecord] = []
         self.stack: list[int] = []
         self.names: dict[int, str] = {}
@@ -163,7 +162,7 @@ class Recorder:
                     hooks.add(p.register_hook(self._param_hook(*self.param_names[id(p)], p)))
 
     # ------------------------------------------------------------------ statistics
-    def _record(
+    def record(
         self,
         kind: EventKind,
         module: str,
@@ -176,9 +175,9 @@ class Recorder:
     ) -> int:
         """One event of a module call (``call >= 0``) or of the batch or the loss."""
         vector, samples = self.measure(t) if measured is None else measured
-        self.raw.append(
-            RawEvent(
-                PHASE_OF[kind],
+        # one tuple per event, in ROW_FIELDS order (no object on the hooks' path)
+        return self.raw.add(
+            (
                 kind,
                 module,
                 name,
@@ -193,9 +192,8 @@ class Recorder:
                 slot,
             )
         )
-        return len(self.raw) - 1
 
-    def _record_param(
+    def record_param(
         self, module: str, short: str, qual: str, t: torch.Tensor, vector: Vector | None = None
     ) -> int:
         """One parameter gradient's event (``vector``: measured already)."""
@@ -203,9 +201,8 @@ class Recorder:
             # a parameter's tensor has no batch dimension (a weight dimension equal to the
             # batch size is not one): no rows
             vector, _ = self.measure(t, rows=False)
-        self.raw.append(
-            RawEvent(
-                Phase.BACKWARD,
+        return self.raw.add(
+            (
                 EventKind.PARAM_GRAD,
                 module,
                 short,
@@ -217,9 +214,9 @@ class Recorder:
                 vector,
                 [],
                 qual,
+                -1,
             )
         )
-        return len(self.raw) - 1
 
     def measure(self, t: torch.Tensor, *, rows: bool = True) -> tuple[Vector, list[int]]:
         """The statistics of ``t``, and in the exact pass the batch rows holding its
@@ -259,13 +256,15 @@ class Recorder:
         tensors = [(EventKind.INPUT, name, t) for name, t in named_tensors(inputs, prefix)]
         tensors += [(EventKind.TARGET, name, t) for name, t in named_tensors(target, "target")]
         for kind, name, t in tensors:
-            i = self._record(kind, "", name, t, -1, 0)
+            measured = self.measure(t)
+            slot = -1
             if self.exact:
-                v = self.raw[i].host
-                self.raw[i].slot = self.new_slot(t, -1, vector_is_finite(v), nan_count(v) > 0)
+                v = host(measured[0])
+                slot = self.new_slot(t, -1, vector_is_finite(v), nan_count(v) > 0)
+            self.record(kind, "", name, t, -1, 0, measured, slot)
 
     def record_loss(self, loss: torch.Tensor) -> int:
-        return self._record(EventKind.LOSS, "", "loss", loss, -1, 0)
+        return self.record(EventKind.LOSS, "", "loss", loss, -1, 0)
 
     # ------------------------------------------------------------------ forward hooks
     def _pre_hook(self, name: str) -> PreHook:
@@ -328,10 +327,7 @@ class Recorder:
                 else:
                     vector, samples = self.measure(t)
                     self._measured[key] = (weakref.ref(t), vector, samples)
-                i = self._record(
-                    EventKind.OUTPUT, name, oname, t, call, rec.depth, (vector, samples)
-                )
-                rec.output_events.append(i)
+                s = -1
                 if self.exact:
                     fin = vector_is_finite(host(vector))
                     any_bad = any_bad or not fin
@@ -341,8 +337,11 @@ class Recorder:
                     else:
                         s = self.new_slot(t, call, fin, nan_count(host(vector)) > 0)
                     self.slots[s].from_output = True
-                    self.raw[i].slot = s
                     rec.output_slots.append(s)
+                i = self.record(
+                    EventKind.OUTPUT, name, oname, t, call, rec.depth, (vector, samples), s
+                )
+                rec.output_events.append(i)
                 if t.requires_grad:
                     self._hook_grad(t, call, EventKind.GRAD_OUTPUT, oname)
             if self.exact:
@@ -389,7 +388,7 @@ class Recorder:
             measured = (vector, samples)
             for call, kind, name in ordered:
                 rec = self.calls[call]
-                i = self._record(kind, rec.module, name, grad, call, rec.depth, measured, slot)
+                i = self.record(kind, rec.module, name, grad, call, rec.depth, measured, slot)
                 if slot >= 0 and self.slots[slot].grad_event < 0:
                     self.slots[slot].grad_event = i
             return None
@@ -401,13 +400,13 @@ class Recorder:
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.exact:
-                self._record_param(module, short, qual, grad)
+                self.record_param(module, short, qual, grad)
                 return None
             # quick mode under (Distributed)DataParallel or FSDP2: only the event's place
             # here; its statistics are taken from ``.grad`` once the backward is over (off
             # its critical path, and no reference to ``grad`` held, which would make
             # autograd copy it into ``.grad``)
-            i = self._record_param(module, short, qual, grad, -1)
+            i = self.record_param(module, short, qual, grad, -1)
             self._pending_grads.append((i, param))
             return None
 
@@ -425,7 +424,7 @@ class Recorder:
             if g is None:  # pragma: no cover - autograd calls the hook after writing it
                 return None
             vector = self.engine.measure(g)
-            self._record_param(module, short, qual, g, vector)
+            self.record_param(module, short, qual, g, vector)
             p.grad = None
             return None
 
@@ -437,7 +436,7 @@ class Recorder:
         for all of them."""
         ids = self.engine.measure_many([p.grad for _, p in self._pending_grads])
         for (i, _), v in zip(self._pending_grads, ids):
-            self.raw[i].vector = v
+            self.raw.set_vector(i, v)
         self._pending_grads = []
 
     def keep_output(self, module: str, name: str, t: torch.Tensor) -> None:
@@ -457,12 +456,12 @@ class Recorder:
         if self.exact:
             if not self.raw:
                 return np.zeros((0, VECTOR_LEN))
-            return np.vstack([r.vector for r in self.raw])
+            return np.vstack(self.raw.vectors())
         self.measure_param_grads()
         # events sharing one measurement share its row
-        ids = cast("list[int]", [r.vector for r in self.raw])  # quick pass: measurement ids
+        ids = cast("list[int]", self.raw.vectors())  # quick pass: measurement ids
         out: np.ndarray = self.engine.host_rows()[ids]
-        out[:, IDX_NUMEL] = [_numel(r.shape) for r in self.raw]
+        out[:, IDX_NUMEL] = [_numel(shape) for shape in self.raw.shapes()]
         return out
 
 

@@ -74,8 +74,11 @@ def host(v: Vector) -> np.ndarray:
     return v
 
 
-@dataclass
+@dataclass(frozen=True)
 class RawEvent:
+    """One event of a pass, as a reader of its records sees it (made from a row of
+    :class:`.columns.EventColumns`)."""
+
     phase: Phase
     kind: EventKind
     module: str
