@@ -426,3 +426,44 @@ def test_an_explicit_update_every_keeps_its_own_copy_beside_the_rewind_window(
         opt.zero_grad()
     measured = [not np.isnan(r).all() for r in guard.signals.update_ratio]
     assert measured == [True, False, True, False, True, False]  # every 2nd (the last: pending)
+
+
+def test_a_window_held_by_a_spike_hands_the_update_ratio_back_to_its_own_copy(
+    tmp_path: Path,
+) -> None:
+    """The rewind window is not refreshed while it holds a spike; meanwhile the update
+    ratio copies the weights itself (every 10th check), so it stays measured while a run
+    grows, with plain torch's values."""
+    model, opt = make()
+    guard = NaNGuard(
+        model, opt, directory=tmp_path, rewind=3, spike={"warmup": 8}, on_spike="ignore"
+    )
+    signals, keeper = guard.meter.signals, guard.rewind
+    held: list[int] = []  # the checks made while the window was held by a spike
+    ratios: list[list[float]] = []
+    for i in range(40):
+        x, y = batch(i)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        shown = loss.detach() * (1e4 if i == 24 else 1.0)  # a loss spike, finite
+        before = [p.detach().clone() for p in model.parameters()]
+        if keeper.spiked:
+            held.append(i)
+        assert guard.check(shown, inputs=x, target=y, step=i)
+        if i == 24:  # flagged: the window holds it, and the update ratio copies itself
+            assert guard.history[-1]["spikes"] and keeper.spiked
+            assert not keeper.active and not signals.sharing
+        opt.step()
+        opt.zero_grad()
+        ratios.append(
+            [
+                float(torch.linalg.vector_norm(p.detach() - b) / torch.linalg.vector_norm(b))
+                for p, b in zip(model.parameters(), before)
+            ]
+        )
+    sig = guard.signals
+    own = [i for i in held if i % 10 == 0]  # the own copy's cadence (checks 0, 10, 20, ...)
+    assert own, held
+    for i in own:  # measured from its own copy while the window was held
+        np.testing.assert_allclose(sig.update_ratio[i], ratios[i], rtol=1e-4)
+    assert not keeper.spiked and signals.sharing  # a window without the spike: shared again

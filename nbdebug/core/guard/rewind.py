@@ -324,14 +324,15 @@ class RewindKeeper:
 
     @property
     def active(self) -> bool:
-        """Whether the keeper still takes copies (not given up)."""
-        return self.every > 0
+        """Whether the keeper takes copies on its cadence: not given up, and its window
+        not held by a spike (:attr:`spiked`)."""
+        return self.every > 0 and not self.spiked
 
     def param_copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The last copy of each of ``params`` (as they were when the optimizer step that
         took it returned), or ``None`` (no copy yet, or a parameter not in it). The keeper
         refills them at its next refresh: only read them, and not after ``taken`` moved."""
-        if not self.taken or not self.active:
+        if not self.taken or self.every <= 0:
             return None
         out = [self._copy_of.get(self._key(p)) for p in params]
         return None if any(c is None for c in out) else [c for c in out if c is not None]
@@ -410,6 +411,15 @@ class RewindKeeper:
         flagged a step of the window, this one included: a run that has begun to grow
         keeps the state from before it (up to ``4 * every`` steps), so that a diagnosis
         replays from a healthy state."""
+        if self.spiked:
+            self._armed = False  # the next check arms it again
+            return
+        self._take()
+
+    @property
+    def spiked(self) -> bool:
+        """Whether the spike detector flagged a step of the current window (it is held:
+        not refreshed while it lasts)."""
         window = self.window
         if window is not None:
             first = window.start_step
@@ -417,9 +427,8 @@ class RewindKeeper:
                 if r["step"] < first:
                     break
                 if r.get("spikes"):
-                    self._armed = False  # the next check arms it again
-                    return
-        self._take()
+                    return True
+        return False
 
     def _add(
         self,

@@ -68,7 +68,7 @@ class SharedCopies(Protocol):
     def taken(self) -> int: ...  # copies taken so far: a new one when it moves
 
     @property
-    def active(self) -> bool: ...  # still taking copies
+    def active(self) -> bool: ...  # taking copies on its cadence now
 
     def param_copies(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None: ...
 
@@ -356,11 +356,12 @@ class SignalMeter:
         if update is not None and self._weight_norms is not None:
             parts.append(update / self._weight_norms)
             read.segments.append(("update_ratio", list(self._chunk)))
-        shared = self._shared_copy()
+        sharing = self.sharing  # (once per check: it reads the window's history rows)
+        shared = self._shared_copy() if sharing else None
         if shared is not None:
             self._arm_shared(shared, device)
             read.armed = True
-        elif not self.sharing and self._due(self._update_every) and self._chunks:
+        elif not sharing and self._due(self._update_every) and self._chunks:
             read.param_total = self._arm(device)
             read.armed = True
         elif update is not None and len(self._chunks) > 1:
@@ -398,7 +399,10 @@ class SignalMeter:
     def share_copies(self, source: SharedCopies) -> None:
         """With ``update_every="auto"``, measure the update ratio against ``source``'s
         copies (the rewind window's): on the check after each new copy (its cadence), with
-        no copy of the meter's own. An explicit ``update_every`` keeps its own copies."""
+        no copy of the meter's own, while the source is :attr:`~SharedCopies.active` (a
+        window held by a spike is not refreshed: meanwhile the meter copies the weights
+        itself every :data:`UPDATE_EVERY` checks, so the update ratio stays measured while
+        a run grows). An explicit ``update_every`` keeps its own copies."""
         if self.settings.update_every != "auto":
             return
         self._shared, self._seen = source, source.taken
@@ -413,9 +417,7 @@ class SignalMeter:
     def _shared_copy(self) -> list[torch.Tensor] | None:
         """The copies of a new shared copy since the last check (``None``: none new)."""
         src = self._shared
-        if src is None or not src.active:
-            return None
-        if src.taken == self._seen:
+        if src is None or src.taken == self._seen:
             return None
         self._seen = src.taken
         return src.param_copies(self.params)
