@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import torch
 
+from ...core.batch import iter_tensors
 from ...core.text import rows_text
 from ...core.trace import Trace
 from ...core.vocab import FixKind
@@ -140,20 +141,10 @@ def out_of_range_rows(batch: Any, bs: int | None) -> list[int]:
     if bs is None:
         return []
     bad = torch.zeros(bs, dtype=torch.bool)
-    for t in _tensors(batch):
+    for t in iter_tensors(batch):
         if not t.is_floating_point() or t.dim() == 0 or t.shape[0] != bs or t.numel() == 0:
             continue
         limit = float(torch.finfo(t.dtype).max) ** 0.5
         big = (t.detach().abs() > limit) & torch.isfinite(t.detach())
         bad |= big.reshape(bs, -1).any(1).cpu()
     return [int(i) for i in torch.nonzero(bad).flatten()]
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in _tensors(v)]
-    return []

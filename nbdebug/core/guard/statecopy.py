@@ -1,23 +1,24 @@
 """The rewind window's copies (:mod:`.rewind`): the state copy allocated once and refilled in
 place (:class:`StateCopy`), the batch buffers reused from window to window
-(:class:`BatchBuffers`), and the tensors of nested containers."""
+(:class:`BatchBuffers`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..batch import iter_tensors
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..snapshot.rewind import RewindWindow
 
-__all__ = ["BatchBuffers", "StateCopy", "tensor_bytes", "tensors_in"]
+__all__ = ["BatchBuffers", "StateCopy", "tensor_bytes"]
 
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (dicts, lists, tuples of them)."""
-    return sum(t.numel() * t.element_size() for t in tensors_in(obj))
+    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
 
 
 class BatchBuffers:
@@ -42,21 +43,10 @@ class BatchBuffers:
         self._free = {}
         seen: set[int] = set()
         for step in window.steps:
-            for t in tensors_in([step.inputs, step.target]):
+            for t in iter_tensors([step.inputs, step.target]):
                 if id(t) not in seen and t.layout == torch.strided:
                     seen.add(id(t))
                     self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (dicts, lists, tuples of them)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in tensors_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_in(v)]
-    return []
 
 
 class StateCopy:
