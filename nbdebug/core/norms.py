@@ -96,8 +96,8 @@ def device_norms(
     for (dev, dt), idx in _groups(tensors).items():
         ts = [tensors[i] for i in idx]
         ns: list[torch.Tensor]
-        # only where today's path is a dot per tensor: the guard's fused ``dtype=`` norms
-        # keep their one ``_foreach_norm`` per group (its tests count that op)
+        # with ``dtype=``, the fused ``_foreach_norm`` per group: the guard's norms take the
+        # kernel through :func:`norm_vector`, and this is its fallback (and float64 reads)
         fused = _kernel_norms(ts, dtype) if dev.type == "cpu" and dtype is None else None
         if fused is not None:
             ns = fused
