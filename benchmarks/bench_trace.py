@@ -18,13 +18,14 @@ state aside).
 Prints, for the models of DESIGN.md's performance targets (4-layer TransformerEncoder,
 5-block CNN, ResNet-18-shaped CNN, GPT-2 12 x 768 (124M) and 80 x 304 (105M, 1,048
 modules), batch 2 x 64, and a BERT-style encoder of MiniLM-L6's shape from a
-``transformers`` config, batch 16 x 26), the median time of each variant and the ratios to plain,
-measured side by side in one run (the variants are interleaved round by round so that
-machine noise hits them alike), with 1 torch thread (CPU time of this process) and 2
-(wall time). Then the NaN path (the 124M model with one NaN weight, and with one finite
-weight that overflows in the forward: quick pass, exact pass, origin and replay) against a
-plain step, and the peak memory of each variant
-(each in a fresh subprocess), and the 2,000-module check.
+``transformers`` config, batch 16 x 26), the median time of plain and each variant's
+ratio to plain, measured side by side in one run: each call of a variant runs right after
+a plain call of its own, and the line gives the median of these paired ratios with their
+quartiles (a burst of load on a shared machine hits both calls of a pair alike), with 1
+torch thread (CPU time of this process) and 2 (wall time). Then the NaN path (the 124M
+model with one NaN weight, and with one finite weight that overflows in the forward: quick
+pass, exact pass, origin and replay) against a plain step, and the peak memory of each
+variant (each in a fresh subprocess), and the 2,000-module check.
 
     python benchmarks/bench_trace.py [--rounds 3] [--models transformer,gpt2_124m]
         [--threads 1,2] [--no-memory] [--kernels both|eager]
@@ -253,6 +254,36 @@ def per_event(model: nn.Module, x: Any) -> tuple[int, dict[str, float]]:
     return n, {part: split.spent.get(part, 0.0) for part in TIMED}
 
 
+#: how the timing lines read
+_HOW = (
+    "plain: median per call; each variant: the median of its ratios to the plain call "
+    "run just before it, [quartiles]"
+)
+
+
+def _call(
+    vs: dict[str, Callable[[], None]],
+    k: str,
+    clock: Callable[[], float],
+    times: dict[str, list[float]],
+    faults: dict[str, list[int]],
+) -> float:
+    """Run variant ``k`` once: its time and minor page faults appended; the time returned."""
+    n = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = clock()
+    vs[k]()
+    spent = clock() - t
+    times[k].append(spent)
+    faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - n)
+    return spent
+
+
+def _paired(ratios: list[float]) -> str:
+    """``1.16x [1.12-1.20]``: the median of the paired ratios and their quartiles."""
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return f"{statistics.median(ratios):.2f}x [{q[0]:.2f}-{q[2]:.2f}]"
+
+
 def timed(
     names: list[str], rounds: int, clock: Callable[[], float], keep: list[str] | None = None
 ) -> None:
@@ -266,15 +297,17 @@ def timed(
             f()
         times: dict[str, list[float]] = {k: [] for k in vs}
         faults: dict[str, list[int]] = {k: [] for k in vs}
+        pairs: dict[str, list[float]] = {k: [] for k in vs if k != "plain"}
+
         for _ in range(rounds if big else 3 * rounds):
-            for k, f in vs.items():
-                n = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                t = clock()
-                f()
-                times[k].append(clock() - t)
-                faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - n)
+            # each variant right after a plain call of its own: the pair's ratio (a burst
+            # of load on this shared machine hits both of a pair alike), and every variant
+            # starts from the ``.grad`` that plain leaves (the trace keeps it aside)
+            for k in pairs:
+                base = _call(vs, "plain", clock, times, faults)
+                pairs[k].append(_call(vs, k, clock, times, faults) / base)
         med = {k: statistics.median(v) for k, v in times.items()}
-        ratios = "  ".join(f"{k} {med[k] / med['plain']:.2f}x" for k in vs if k != "plain")
+        ratios = "  ".join(f"{k} {_paired(pairs[k])}" for k in pairs)
         print(f"{name:12s} plain {med['plain'] * 1e3:7.0f} ms  |  {ratios}")
         # page faults: memory the allocator handed back to the system and took again;
         # they cost system time that the ratios include (glibc's trimming depends on the
@@ -470,10 +503,10 @@ def main() -> None:
     for n in [int(v) for v in a.threads.split(",") if int(v) > 0]:
         torch.set_num_threads(n)
         if n == 1:
-            print("-- 1 torch thread, CPU time of this process (median per call; ratio to plain)")
+            print(f"-- 1 torch thread, CPU time of this process ({_HOW})")
             timed(names, a.rounds, time.process_time, keep)
         else:
-            print(f"-- {n} torch threads, wall time (median per call; ratio to plain)")
+            print(f"-- {n} torch threads, wall time ({_HOW})")
             timed(names, a.rounds, time.perf_counter, keep)
     torch.set_num_threads(1)
     if "gpt2_124m" in names:
