@@ -1,6 +1,6 @@
 """Per-step cost of the always-on NaNGuard: guarded / unguarded training step.
 
-Four models, the DESIGN.md target being <= 1.03x per step:
+Four models (five with ``--deep``), the DESIGN.md target being <= 1.03x per step:
 
 * an MLP (784-1024-1024-10, batch 256, Adam),
 * the DESIGN.md transformer: ``nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4,
@@ -8,7 +8,8 @@ Four models, the DESIGN.md target being <= 1.03x per step:
 * a ResNet-18-shaped CNN (``benchmarks/models.py``; 20 BatchNorm layers, whose running
   statistics the guard copies at every step), batch 16x3x64x64, Adam,
 * GPT-2 124M (``transformers`` config, random init, batch 2x64, Adam; ``--gpt2``, or
-  ``--quick`` leaves it out).
+  ``--quick`` leaves it out),
+* GPT-2 80 x 304 (105M parameters, 1,048 modules, batch 2x64, Adam; ``--deep``).
 
 Each model is measured under every guard configuration of :data:`CONFIGS` (``--config NAME``
 to pick some): the default guard, and one per feature that adds to the step.
@@ -20,7 +21,7 @@ the median of the paired ratios (each guarded step over the unguarded step next 
 and, as a lower-noise second estimate on a busy machine, the median time of
 ``guard.check`` alone relative to the unguarded step.
 
-Run: ``python benchmarks/bench_guard.py [--steps N] [--threads T] [--quick]``;
+Run: ``python benchmarks/bench_guard.py [--steps N] [--threads T] [--quick] [--gpt2] [--deep]``;
 ``--world 2``: the distributed guard (see ``bench_guard_distributed.py``).
 """
 
@@ -67,6 +68,16 @@ def resnet_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
     model, x = resnet18()
     return model, x, torch.randint(0, 10, (x.shape[0],))
+
+
+def gpt2_deep_case() -> tuple[nn.Module, dict, None]:
+    """GPT-2 80 x 304 from its config (105M parameters, 1,048 modules), batch 2x64: the
+    guard's per-module and per-parameter work (the buffers walked at each step's start, a
+    signal per parameter) on a deep model."""
+    from models import gpt2_deep
+
+    model, batch = gpt2_deep()
+    return model, batch, None
 
 
 def gpt2_case() -> tuple[nn.Module, dict, None]:
@@ -172,6 +183,9 @@ def main() -> None:
     )
     ap.add_argument("--gpt2", action="store_true", help="also GPT-2 124M (minutes per config)")
     ap.add_argument(
+        "--deep", action="store_true", help="also GPT-2 80 x 304, 1,048 modules (minutes)"
+    )
+    ap.add_argument(
         "--world", type=int, default=1, help="N > 1: the DDP guard on N gloo processes (CPU)"
     )
     args = ap.parse_args()
@@ -192,6 +206,14 @@ def main() -> None:
         measure("ResNet-18 shape, batch 16x3x64x64 (BatchNorm)", resnet_case, tr_steps, 3, config)
         if args.gpt2:
             measure("GPT-2 124M 12x768, batch 2x64", gpt2_case, args.steps or 20, 2, config)
+        if args.deep:
+            measure(
+                "GPT-2 80x304 (1,048 modules), batch 2x64",
+                gpt2_deep_case,
+                args.steps or 20,
+                2,
+                config,
+            )
 
 
 if __name__ == "__main__":
