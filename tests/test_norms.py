@@ -67,16 +67,21 @@ def _mixed_tensors() -> list[torch.Tensor]:
     return ts
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64])
-def test_norms_match_float64_reference_in_both_engines(
-    mode: str, dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(params=["eager", "compiled"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test in both statistics engines (the compiled one when it is built)."""
     from nbdebug.core import kernels
 
-    if mode == "compiled" and not kernels.active():
+    if request.param == "compiled" and not kernels.active():
         pytest.skip("the compiled kernel is not built (nbdebug build-kernels)")
-    monkeypatch.setenv(kernels.ENV, mode)
+    monkeypatch.setenv(kernels.ENV, request.param)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64])
+def test_norms_match_float64_reference_in_both_engines(
+    mode: str, dtype: torch.dtype | None
+) -> None:
     ts = _mixed_tensors()
     expected = [torch.linalg.vector_norm(t.double()).item() for t in ts]
     got = device_norms(ts, dtype=dtype)
@@ -93,14 +98,6 @@ def test_norms_match_float64_reference_in_both_engines(
     assert float(total) == pytest.approx(float(flat.norm()), rel=1e-5)
 
 
-def _engine(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbdebug.core import kernels
-
-    if mode == "compiled" and not kernels.active():
-        pytest.skip("the compiled kernel is not built (nbdebug build-kernels)")
-    monkeypatch.setenv(kernels.ENV, mode)
-
-
 def _close(got: float, want: float, dtype: torch.dtype) -> None:
     if math.isnan(want):
         assert math.isnan(got)
@@ -111,12 +108,8 @@ def _close(got: float, want: float, dtype: torch.dtype) -> None:
         assert got == pytest.approx(want, rel=rel, abs=1e-30)
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_norm_vector_is_one_vector_of_the_float64_norms(
-    mode: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _engine(mode, monkeypatch)
+def test_norm_vector_is_one_vector_of_the_float64_norms(mode: str, dtype: torch.dtype) -> None:
     ts = _mixed_tensors()  # mixed dtypes, empty, transposed, strided, NaN and Inf
     cpu = torch.device("cpu")
     got = norm_vector(ts, device=cpu, dtype=dtype)
@@ -140,11 +133,7 @@ def _pairs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return before, after
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_copy_norms_copies_and_measures_the_tensors(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _engine(mode, monkeypatch)
+def test_copy_norms_copies_and_measures_the_tensors(mode: str) -> None:
     weights, _ = _pairs()
     copies = [torch.full_like(w, 7.0) for w in weights]
     got = copy_norms(copies, weights, device=torch.device("cpu"))
@@ -154,11 +143,7 @@ def test_copy_norms_copies_and_measures_the_tensors(
         _close(n, torch.linalg.vector_norm(w.double()).item(), w.dtype)
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_update_norms_are_the_norms_of_the_differences(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _engine(mode, monkeypatch)
+def test_update_norms_are_the_norms_of_the_differences(mode: str) -> None:
     before, after = _pairs()
     want = [torch.linalg.vector_norm(b.double() - a.double()).item() for b, a in zip(before, after)]
     kept = [a.clone() for a in after]
