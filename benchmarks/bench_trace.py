@@ -4,7 +4,7 @@ naive per-module norm hooks, (GPT-2 models) Hugging Face's ``DebugUnderflowOverf
 the same step through ``torch.autograd.grad`` (no ``.grad`` written) for reference.
 ``trace`` computes its statistics with eager PyTorch ops; ``trace_compiled`` with the
 compiled kernel (``nbdebug build-kernels``; the benchmark builds it once, cached). Both
-run right after another variant, so the model holds that step's ``.grad``, which a trace
+run right after a plain call, so the model holds that step's ``.grad``, which a trace
 keeps aside (the user's gradients survive it) while plain's ``zero_grad`` frees them: the
 trace then needs a gradient-sized block of memory more than plain, page-faulted in on every
 call. ``trace_no_grad`` (the kernel when built, else eager) starts from plain's state,
@@ -298,7 +298,6 @@ def timed(
         times: dict[str, list[float]] = {k: [] for k in vs}
         faults: dict[str, list[int]] = {k: [] for k in vs}
         pairs: dict[str, list[float]] = {k: [] for k in vs if k != "plain"}
-
         for _ in range(rounds if big else 3 * rounds):
             # each variant right after a plain call of its own: the pair's ratio (a burst
             # of load on this shared machine hits both of a pair alike), and every variant
