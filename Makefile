@@ -14,10 +14,16 @@ STAMP  := $(VENV)/.nbdebug-installed
 
 .PHONY: setup kernels lab test lint unit browser-deps bench clean
 
-$(STAMP): pyproject.toml
+# The suite runs with the versions Binder installs: binder/requirements.txt's pins (torch's
+# aside, which TORCH_SPEC sets) are pip constraints here, so a new upstream release changes
+# nothing until the pins move (tests/test_binder.py checks both agree).
+PINS   := $(VENV)/binder-pins.txt
+
+$(STAMP): pyproject.toml binder/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -e ".[dev,lightning,hf,kernels]"
+	grep -E '^[A-Za-z0-9_.-]+==' binder/requirements.txt | grep -v '^torch==' > $(PINS)
+	$(PIP) install -q -c $(PINS) -e ".[dev,lightning,hf,kernels]"
 	touch $(STAMP)
 
 ## the compiled statistics kernel traces use on CPU (README "Faster statistics on CPU"):

@@ -171,7 +171,8 @@ def test_readme_binder_link_opens_an_existing_notebook_in_jupyterlab():
 def test_the_pins_are_the_versions_the_tests_run_with():
     """binder/requirements.txt says its pins are the versions the test suite runs with:
     every pinned distribution is installed here at that version (torch's +cpu label aside,
-    which only says which wheel index it comes from)."""
+    which only says which wheel index it comes from). `make setup` installs under the pins
+    as constraints, so this fails only when a pin moved and the venv was not set up again."""
     from importlib.metadata import PackageNotFoundError, version
 
     _, _, reqs = read_requirements(REQUIREMENTS)
