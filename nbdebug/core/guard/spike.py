@@ -14,17 +14,21 @@ clearly above every value of the window (by :data:`TAIL` times the distance from
 median to the largest value): the MAD ignores a minority of high values, so a hard batch
 that comes back every epoch (a loss twice the median, every fourth step, creeping up as
 the model fits the others) scores a large z each time although it is nothing new. A
-spike is kept out of the window (the guard admits it only once the spikes have gone on
-for more than :data:`MIN_WINDOW` steps: a new level), so a run that keeps growing keeps
-being flagged.
+spike is kept out of the window, so a run that keeps growing keeps being flagged. A spike
+is a transient: a run of more than :data:`MIN_WINDOW` flagged steps in a row (skipped
+ones included: a skipped update leaves the weights, and so the values, where they were)
+is a new level, and the guard admits the whole run into the window at once (its last
+finding says ``new_level``; under ``on_spike="skip"`` that step's update goes on, so at
+most :data:`MIN_WINDOW` spike skips come in a row). A step flagged after that starts a
+new run.
 
 Thresholds (the defaults, ``spike=True``): ``z=6`` (as OLMo-core's skip-step optimizer),
 ``window=128`` steps, ``warmup=32``: the detector is silent until it holds 8 steps
 (:data:`MIN_WINDOW`); from then until it holds ``warmup`` its threshold is raised by
 ``sqrt(warmup / n)`` (twice the threshold at 8 steps), so a short run is watched from
-its 9th step but only for large spikes. The spread has a floor (1 % of the gradient
-norm, 0.1 % of the loss's median) so that a run whose values barely move does not flag
-a tiny change.
+its 9th step but only for large spikes (a ``warmup`` above ``window`` ends when the
+window is full). The spread has a floor (1 % of the gradient norm, 0.1 % of the loss's
+median) so that a run whose values barely move does not flag a tiny change.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ class SpikeSettings:
         How many recent healthy steps the median and MAD are taken over (>= 8).
     warmup : int
         Below this many steps in the window the threshold is raised by
-        ``sqrt(warmup / n)``.
+        ``sqrt(warmup / n)`` (>= 8: the detector is silent below 8 steps, and 8 means no
+        raised threshold; a warmup above the window ends when the window is full).
     """
 
     z: float = 6.0
@@ -97,6 +102,13 @@ class SpikeSettings:
                 f"spike window must be at least {MIN_WINDOW} steps to estimate the spread "
                 f"(median and MAD); got {self.window}."
             )
+        if self.warmup < MIN_WINDOW:
+            raise ValueError(
+                f"spike warmup must be at least {MIN_WINDOW} steps (the detector is silent "
+                f"until its window holds {MIN_WINDOW} steps, then raises its threshold until "
+                f"it holds warmup steps; {MIN_WINDOW} means no raised threshold); "
+                f"got {self.warmup}."
+            )
         object.__setattr__(self, "z", float(z))
 
 
@@ -108,7 +120,7 @@ def spike_settings(value: object) -> SpikeSettings | None:
     Raises
     ------
     ValueError
-        Any other value, or a value a field refuses (a window under 8 steps).
+        Any other value, or a value a field refuses (a window or a warmup under 8 steps).
     """
     if value is None or value is False:
         return None
@@ -149,6 +161,9 @@ class SpikeFinding:
         How many healthy steps the window held.
     history : list of float
         The signal's last values before this step (oldest first).
+    new_level : bool
+        The step ends a run of more than :data:`MIN_WINDOW` flagged steps in a row: the
+        run is a new level, and its values join the window (the step is not skipped).
     """
 
     step: int
@@ -159,6 +174,7 @@ class SpikeFinding:
     threshold: float
     window: int
     history: list[float]
+    new_level: bool = False
 
     @property
     def message(self) -> str:
@@ -248,7 +264,7 @@ class SpikeDetector:
 
     def threshold(self, n: int) -> float:
         s = self.settings
-        return s.z * math.sqrt(max(1.0, s.warmup / n))
+        return s.z * math.sqrt(max(1.0, min(s.warmup, s.window) / n))
 
     def score(self, reading: StepReading, *, has_grads: bool = True) -> list[SpikeFinding]:
         """The spikes of the step read (none while warming up)."""
