@@ -22,7 +22,7 @@ from .hooks import HookSet, hookable_modules
 from .recorder import Recorder
 from .records import Args, Kwargs, RecordOptions
 
-__all__ = ["Captured", "capture_calls", "fresh", "run_backward", "run_pass"]
+__all__ = ["Captured", "capture_calls", "detached", "fresh", "run_backward", "run_pass"]
 
 
 def run_pass(
@@ -58,6 +58,7 @@ def run_pass(
                 stage = Phase.BACKWARD
                 rec.recomputing = True
                 note = run_backward(loss, st)
+                rec.finish_backward()
                 if note:
                     outcome.notes.append(note)
         except LossError:
@@ -78,10 +79,25 @@ def fresh(inputs: Batch) -> Batch:
     return copied
 
 
+def detached(target: object) -> object:
+    """The target as every pass and replay uses it: cut from any graph behind it (a
+    target computed by another model without ``no_grad``, as in distillation), so the
+    backward neither reaches that model's ``.grad`` nor frees its graph, and never writes
+    a ``.grad`` of the user's own. A tensor is detached (same storage, no copy); a
+    container holding one that requires grad is copied with its tensors detached clones
+    (:func:`.capture.copy_arguments`); anything else is passed as it is."""
+    if isinstance(target, torch.Tensor):
+        return target.detach() if target.requires_grad else target
+    if any(t.requires_grad for _, t in named_tensors(target)):
+        return copy_arguments(target)
+    return target
+
+
 def run_backward(loss: torch.Tensor, st: PreservedState) -> str:
     """``loss.backward()`` without leaving a trace on the user's tensors: the parameters'
     ``.grad`` were detached by :meth:`PreservedState.clear_grads` (and are put back on
-    exit), and the batch is the pass's own (:func:`fresh`). A plain ``backward()``
+    exit), the batch is the pass's own (:func:`fresh`) and the target cut from its graph
+    (:func:`detached`, when the trace starts). A plain ``backward()``
     (rather than ``torch.autograd.grad``) also works through reentrant activation
     checkpointing. Returns a note when there is nothing to differentiate."""
     if not loss.requires_grad:
@@ -136,8 +152,9 @@ def capture_calls(call: StepCall, st: PreservedState, calls: set[int]) -> dict[i
     return got
 
 
-def _keeper(grads: dict[str, torch.Tensor], name: str) -> Callable[[torch.Tensor], None]:
-    def keep(g: torch.Tensor) -> None:
-        grads[name] = g.detach().clone()
+def _keeper(grads: dict[str, torch.Tensor], name: str) -> Callable[[torch.Tensor | None], None]:
+    def keep(g: torch.Tensor | None) -> None:
+        if g is not None:  # None: no gradient reached this output (an unused one)
+            grads[name] = g.detach().clone()
 
     return keep

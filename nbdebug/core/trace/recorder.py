@@ -13,11 +13,20 @@ those modules). Two modes:
   gradients beside the user's (kept aside by the trace). Under (Distributed)DataParallel
   or FSDP2, whose own hooks read the accumulated gradients, a tensor hook marks the
   event's place and the gradients are measured after the backward, in one engine call.
+  A gradient that autograd hands a tensor hook as ``None`` (an output of a multi-output
+  node that nothing used) reached nothing: no event.
 * exact (``exact=True``): run only when the quick pass saw a NaN/Inf. Element-wise
   statistics, the batch rows holding non-finite values, which inputs of each module call
   were finite, the data flow between calls, and a copy of the inputs of the calls still
   able to be the origin (for the op-level replay). Synchronises per event; it is the slow
   path of a failing step.
+
+Held gradients (``RecordOptions.hold``, on as well once the forward calls a module with
+gradients disabled, as a reentrant checkpoint's first run does): each reentrant segment runs
+a backward of its own, so a parameter may be accumulated several times. Nothing is dropped
+then; each parameter gets one event, measured from its whole ``.grad`` after the backward
+(the exact pass places one that turned non-finite at that contribution). A pass that saw a
+parameter accumulated twice without holding runs again (:meth:`Recorder.split_grads`).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from ..stats import (
 from ..text import dtype_name, qualified_name
 from ..vocab import EventKind
 from .capture import CallCapture
-from .columns import EventColumns
+from .columns import ROW_FIELDS, EventColumns
 from .hooks import HookSet, hookable_named_modules
 from .records import (
     Args,
@@ -69,6 +78,7 @@ __all__ = ["Recorder", "select_modules"]
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_PARAM = ROW_FIELDS.index("param")  # a parameter event's qualified name, in its row
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -99,6 +109,11 @@ class Recorder:
         self.kept: dict[str, torch.Tensor] = {}
         # quick mode: (event index, parameter) whose gradient is measured after the backward
         self._pending_grads: list[tuple[int, torch.Tensor]] = []
+        # held gradients (module docstring): parameters by first accumulation; (exact) the
+        # events of those that turned non-finite
+        self.hold = options.hold
+        self._held: dict[int, torch.Tensor] = {}
+        self._early: dict[int, int] = {}
         self.exact = exact
         self.kernel = kernels.compiled()  # quick mode: decided once per pass
         self.engine = QuickEngine(self.kernel)  # quick mode: every measured tensor's row
@@ -269,6 +284,10 @@ class Recorder:
     # ------------------------------------------------------------------ forward hooks
     def _pre_hook(self, name: str) -> PreHook:
         def pre(module: torch.nn.Module, args: Args, kwargs: Kwargs) -> None:
+            if not self.hold and not self.recomputing and not torch.is_grad_enabled():
+                # a forward with gradients disabled: perhaps a reentrant checkpoint's first
+                # run, whose backward accumulates the parameters again (module docstring)
+                self.hold = True
             parent = self.stack[-1] if self.stack else -1
             rec = CallRecord(len(self.calls), name, type(module).__name__, len(self.stack), parent)
             self.calls.append(rec)
@@ -378,8 +397,10 @@ class Recorder:
         self._grad_hooked[key] = (weakref.ref(t), owners)
         self._hooks.tensor_hook(t, self._grad_hook(owners, slot))
 
-    def _grad_hook(self, owners: list[Owner], slot: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _grad_hook(self, owners: list[Owner], slot: int) -> Callable[[torch.Tensor | None], None]:
+        def hook(grad: torch.Tensor | None) -> None:
+            if grad is None:  # no gradient reached this tensor (an unused output)
+                return None
             vector, samples = self.measure(grad)
             # the gradient leaves its consumers (grad_input), then reaches its producers
             # from the outermost container inwards (grad_output)
@@ -399,6 +420,9 @@ class Recorder:
         self, module: str, short: str, qual: str, param: torch.Tensor
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if self.hold:
+                self._hold(param, grad)
+                return None
             if self.exact:
                 self.record_param(module, short, qual, grad)
                 return None
@@ -420,6 +444,9 @@ class Recorder:
         module, short, qual = self.param_names[id(param)]
 
         def hook(p: torch.Tensor) -> None:
+            if self.hold:
+                self._held.setdefault(id(p), p)
+                return None
             g = p.grad
             if g is None:  # pragma: no cover - autograd calls the hook after writing it
                 return None
@@ -429,6 +456,43 @@ class Recorder:
             return None
 
         return hook
+
+    def _hold(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A parameter's gradient accumulated while gradients are held: noted; in the exact
+        pass, the parameter's event is placed at the first non-finite contribution."""
+        self._held.setdefault(id(param), param)
+        if self.exact and id(param) not in self._early:
+            with torch.no_grad():
+                bad = has_nonfinite(grad)
+            if bad:
+                self._early[id(param)] = self.record_param(*self.param_names[id(param)], grad)
+
+    def finish_backward(self) -> None:
+        """After the backward: the events of the held parameter gradients (module
+        docstring), each measured from the whole ``.grad``."""
+        held, self._held = self._held, {}
+        grads = [(p, g) for p in held.values() if (g := p.grad) is not None]
+        gs = [g for _, g in grads]
+        ids: list[Vector] = (
+            [self.measure(g, rows=False)[0] for g in gs]
+            if self.exact
+            else [*self.engine.measure_many([g for g in gs])]
+        )
+        for (p, g), v in zip(grads, ids):
+            i = self._early.get(id(p), -1)
+            if i >= 0:
+                self.raw.set_vector(i, v)
+            else:
+                self.record_param(*self.param_names[id(p)], g, v)
+
+    def split_grads(self) -> bool:
+        """Whether a parameter's gradient was accumulated more than once in this pass
+        while it was not held: its event is one contribution (the quick pass dropped the
+        others), so the pass must be run again holding gradients."""
+        if self.hold:
+            return False
+        quals = [row[_PARAM] for row in self.raw.rows if row[0] is EventKind.PARAM_GRAD]
+        return len(set(quals)) < len(quals)
 
     def measure_param_grads(self) -> None:
         """Quick mode: measure the parameter gradients whose hooks fired and that are not

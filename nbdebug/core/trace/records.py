@@ -59,12 +59,17 @@ class RecordOptions:
     ``exact``: element-wise statistics, rows and data flow (the slow path of a failing
     step); ``capture``: exact pass only, copy the inputs of the calls that may be the
     origin; ``modules``: names of the modules to record (None: all); ``keep``: names of
-    the modules whose outputs are kept."""
+    the modules whose outputs are kept; ``hold``: a parameter's gradient may be
+    accumulated more than once in the backward (reentrant activation checkpointing), so
+    each parameter's event is measured from its whole ``.grad`` once the backward is over
+    (a pass also switches this on itself when its forward calls a module with gradients
+    disabled)."""
 
     exact: bool = False
     capture: bool = False
     modules: frozenset[str] | None = None
     keep: frozenset[str] = frozenset()
+    hold: bool = False
 
 
 def host(v: Vector) -> np.ndarray:

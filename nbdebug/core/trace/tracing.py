@@ -11,6 +11,7 @@ torch operations to name the root op, its source line and the chain to the first
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 from collections.abc import Iterator, Sequence
@@ -22,11 +23,11 @@ from ..batch import LossFn, check_inputs, check_loss_fn, check_materialized, che
 from ..state import PreservedState, preserved
 from ..stats import all_quick_complete
 from ..text import fmt_bytes
-from .assemble import build_events, build_result
+from .assemble import Outcome, build_events, build_result
 from .call import Amp, StepCall
 from .failure import rerun_error
-from .passes import run_pass
-from .recorder import select_modules
+from .passes import detached, run_pass
+from .recorder import Recorder, select_modules
 from .records import RecordOptions
 from .result import Trace, TraceError
 from .search import find_origin
@@ -128,7 +129,7 @@ def _traced(
 ) -> Trace:
     model = check_model(model)
     check_materialized(model.named_modules())
-    call = StepCall(model, check_inputs(inputs), target, check_loss_fn(loss_fn), amp)
+    call = StepCall(model, check_inputs(inputs), detached(target), check_loss_fn(loss_fn), amp)
     kept = select_modules(model, keep, "keep")
     chosen = select_modules(model, modules, "modules")
     if chosen is not None and kept:
@@ -149,6 +150,7 @@ def _traced(
         health = WeightHealth.measure(owned_weights(st.modules))
         written: list[str] = []
         first_loss: float | None = None  # the quick pass's, when the exact pass follows
+        hold = False  # the quick pass held gradients: so does the exact pass
         if not health.bad:
             quick = RecordOptions(
                 modules=None if chosen is None else frozenset(chosen), keep=keep_set
@@ -156,18 +158,20 @@ def _traced(
             rec, out = run_pass(call, st, quick)
             written = st.keep_written()
             vectors = rec.host_vectors()
+            if all_quick_complete(vectors) and rec.split_grads():
+                rec, out = _holding(call, st, quick, (rec, out))
+                vectors = rec.host_vectors()
             if all_quick_complete(vectors):
                 events, _ = build_events(rec, vectors)
                 out.notes += _written_note(written)
                 return _with_kept(build_result(call, rec, events, None, out, health), rec.kept)
             # something is not finite (or overflowed float32 sums): replay the step exactly
-            first_loss = out.loss
+            first_loss, hold = out.loss, rec.hold or rec.split_grads()
             st.reset_buffers()
         # (a parameter or buffer that is already non-finite makes the step need the exact
         # pass: the quick one is skipped)
-        return _exact(
-            call, st, health, RecordOptions(True, True, keep=keep_set), first_loss, written
-        )
+        exact = RecordOptions(True, True, keep=keep_set, hold=hold)
+        return _exact(call, st, health, exact, first_loss, written)
 
 
 def _exact(
@@ -182,13 +186,14 @@ def _exact(
     the buffers ``written``; none ran when a weight was already non-finite)."""
     try:
         rec, out = run_pass(call, st, options)
+        if health.bad:  # the exact pass was the step's first forward
+            written = st.keep_written()
+        rec, out = _holding(call, st, options, (rec, out))
     except TraceError as e:
         if health.bad:  # this was the step's first run: the model's own error
             raise
         raise rerun_error(e) from e.__cause__
     vectors = rec.host_vectors()
-    if health.bad:  # the exact pass was the step's first forward
-        written = st.keep_written()
     out.notes += _written_note(written)
     unreplayed = _not_replayed_note(first_loss, out.loss)
     out.notes += unreplayed
@@ -198,6 +203,18 @@ def _exact(
     if unreplayed:
         tr.unreplayed_loss = first_loss
     return _with_kept(tr, rec.kept)
+
+
+def _holding(
+    call: StepCall, st: PreservedState, options: RecordOptions, ran: tuple[Recorder, Outcome]
+) -> tuple[Recorder, Outcome]:
+    """The pass ``ran``, or, when it saw a parameter's gradient accumulated more than once
+    without holding gradients (:meth:`.recorder.Recorder.split_grads`), the same pass run
+    again holding them (after the buffers and RNG are put back, as for any replay)."""
+    if not ran[0].split_grads():
+        return ran
+    st.reset_buffers()
+    return run_pass(call, st, dataclasses.replace(options, hold=True))
 
 
 def _not_replayed_note(first: float | None, exact: float | None) -> list[str]:
