@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
+from ..batch import named_tensors
 from ..state import AutocastState, RngState
 from .frames import call_site
 
@@ -120,7 +121,11 @@ def _copy(o: object, clone: tuple[bool, bool], memo: dict[int, object], depth: i
 @dataclass
 class CallCapture:
     """One module call's inputs as they were at the call (copies), the RNG state, grad
-    mode and autocast state then, and the user's line that made the call."""
+    mode and autocast state then, the user's line that made the call, and which input
+    tensors required grad then (``named_tensors((args, kwargs))`` names): the copies are
+    detached, and a backward replay must ask for the gradients the step computed, no
+    more (``x * 0`` has no input gradient to turn ``inf * 0`` into NaN when ``x`` is a
+    batch tensor that wants none)."""
 
     args: tuple[object, ...]
     kwargs: dict[str, object]
@@ -128,6 +133,7 @@ class CallCapture:
     grad_enabled: bool = True
     call_site: str | None = None
     autocast: AutocastState = field(default_factory=AutocastState)
+    wants_grad: frozenset[str] | None = None  # None: not known (every float input)
 
     @classmethod
     def take(cls, args: tuple[object, ...], kwargs: dict[str, object]) -> CallCapture:
@@ -139,7 +145,15 @@ class CallCapture:
             torch.is_grad_enabled(),
             call_site(),
             AutocastState.capture(),
+            frozenset(n for n, t in named_tensors((args, kwargs)) if t.requires_grad),
         )
+
+    def wanted_grad(self, name: str, t: torch.Tensor) -> bool:
+        """Whether the input tensor ``name`` (of a :meth:`fresh` copy, ``named_tensors``
+        name) required grad at the call (any float one when that was not recorded)."""
+        if not (t.is_floating_point() or t.is_complex()):
+            return False
+        return self.wants_grad is None or name in self.wants_grad
 
     def fresh(self) -> tuple[tuple[object, ...], dict[str, object]]:
         """New copies for one replay (a replay may mutate them), RNG put back as it was."""

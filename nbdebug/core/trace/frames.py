@@ -23,9 +23,27 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STDLIB_DIR = os.path.dirname(os.__file__)
 _MODULE_PY = os.path.join("nn", "modules", "module.py")
+#: torch files that only pass a call on (dispatch, module calls, a parametrized
+#: attribute's getter) and ``torch/utils`` (checkpointing, decorators): never "the line in
+#: torch that ran the op"; ``torch/nn/utils/parametrizations.py`` (``weight_norm``'s
+#: forward) is such a line
+_TORCH_PLUMBING = (
+    "overrides.py",
+    "_tensor.py",
+    _MODULE_PY,
+    os.path.join("nn", "utils", "parametrize.py"),
+)
+_TORCH_UTILS = os.path.join(_TORCH_DIR, "utils") + os.sep
 #: nbdebug frames that run the replayed code: past them a source search has left it
 _REPLAY_FRAMES = frozenset(
-    {"replay_forward", "replay_backward", "replay_loss", "run_backward_source", "compute_loss"}
+    {
+        "replay_forward",
+        "replay_backward",
+        "replay_loss",
+        "replay_loss_backward",
+        "run_backward_source",
+        "compute_loss",
+    }
 )
 
 
@@ -93,10 +111,7 @@ def user_source(fallback: str | None = None) -> str | None:
             if f.f_code.co_name in _REPLAY_FRAMES:
                 break  # left the replayed code
         elif kind == FrameKind.TORCH:
-            if (
-                not fn.endswith(("overrides.py", "_tensor.py", _MODULE_PY))
-                and os.sep + "utils" + os.sep not in fn
-            ):
+            if not fn.endswith(_TORCH_PLUMBING) and not fn.startswith(_TORCH_UTILS):
                 torch_frame = f  # the outermost one wins
         elif kind == FrameKind.USER:
             return source_text(fn, f.f_lineno)

@@ -31,6 +31,7 @@ class Located:
     corrupted: bool = False  # the param/buffer was non-finite before the pass
     module: str | None = None  # set when the producing code is not the event's module
     kind: NonFinite = NonFinite.NAN  # the value looked for
+    loss: bool = False  # backward: the loss's own backward made it (the model's output grad)
 
 
 @dataclass
@@ -179,8 +180,12 @@ def _bad_param(rec: Recorder, module: str, bad_params: dict[str, list[str]]) -> 
 def _backward(rec: Recorder, i: int, kind: NonFinite) -> Located:
     r = rec.raw[i]
     if r.kind == EventKind.PARAM_GRAD:
-        calls = [c.call for c in rec.calls if c.module == r.module]
-        return Located(event=i, call=calls[-1] if calls else -1, param=r.param, kind=kind)
+        # a module called more than once: any of its calls may have made the gradient;
+        # the replay tries them, the last first
+        calls = [c.call for c in reversed(rec.calls) if c.module == r.module]
+        return Located(
+            event=i, call=calls[0] if calls else -1, candidates=calls, param=r.param, kind=kind
+        )
     # all events of this gradient tensor were emitted together, consumers first
     same = [j for j in range(i, len(rec.raw)) if rec.raw[j].vector is r.vector]
     consumers = [rec.raw[j].call for j in same if rec.raw[j].kind == EventKind.GRAD_INPUT]
@@ -200,4 +205,6 @@ def _backward(rec: Recorder, i: int, kind: NonFinite) -> Located:
         return Located(
             event=i, call=parent, candidates=[parent], module=rec.calls[parent].module, kind=kind
         )
-    return Located(event=i, kind=kind)
+    # the gradient of the model's output, non-finite as it arrives: the loss made it
+    loss = prod >= 0 and r.kind == EventKind.GRAD_OUTPUT and rec.calls[prod].module == ""
+    return Located(event=i, kind=kind, loss=loss)

@@ -31,10 +31,20 @@ def op_name(func: object) -> str:
     except Exception:  # pragma: no cover - exotic callables
         name = None
     if not name:
-        name = code_name(func)
+        name = _torch_attribute(func) or code_name(func)
     if name.startswith("torch.Tensor."):
         name = name[len("torch.") :]
     return name
+
+
+def _torch_attribute(func: object) -> str | None:
+    """``torch.X`` for a function of torch's namespace that ``resolve_name`` does not
+    know (``torch._weight_norm``, whose ``__qualname__`` is the internal
+    ``_VariableFunctionsClass._weight_norm``)."""
+    name = getattr(func, "__name__", None)
+    if getattr(func, "__module__", None) != "torch" or not isinstance(name, str):
+        return None
+    return f"torch.{name}" if getattr(torch, name, None) is func else None
 
 
 #: a torch callable as a ``TorchFunctionMode`` receives it

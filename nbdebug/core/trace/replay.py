@@ -4,14 +4,17 @@ One module (or the loss function) is run again on its inputs as they were at the
 under the :class:`.spy.Spy`. For a backward origin the forward operations' autograd nodes
 are watched the same way: the root is the first node whose incoming gradient was finite
 and whose outgoing one is not; a custom ``autograd.Function`` is named
-``ProdFn.backward``, with the line of its backward that made the value.
+``ProdFn.backward``, with the line of its backward that made the value. A gradient
+already non-finite where it reaches the model's output was made by the loss's backward:
+the loss function is replayed forward and backward on the recorded output the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,12 +23,19 @@ from ..state import AutocastState
 from ..stats import count_nonfinite, has_nan, has_nonfinite
 from ..text import code_name
 from ..vocab import NonFinite
-from .capture import CallCapture
+from .capture import CallCapture, copy_arguments
 from .events import Chain, ChainLink
 from .frames import source_text
 from .spy import Node, OpFinding, Spy, bad_rows, chain_end, finding, root_of, tensors_of
 
-__all__ = ["replay_backward", "replay_forward", "replay_loss", "run_backward_source"]
+__all__ = [
+    "LossStep",
+    "replay_backward",
+    "replay_forward",
+    "replay_loss",
+    "replay_loss_backward",
+    "run_backward_source",
+]
 
 #: an autograd graph node (``tensor.grad_fn``)
 GradNode = torch.autograd.graph.Node
@@ -70,20 +80,22 @@ def replay_forward(
 
 
 def replay_loss(
-    loss_fn: LossFn | None,
-    output: object,
-    target: object,
-    kind: NonFinite,
-    batch_size: int | None,
-    autocast: AutocastState | None = None,
+    step: LossStep, kind: NonFinite, batch_size: int | None, masks: Collection[str] = ()
 ) -> OpFinding:
     """Run the loss computation again on the recorded model output, under the spy (and
-    the autocast state the loss ran in)."""
+    the autocast state the loss ran in). ``masks``: the output tensors
+    (``named_tensors(output, "output")`` names) that hold intended masks; a loss made
+    non-finite from them alone is rooted at the loss's first operation on the mask's way
+    to the loss (:func:`.spy.finding`)."""
+    output = copy_arguments(step.output)
     spy = Spy(batch_size)
-    amp = autocast.applied() if autocast is not None else contextlib.nullcontext()
+    for name, t in named_tensors(output, "output"):
+        if name in masks:
+            spy.tag_mask(t)
+    amp = step.autocast.applied() if step.autocast is not None else contextlib.nullcontext()
     with torch.enable_grad(), amp, spy:
-        compute_loss(output, target, loss_fn)
-    return finding(spy, kind)
+        loss = compute_loss(output, step.target, step.loss_fn)
+    return finding(spy, kind, end=loss)
 
 
 def replay_backward(
@@ -92,15 +104,19 @@ def replay_backward(
     grad_outputs: dict[str, torch.Tensor],
     kind: NonFinite,
     batch_size: int | None,
+    param: torch.Tensor | None = None,
 ) -> OpFinding:
     """Run ``module`` forward and backward on its recorded inputs and incoming gradient;
     name the forward op whose backward turned a finite gradient into a non-finite one
     (the root), and the chain to the first NaN. ``reproduced`` tells whether this
-    module's backward made a non-finite value at all."""
+    module's backward made a non-finite value at all: in one of the gradients the step
+    computed, those of the inputs that required grad at the call and of the module's
+    parameters (an input the step asked no gradient of gets none here either); with
+    ``param`` (one of the module's parameters), in that parameter's gradient."""
     args, kwargs = capture.fresh()
     leaves: list[torch.Tensor] = []
-    for t in tensors_of((args, kwargs)):
-        if t.is_floating_point() or t.is_complex():
+    for name, t in named_tensors((args, kwargs)):
+        if capture.wanted_grad(name, t):
             t.requires_grad_(True)
             leaves.append(t)
     leaves += [p for p in module.parameters() if p.requires_grad]
@@ -114,39 +130,107 @@ def replay_backward(
         if g is not None and t.requires_grad:
             outs.append(t)
             grads.append(g)
-    if not outs:
+    if not outs or not leaves:
         return OpFinding()
-    names = _graph_names(outs, spy.graph or {})
-    watch = _BackwardWatch(names, batch_size, frozenset(id(p) for p in module.parameters()))
+    params = frozenset(id(p) for p in module.parameters())
+    judged = [param] if param is not None else leaves
+    b = _Backward(outs, grads, leaves, spy, batch_size, params, {id(t) for t in judged})
+    found = _watched_backward(b, kind)
+    hooked = _user_backward_hook(module) if found.op == _HOOK_FUNCTION else None
+    if hooked is not None:
+        # torch's BackwardHookFunction carries the module's full backward hooks: the value
+        # was made in the user's hook, not in torch's identity backward
+        c = found.chain
+        found.chain = Chain([ChainLink(hooked[0], hooked[1], c[0].value, c[0].rows), *c[1:]])
+        found.op, found.source = hooked
+        found.note = (
+            f"made by the module's full backward hook {hooked[0]} (register_full_backward_hook) "
+            "from a finite gradient: the line is the hook's definition."
+        )
+    return found
+
+
+def replay_loss_backward(
+    step: LossStep, grad_names: Collection[str], kind: NonFinite, batch_size: int | None
+) -> OpFinding:
+    """Run the loss computation forward and backward on the recorded model output
+    (``grad_names``: the output tensors, ``named_tensors(output, "output")`` names, that a
+    gradient reached in the step): name the loss's operation whose backward turned a
+    finite gradient into the non-finite one that reached the model's output."""
+    output = copy_arguments(step.output)
+    leaves = [t for n, t in named_tensors(output, "output") if n in grad_names]
+    for t in leaves:
+        t.requires_grad_(True)
+    if not leaves:
+        return OpFinding()
+    spy = Spy(batch_size, graph=True)
+    amp = step.autocast.applied() if step.autocast is not None else contextlib.nullcontext()
+    with torch.enable_grad(), amp, spy:
+        loss = compute_loss(output, step.target, step.loss_fn)
+    if not loss.requires_grad:
+        return OpFinding()
+    one = [torch.ones_like(loss)]
+    b = _Backward([loss], one, leaves, spy, batch_size, frozenset(), {id(t) for t in leaves})
+    return _watched_backward(b, kind)
+
+
+@dataclass
+class LossStep:
+    """What a replay of the loss reads: the loss function, the model's output (as the
+    exact pass recorded it) and target, and the autocast state the loss ran in."""
+
+    loss_fn: LossFn | None
+    output: object
+    target: object
+    autocast: AutocastState | None = None
+
+
+@dataclass
+class _Backward:
+    """One backward replay: the forward's outputs and the gradients they receive, the
+    leaves whose gradients the step computed, the spy that named the forward's graph."""
+
+    outs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    leaves: list[torch.Tensor]
+    spy: Spy
+    batch_size: int | None
+    params: frozenset[int]  # ids of parameters among the leaves: their gradients have no rows
+    judged: set[int]  # ids of the leaves whose non-finite gradient reproduces the step's
+
+
+def _watched_backward(b: _Backward, kind: NonFinite) -> OpFinding:
+    """Run the backward of ``b`` with every named graph node watched: the root (the first
+    node that sent a non-finite gradient from finite ones), the chain to the first NaN,
+    and whether a judged leaf's gradient went non-finite (``reproduced``)."""
+    names = _graph_names(b.outs, b.spy.graph or {})
+    watch = _BackwardWatch(names, b.batch_size, b.params)
     handles = [node.register_hook(watch.hook(node)) for node in names]
     try:
-        grads_in = torch.autograd.grad(outs, leaves, grads, allow_unused=True, retain_graph=True)
+        grads_in = torch.autograd.grad(
+            b.outs, b.leaves, b.grads, allow_unused=True, retain_graph=True
+        )
     finally:
         for h in handles:
             h.remove()
-    found = OpFinding(reproduced=any(g is not None and has_nonfinite(g) for g in grads_in))
+    found = OpFinding(
+        reproduced=any(
+            g is not None and has_nonfinite(g) and id(t) in b.judged
+            for t, g in zip(b.leaves, grads_in)
+        )
+    )
     end = chain_end(watch.roots, watch.first_nan, kind == NonFinite.NAN)
     if end is None:
         return found
     chain, root = end.path(), root_of(end)
     root_node = watch.records.get(id(root))
     if root_node is not None and hasattr(root_node, "_forward_cls"):
-        src = run_backward_source(root_node, watch.grad_outs.get(root_node), batch_size)
+        src = run_backward_source(root_node, watch.grad_outs.get(root_node), b.batch_size)
         if src:
             chain = Chain([ChainLink(chain[0].op, src, chain[0].value, chain[0].rows), *chain[1:]])
-    hooked = _user_backward_hook(module) if chain[0].op == _HOOK_FUNCTION else None
-    if hooked is not None:
-        # torch's BackwardHookFunction carries the module's full backward hooks: the value
-        # was made in the user's hook, not in torch's identity backward
-        chain = Chain([ChainLink(hooked[0], hooked[1], chain[0].value, chain[0].rows), *chain[1:]])
     found.chain = chain
     found.op, found.source, found.rows = chain[0].op, chain[0].source, list(chain[0].rows)
-    if hooked is not None:
-        found.note = (
-            f"made by the module's full backward hook {hooked[0]} (register_full_backward_hook) "
-            "from a finite gradient: the line is the hook's definition."
-        )
-    elif watch.hidden_nan is not None and watch.hidden_nan is root:
+    if watch.hidden_nan is not None and watch.hidden_nan is root:
         found.note = (
             f"the backward of {found.op} multiplied a zero gradient by a non-finite local "
             "derivative (a hidden NaN, e.g. behind torch.where or a mask)."

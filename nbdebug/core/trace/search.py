@@ -19,7 +19,7 @@ from .locate import Located, MaskInfo, batch_masks, locate
 from .passes import capture_calls
 from .recorder import Recorder
 from .records import RawEvent
-from .replay import replay_backward, replay_forward, replay_loss
+from .replay import LossStep, replay_backward, replay_forward, replay_loss, replay_loss_backward
 from .spy import OpFinding
 
 __all__ = ["find_origin"]
@@ -110,12 +110,29 @@ def _replay(search: _Search, loc: Located, masks: MaskInfo) -> tuple[OpFinding, 
         f = replay_forward(module, call.capture, loc.kind, bs, masks.mask_inputs(rec, loc.call))
         return _checked(f, rec, loc.call), event_index, loc
     if phase == Phase.LOSS:
-        out, step = search.out, search.call
-        f = replay_loss(step.loss_fn, out.output, step.target, loc.kind, bs, out.autocast)
+        f = replay_loss(_loss_step(search), loc.kind, bs, _output_masks(rec, masks))
         return f, event_index, loc
+    if phase == Phase.BACKWARD and loc.loss:
+        made = rec.raw[event_index].call
+        names = {r.name for r in rec.raw if r.call == made and r.kind == EventKind.GRAD_OUTPUT}
+        return replay_loss_backward(_loss_step(search), names, loc.kind, bs), event_index, loc
     if phase == Phase.BACKWARD and (loc.candidates or loc.call >= 0):
         return _replay_backward(search, loc, event_index)
     return OpFinding(), event_index, loc
+
+
+def _loss_step(search: _Search) -> LossStep:
+    step, out = search.call, search.out
+    return LossStep(step.loss_fn, out.output, step.target, out.autocast)
+
+
+def _output_masks(rec: Recorder, masks: MaskInfo) -> set[str]:
+    """The model's outputs (``named_tensors(output, "output")`` names) holding masks."""
+    model = next((c for c in rec.calls if c.parent < 0), None)
+    if model is None:
+        return set()
+    events = [rec.raw[e] for e in model.output_events]
+    return {r.name for r in events if not rec.slots[r.slot].finite and masks.clean(rec, r.slot)}
 
 
 def _replay_backward(
@@ -131,7 +148,9 @@ def _replay_backward(
             continue
         search.st.reset_buffers()
         module = search.modules[rec.calls[c].module]
-        f = replay_backward(module, caps[c][0], caps[c][1], loc.kind, search.call.batch_size)
+        param = _own_param(module, rec.raw[event_index]) if loc.param else None
+        bs = search.call.batch_size
+        f = replay_backward(module, caps[c][0], caps[c][1], loc.kind, bs, param)
         if not f.reproduced:
             continue
         if c != loc.call:
@@ -147,6 +166,17 @@ def _replay_backward(
             loc = dataclasses.replace(loc, call=c)
         return f, event_index, loc
     return OpFinding(), event_index, loc
+
+
+def _own_param(module: torch.nn.Module, r: RawEvent) -> torch.Tensor | None:
+    """The parameter of a parameter-gradient event, ``None`` when it is no event of
+    ``module``'s own parameter (a batch gradient)."""
+    if r.kind != EventKind.PARAM_GRAD:
+        return None
+    try:
+        return module.get_parameter(r.name)
+    except AttributeError:
+        return None
 
 
 def _failed_note(rec: Recorder, loc: Located, e: Exception) -> str:
@@ -193,6 +223,12 @@ def _found(
     if loc.module is not None and loc.module != rec.raw[event_index].module:
         module = loc.module
         own = f"made by the code of {loc.module or '<model>'} itself, outside its submodules"
+        note = "; ".join(x for x in (own, note) if x)
+    if loc.loss:
+        own = (
+            "made in the loss's backward: the gradient reaching the model's output was "
+            "already non-finite, nothing in the model made it"
+        )
         note = "; ".join(x for x in (own, note) if x)
     if loc.corrupted and not note:
         note = f"the parameter or buffer {loc.param} already held non-finite values"

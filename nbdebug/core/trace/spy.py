@@ -7,7 +7,8 @@ operation and finds the root and the chain to the first NaN.
   (``masked_fill``, ``where``, ``full`` with an infinite value argument), an input marked
   as a mask (a ``-inf`` attention mask from the batch), and what only carries such
   values on (``scores + mask``) are tagged as masks; an operation that turns masks into
-  NaN (the softmax of a fully masked row) is a root;
+  NaN (the softmax of a fully masked row) is a root, and so is, for a result that must
+  not be a mask (a loss), the first operation on the masks' way to it;
 * the **chain** links every operation that consumed a non-finite value to the one that
   produced it, so the first NaN leads back to its root: ``Tensor.div (inf) -> linear (NaN)``;
 * composite torch functions (:mod:`.ops`) are descended into when they are the root;
@@ -134,7 +135,8 @@ class Spy(TorchFunctionMode):
         self.roots: list[Node] = []
         self.first_nan: Node | None = None
         self._nodes: dict[int, tuple[weakref.ref[torch.Tensor], Node]] = {}
-        self._masks: dict[int, weakref.ref[torch.Tensor]] = {}
+        # mask tensors, each with the op that carried the mask into it (None: from outside)
+        self._masks: dict[int, tuple[weakref.ref[torch.Tensor], Node | None]] = {}
         self.depth = 0
         # backward replays: autograd node -> (op, source) of the call that made it
         self.graph: dict[GradNode, tuple[str, str | None]] | None = {} if graph else None
@@ -145,12 +147,18 @@ class Spy(TorchFunctionMode):
         return hit[1] if hit is not None and hit[0]() is t else None
 
     def is_mask(self, t: torch.Tensor) -> bool:
-        ref = self._masks.get(id(t))
-        return ref is not None and ref() is t
+        hit = self._masks.get(id(t))
+        return hit is not None and hit[0]() is t
 
-    def tag_mask(self, t: torch.Tensor) -> None:
+    def mask_node(self, t: torch.Tensor) -> Node | None:
+        """The op that carried an intended mask into ``t`` (its ``parent``: the op before
+        it on the mask's way), ``None`` when ``t`` is no mask or came from outside."""
+        hit = self._masks.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def tag_mask(self, t: torch.Tensor, node: Node | None = None) -> None:
         self._nodes.pop(id(t), None)
-        self._masks[id(t)] = weakref.ref(t)
+        self._masks[id(t)] = (weakref.ref(t), node)
 
     def _tag(self, t: torch.Tensor, node: Node) -> None:
         self._masks.pop(id(t), None)
@@ -192,7 +200,7 @@ class Spy(TorchFunctionMode):
             for t in outs:
                 self._forget(t)
             return out
-        parent, mask_in, in_nan, unseen = self._sources((args, kwargs), {id(t) for t in outs})
+        parent, mask_in, in_nan, unseen, via = self._sources((args, kwargs), {id(t) for t in outs})
         value = NonFinite.NAN if any(has_nan(t) for t in bad) else NonFinite.INF
         if unseen and parent is None:
             parent = Node(UNSEEN, None, NonFinite.NAN, None, bad_rows(bad[0], self.batch_size))
@@ -206,8 +214,10 @@ class Spy(TorchFunctionMode):
                 self._tag(t, node)
             return out
         if value == NonFinite.INF and (mask_in or _inf_constant((args, kwargs))):
+            # (no rows: a mask's rows are not a finding, and an attention mask is big)
+            carried = Node(op_name(func), user_source(self.call_site), value, via, [])
             for t in bad:
-                self.tag_mask(t)
+                self.tag_mask(t, carried)
             return out
         if descend and rng is not None:
             inner = self._descend(func, args, kwargs, rng)
@@ -250,11 +260,15 @@ class Spy(TorchFunctionMode):
             if t.grad_fn is not None and (seen is None or base_name(seen[0]) == base_name(name)):
                 graph[t.grad_fn] = (name, user_source(self.call_site))
 
-    def _sources(self, arguments: object, same: set[int]) -> tuple[Node | None, bool, bool, bool]:
+    def _sources(
+        self, arguments: object, same: set[int]
+    ) -> tuple[Node | None, bool, bool, bool, Node | None]:
         """What the arguments of a call that made a non-finite value carried: the node of
-        the first tagged one (its parent), whether a mask or a NaN came in, and whether a
-        NaN came from code the spy cannot see. ``same``: ids of the call's outputs."""
+        the first tagged one (its parent), whether a mask or a NaN came in, whether a
+        NaN came from code the spy cannot see, and the op that carried the first mask in
+        (``None`` for a mask from outside). ``same``: ids of the call's outputs."""
         parent: Node | None = None
+        via: Node | None = None
         mask_in = in_nan = unseen = False
         for t in tensors_of(arguments):
             node = self.node_of(t)
@@ -262,6 +276,7 @@ class Spy(TorchFunctionMode):
                 parent = parent or node
                 in_nan = in_nan or node.value == NonFinite.NAN
             elif self.is_mask(t):
+                via = via if mask_in else self.mask_node(t)
                 mask_in = True
             elif id(t) in same or isinstance(t, torch.nn.Parameter):
                 continue  # written in place / a weight: finite before as far as we know
@@ -271,7 +286,7 @@ class Spy(TorchFunctionMode):
                         unseen = True  # made by code the spy cannot see
                     continue  # a NaN from outside the replay (a buffer): this op is the root
                 mask_in = True  # an -inf from outside (a mask buffer, a mask input)
-        return parent, mask_in, in_nan, unseen
+        return parent, mask_in, in_nan, unseen, via
 
     def _root(self, node: Node) -> None:
         self.roots.append(node)
@@ -328,10 +343,25 @@ def root_of(node: Node) -> Node:
 UNSEEN = "<unseen code>"
 
 
-def finding(spy: Spy, kind: NonFinite) -> OpFinding:
+def finding(spy: Spy, kind: NonFinite, end: torch.Tensor | None = None) -> OpFinding:
     """The replay's finding from its spy: the root op and source, the chain, rows and the
-    note (``kind``: the value looked for, the chain ends at the first NaN for NaN)."""
+    note (``kind``: the value looked for, the chain ends at the first NaN for NaN).
+
+    ``end``: the replay's result when it must not be a mask (a loss): if no root made
+    it non-finite but intended masks did, the root is the first op on the masks' way to
+    it (``F.cross_entropy`` of logits masked with ``-inf`` at a row's own label)."""
     chain = spy.chain(kind == NonFinite.NAN)
+    via = spy.mask_node(end) if end is not None and not chain else None
+    if via is not None:
+        # masks carry only infinities: the chain (root to the first NaN) is the root
+        chain = Chain(via.path()[:1])
+        f = OpFinding(chain=chain, reproduced=True, rows=list(chain[0].rows))
+        f.op, f.source = chain[0].op, chain[0].source
+        f.note = (
+            f"made from intended masks (infinite values used as a mask): {chain[0].op} "
+            "turned them into the non-finite result instead of leaving them out."
+        )
+        return f
     f = OpFinding(chain=chain, reproduced=bool(chain))
     if chain and chain[0].op == UNSEEN:
         # no op, never a wrong one: the first NaN came out of a call the replay cannot see
