@@ -67,7 +67,10 @@ def compare_replays(
     rtol : float, optional
         The relative difference (norm of the difference over the norm of the
         higher-precision side) that counts as a difference; default ``16 * eps`` of the
-        lower-precision dtype. A NaN or Inf against a finite value always counts.
+        lower precision the two values were computed in (a float32 value upcast from
+        bfloat16 is judged as bfloat16). A NaN or Inf against a finite value always counts;
+        ``finfo(dtype).min``/``max`` and ``-inf``/``inf`` of the same sign on both sides
+        (the stand-ins for infinity of attention masks) are equal.
 
     Returns
     -------

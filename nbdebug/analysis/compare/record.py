@@ -2,6 +2,15 @@
 (a ``TorchFunctionMode``), each module's output (forward hooks) and each parameter's
 gradient, with the module, the operation and the user's source line.
 
+Each record also carries the precision its value was computed in (``OpRecord.precision``):
+the coarsest floating dtype along its history, not only its own dtype. A torch call's
+outputs inherit the coarsest precision of its floating inputs (so ``h.to(torch.float32)``
+of a bfloat16 ``h``, and every float32 op downstream of it, was computed in bfloat16); the
+model's parameters, buffers and batch are computed in their own dtypes; a module's output
+that no recorded call made (a compiled replay) inherits its inputs', parameters' and
+buffers'; a gradient inherits the coarsest precision of the forward and the loss of its
+replay (the backward runs through their ops).
+
 A compiled replay records at module boundaries only: the operations inside a compiled
 graph are not torch calls that a mode sees. Every recorded value is a CPU copy, so a
 recording holds the step's activations once: it is made for the one failing step.
@@ -18,6 +27,8 @@ from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...core.batch import LossFn, call_model, compute_loss, named_tensors
 from ...core.snapshot import ResolvedStep, replay_contexts
@@ -28,7 +39,7 @@ from ...core.trace.ops import op_name
 from ...core.vocab import Phase
 from .config import ReplayConfig
 
-__all__ = ["Level", "OpRecord", "Recording", "record_step"]
+__all__ = ["Level", "OpRecord", "Recording", "coarser", "eps_of", "record_step"]
 
 #: what a record stands for: one torch operation, or one module's output
 Level = str
@@ -40,8 +51,9 @@ MODULE: Level = "module"
 class OpRecord:
     """One recorded value: ``phase`` (forward, loss, backward), ``level`` (``"op"`` or
     ``"module"``), the innermost module running, the operation (``Tensor.div``; a module's
-    output is ``"output"``, a gradient ``"grad of weight"``), the source line, and the
-    value (a detached CPU copy)."""
+    output is ``"output"``, a gradient ``"grad of weight"``), the source line, the
+    value (a detached CPU copy), and the precision it was computed in (the coarsest
+    floating dtype along its history, module docs; default: the value's own dtype)."""
 
     phase: Phase
     level: Level
@@ -49,6 +61,10 @@ class OpRecord:
     op: str
     source: str | None
     value: torch.Tensor
+    precision: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        self.precision = coarser(self.precision, self.value.dtype)
 
     def key(self) -> tuple[str, str, str]:
         return (self.level, self.module, self.op)
@@ -76,6 +92,7 @@ class Recording:
                 "op": r.op,
                 "source": r.source or "",
                 "value": r.value,
+                "precision": str(r.precision).removeprefix("torch."),
             }
             for r in self.records
         ]
@@ -95,17 +112,44 @@ class Recording:
         data: dict[str, Any] = torch.load(Path(path), weights_only=True)
         records = [
             OpRecord(
-                Phase(r["phase"]), r["level"], r["module"], r["op"], r["source"] or None, r["value"]
+                Phase(r["phase"]),
+                r["level"],
+                r["module"],
+                r["op"],
+                r["source"] or None,
+                r["value"],
+                _dtype_named(r.get("precision", "")),
             )
             for r in data["rows"]
         ]
         return cls(str(data["label"]), records, data["error"] or None, bool(data["compiled"]))
 
 
+def eps_of(dtype: torch.dtype | None) -> float:
+    """The machine epsilon of a floating dtype; 0 for anything else (exact)."""
+    return float(torch.finfo(dtype).eps) if dtype is not None and dtype.is_floating_point else 0.0
+
+
+def coarser(p: torch.dtype | None, q: torch.dtype | None) -> torch.dtype | None:
+    """The lower precision (larger epsilon) of two dtypes; a non-floating dtype or None
+    counts as exact (the other one wins)."""
+    if q is None or not q.is_floating_point:
+        return p
+    if p is None or not p.is_floating_point:
+        return q
+    return q if eps_of(q) > eps_of(p) else p
+
+
+def _dtype_named(name: object) -> torch.dtype | None:
+    value = getattr(torch, str(name), None) if name else None
+    return value if isinstance(value, torch.dtype) else None
+
+
 class _OpSpy(TorchFunctionMode):
     """Records the floating tensor outputs of every torch call of the replayed code (a
     mode is off while its handler runs: the calls a torch function makes inside itself,
-    and those of the recording, are not seen)."""
+    and those of the recording, are not seen), each with the precision it inherits from
+    the call's inputs."""
 
     def __init__(self, out: _Sink) -> None:
         super().__init__()
@@ -119,20 +163,50 @@ class _OpSpy(TorchFunctionMode):
         kwargs: dict[str, object] | None = None,
     ) -> object:
         result = func(*args, **(kwargs or {}))
+        inherited = self.out.precision_of((args, kwargs))
+        name = op_name(func)
+        if name == "Tensor.__setitem__" and args and isinstance(args[0], torch.Tensor):
+            self.out.inherit(args[0], inherited)  # written in place: returns None
         # the user's line; none for an op of torch's own modules (the module names it)
-        self.out.add_all(OP, op_name(func), result, user_source(fallback="") or None)
+        self.out.add_all(OP, name, result, user_source(fallback="") or None, inherited)
         return result
 
 
 class _Sink:
-    """Where the hooks and the mode write: the module stack and the records."""
+    """Where the hooks and the mode write: the module stack, the records, and the
+    precision each tensor made so far was computed in."""
 
     def __init__(self, recording: Recording) -> None:
         self.recording = recording
         self.stack: list[str] = []
         self.phase = Phase.FORWARD
+        self.made_in: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.coarsest: torch.dtype | None = None  # of every record so far
 
-    def add_all(self, level: Level, op: str, obj: object, source: str | None) -> None:
+    def precision_of(self, obj: object) -> torch.dtype | None:
+        """The coarsest precision among the floating tensors of ``obj`` (nested)."""
+        out: torch.dtype | None = None
+        with torch._C.DisableTorchFunction():
+            for leaf in tree_leaves(obj):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    out = coarser(out, self.made_in.get(leaf, leaf.dtype))
+        return out
+
+    def inherit(self, t: torch.Tensor, inherited: torch.dtype | None) -> torch.dtype | None:
+        """Record that ``t`` was computed in ``inherited`` too; its precision now."""
+        with torch._C.DisableTorchFunction():
+            p = coarser(coarser(self.made_in.get(t), t.dtype), inherited)
+            self.made_in[t] = p
+        return p
+
+    def add_all(
+        self,
+        level: Level,
+        op: str,
+        obj: object,
+        source: str | None,
+        inherited: torch.dtype | None = None,
+    ) -> None:
         module = self.stack[-1] if self.stack else ""
         with torch._C.DisableTorchFunction():  # the mode does not record the recording
             for name, t in named_tensors(obj, ""):
@@ -140,8 +214,22 @@ class _Sink:
                     continue
                 label = op if not name else f"{op}{name}"
                 value = t.detach().to("cpu", copy=True)
-                record = OpRecord(self.phase, level, module, label, source, value)
+                precision = self.inherit(t, inherited)
+                self.coarsest = coarser(self.coarsest, precision)
+                record = OpRecord(self.phase, level, module, label, source, value, precision)
                 self.recording.records.append(record)
+
+    def add_output(self, module: torch.nn.Module, args: object, output: object) -> None:
+        """A module's output; a tensor no recorded call made (a compiled replay) inherits
+        the precision of the module's inputs, parameters and buffers."""
+        with torch._C.DisableTorchFunction():
+            tensors = [t for _, t in named_tensors(output, "") if t.is_floating_point()]
+            known = all(t in self.made_in for t in tensors)
+            inherited = None
+            if not known:
+                own = [*module.parameters(), *module.buffers()]
+                inherited = self.precision_of((args, own))
+        self.add_all(MODULE, "output", output, None, inherited)
 
 
 def record_step(step: ResolvedStep, config: ReplayConfig) -> Recording:
@@ -169,7 +257,7 @@ def record_step(step: ResolvedStep, config: ReplayConfig) -> Recording:
             batch = (inputs, target, step.loss_fn)
             replay_forward(runner, batch, sink, autocast_of(step, config), not config.compile)
             sink.phase = Phase.BACKWARD
-            _record_grads(model, sink)
+            _record_grads(model, sink, sink.coarsest)
     except Exception as e:
         rec.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
@@ -206,7 +294,7 @@ def replay_forward(
             output = call_model(model, inputs)
             sink.phase = Phase.LOSS
             loss = compute_loss(output, target, loss_fn)
-        sink.add_all(MODULE, "loss", loss.detach(), None)
+        sink.add_all(MODULE, "loss", loss, None)
         if loss.requires_grad:
             with backward():
                 loss.backward()
@@ -219,7 +307,7 @@ def _install(hooks: HookSet, model: torch.nn.Module, sink: _Sink) -> None:
             sink.stack.append(name)
 
         def post(module: torch.nn.Module, args: object, output: object) -> None:
-            sink.add_all(MODULE, "output", output, None)
+            sink.add_output(module, args, output)
             if sink.stack:
                 sink.stack.pop()
 
@@ -227,13 +315,14 @@ def _install(hooks: HookSet, model: torch.nn.Module, sink: _Sink) -> None:
         hooks.add(m.register_forward_hook(post))
 
 
-def _record_grads(model: torch.nn.Module, sink: _Sink) -> None:
-    """Each parameter's gradient, the last module's first (the order backward runs)."""
+def _record_grads(model: torch.nn.Module, sink: _Sink, forward: torch.dtype | None) -> None:
+    """Each parameter's gradient, the last module's first (the order backward runs),
+    computed in the coarsest precision of the ``forward`` and the loss."""
     for mname, m in reversed(hookable_named_modules(model)):
         for pname, p in m.named_parameters(recurse=False):
             if p.grad is not None:
                 sink.stack.append(mname)
-                sink.add_all(MODULE, f"grad of {pname}", p.grad, None)
+                sink.add_all(MODULE, f"grad of {pname}", p.grad, None, forward)
                 sink.stack.pop()
 
 

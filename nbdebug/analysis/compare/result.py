@@ -1,29 +1,55 @@
 """Two recordings compared: the first record whose values differ by more than the dtype
 explains (:func:`compare_recordings`), and the result type :class:`ReplayComparison`.
 
-"More than the dtype explains": the norm of the difference over the finite elements,
-relative to the norm of the higher-precision side, is above ``k * eps`` of the
-lower-precision side's dtype (``k`` = :data:`EPS_FACTOR`, or the caller's ``rtol``); a NaN
-or Inf where the other side is finite (or the other kind of non-finite) is always a
-difference, and so is a shape that differs.
+"More than the dtype explains": the norm of the difference over the comparable elements,
+relative to the norm of the higher-precision side (or to the largest such norm of the
+phase so far, whichever is larger), is above ``k * eps`` (``k`` = :data:`EPS_FACTOR`, or
+the caller's ``rtol``). A NaN or Inf where the other side is finite (or the other kind of
+non-finite) is always a difference, and so is a shape that differs.
+
+``eps`` is that of the lower of the two *precisions the values were computed in*
+(:attr:`~nbdebug.analysis.compare.record.OpRecord.precision`: the coarsest floating dtype
+along each value's history), not of the dtypes the values are stored in. A record is judged
+by the error it adds, not the error it inherits: ``h.to(torch.float32)`` of a bfloat16
+``h``, and the float32 statistics computed from it (the RMSNorm of T5 and LLaMA), hold
+bfloat16's rounding, so they are judged at bfloat16's tolerance; a float32 op whose own
+inputs were all computed in float32 keeps float32's. A value the lower precision cannot
+hold (an overflow to Inf, a NaN) is named whatever the tolerance.
+
+Stand-ins for infinity are the same value in every dtype: ``+inf`` and
+``torch.finfo(dtype).max`` of the value's own dtype stand for plus infinity, ``-inf`` and
+``torch.finfo(dtype).min`` for minus infinity (the additive attention masks that models
+build from ``finfo(dtype).min``). Two elements that are stand-ins of the same sign are
+equal, and they count in no norm; a stand-in against an ordinary finite value is compared
+as a number (an Inf against it is a difference). NaN on both sides is equal too. The norms
+are taken of the values divided by their largest magnitude, so that huge values never
+overflow them: the relative difference is never NaN.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...core.display import show as show_result
-from ...core.text import fmt_num
+from ...core.text import dtype_name, fmt_num
 from ...core.vocab import Phase
-from .record import MODULE, OP, OpRecord, Recording
+from .record import MODULE, OP, OpRecord, Recording, coarser, eps_of
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["EPS_FACTOR", "Difference", "ReplayComparison", "compare_recordings", "differs"]
+__all__ = [
+    "EPS_FACTOR",
+    "Difference",
+    "ReplayComparison",
+    "compare_recordings",
+    "differs",
+    "magnitude",
+]
 
 #: the relative difference a dtype explains, in units of its machine epsilon
 EPS_FACTOR = 16.0
@@ -51,7 +77,8 @@ class Difference:
         The norm of the difference relative to the higher-precision side's (inf for a
         non-finite mismatch).
     tolerance : float
-        What the dtype explains (``k * eps``).
+        What the dtype explains (``k * eps`` of the lower of the precisions the two values
+        were computed in, module docs).
     reason : str
         In words: ``"NaN vs finite"``, ``"relative difference 3.1e-01 > 1.6e-02"``.
     """
@@ -127,9 +154,11 @@ class ReplayComparison:
             return f"{self.a} vs {self.b}: {who}."
         d = self.first
         if d is None:
+            parted = any(n.startswith(PART_NOTE) for n in self.notes)
+            until = ", up to where their op sequences part (notes)" if parted else ""
             return (
                 f"{self.a} vs {self.b}: the {self.compared} {_what(self.level)} agree within "
-                "what the dtypes explain."
+                f"what the dtypes explain{until}."
             )
         level = "first module output" if d.level == MODULE else "first op"
         return (
@@ -140,7 +169,9 @@ class ReplayComparison:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per compared record: ``index``, ``phase``, ``level``, ``module``,
-        ``op``, ``source``, ``relative``, ``tolerance``, ``differs``."""
+        ``op``, ``source``, ``relative``, ``tolerance``, ``precision_a``, ``precision_b``
+        (the dtypes each side's value was computed in, which set the tolerance),
+        ``differs``."""
         import pandas as pd
 
         return pd.DataFrame(self.rows)
@@ -160,44 +191,89 @@ def _what(level: str) -> str:
 
 
 def differs(
-    x: torch.Tensor, y: torch.Tensor, rtol: float | None, floor: float = 0.0
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rtol: float | None,
+    floor: float = 0.0,
+    precision: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
 ) -> tuple[str, float, float, int]:
     """``(reason, relative, tolerance, element)``: reason ``""`` when ``x`` and ``y`` agree
     within the lower precision's ``rtol`` (default ``EPS_FACTOR * eps``), relative to the
     higher-precision side's norm or ``floor`` (the magnitude of the values of that phase so
-    far), whichever is larger."""
-    eps = max(_eps(x.dtype), _eps(y.dtype))
-    tol = rtol if rtol is not None else EPS_FACTOR * eps
+    far), whichever is larger. ``precision``: the dtypes ``x`` and ``y`` were computed in
+    (module docs; default, and never finer than, their own dtypes)."""
+    pa, pb = coarser(precision[0], x.dtype), coarser(precision[1], y.dtype)
+    tol = rtol if rtol is not None else EPS_FACTOR * max(eps_of(pa), eps_of(pb))
     if x.shape != y.shape:
         return f"shapes {tuple(x.shape)} vs {tuple(y.shape)}", float("inf"), tol, -1
     a, b = x.double().flatten(), y.double().flatten()
-    for kind, fa, fb in (("NaN", a.isnan(), b.isnan()), ("Inf", a.isinf(), b.isinf())):
-        bad = fa != fb
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            return f"{kind} vs finite", float("inf"), tol, i
-    inf_sign = a.isinf() & (a != b)
-    if bool(inf_sign.any()):
-        return "Inf of the other sign", float("inf"), tol, int(inf_sign.nonzero()[0])
-    fin = a.isfinite()
-    da, db = a[fin], b[fin]
-    ref = db if _eps(y.dtype) <= _eps(x.dtype) else da
+    mismatch = _non_finite_mismatch(a, b, x.dtype, y.dtype)
+    if mismatch is not None:
+        return mismatch[0], float("inf"), tol, mismatch[1]
+    ordinary = a.isfinite() & b.isfinite() & ~_same_stand_in(a, b, x.dtype, y.dtype)
+    da, db = a[ordinary], b[ordinary]
+    s = max(_largest(da), _largest(db))
+    if s == 0.0:  # nothing to compare, or zeros on both sides
+        return "", 0.0, tol, -1
+    da, db = da / s, db / s  # |values| <= 1: no norm below can overflow
+    ref = db if eps_of(pb) <= eps_of(pa) else da
     diff = (da - db).abs()
-    scale = float(torch.linalg.vector_norm(ref))
-    rel = float(torch.linalg.vector_norm(diff)) / max(scale, floor, torch.finfo(torch.float64).tiny)
-    if diff.numel() == 0 or rel <= tol:
+    denominator = max(float(torch.linalg.vector_norm(ref)), floor / s, _TINY)
+    rel = float(torch.linalg.vector_norm(diff)) / denominator
+    if rel <= tol:
         return "", rel, tol, -1
-    i = int(fin.nonzero().flatten()[int(diff.argmax())])
-    return f"relative difference {rel:.1e} > {tol:.1e}", rel, tol, i
+    i = int(ordinary.nonzero().flatten()[int(diff.argmax())])
+    computed = (pa if eps_of(pa) >= eps_of(pb) else pb) if rtol is None else None
+    why = f"relative difference {rel:.1e} > {tol:.1e}"
+    if computed is not None and computed not in (x.dtype, y.dtype):
+        why += f" (the values were computed in {dtype_name(computed)})"
+    return why, rel, tol, i
 
 
-def _finite_norm(t: torch.Tensor) -> float:
-    v = t.double()
-    return float(torch.linalg.vector_norm(v[v.isfinite()]))
+_TINY = float(torch.finfo(torch.float64).tiny)
 
 
-def _eps(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+def _stand_in(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where ``v`` (``dtype``'s values as float64) holds a stand-in for infinity: an Inf or
+    its dtype's extreme finite value."""
+    if not dtype.is_floating_point:
+        return v.isinf()
+    return v.isinf() | (v.abs() == float(torch.finfo(dtype).max))
+
+
+def _same_stand_in(a: torch.Tensor, b: torch.Tensor, da: torch.dtype, db: torch.dtype) -> Any:
+    """Where both sides stand for the same infinity (module docs)."""
+    return _stand_in(a, da) & _stand_in(b, db) & (a.sign() == b.sign())
+
+
+def _non_finite_mismatch(
+    a: torch.Tensor, b: torch.Tensor, da: torch.dtype, db: torch.dtype
+) -> tuple[str, int] | None:
+    """``(reason, element)`` of the first NaN or Inf the other side does not share."""
+    bad = a.isnan() != b.isnan()
+    if bool(bad.any()):
+        return "NaN vs finite", int(bad.nonzero()[0])
+    sa, sb = _stand_in(a, da), _stand_in(b, db)
+    bad = (a.isinf() & ~sb) | (b.isinf() & ~sa)
+    if bool(bad.any()):
+        return "Inf vs finite", int(bad.nonzero()[0])
+    bad = (a.isinf() | b.isinf()) & sa & sb & (a.sign() != b.sign())
+    if bool(bad.any()):
+        return "Inf of the other sign", int(bad.nonzero()[0])
+    return None
+
+
+def _largest(v: torch.Tensor) -> float:
+    return float(v.abs().max()) if v.numel() else 0.0
+
+
+def magnitude(t: torch.Tensor) -> float:
+    """The norm of the ordinary finite elements of ``t`` (no stand-ins for infinity),
+    taken without overflow (inf only when the norm itself is past float64's range)."""
+    v = t.double().flatten()
+    v = v[v.isfinite() & ~_stand_in(v, t.dtype)]
+    s = _largest(v)
+    return s * float(torch.linalg.vector_norm(v / s)) if s > 0.0 else 0.0
 
 
 def compare_recordings(
@@ -205,8 +281,8 @@ def compare_recordings(
 ) -> tuple[Difference | None, int, list[str], list[dict[str, Any]]]:
     """The first difference of two recordings, how many records were compared, notes, and
     one row per compared record. Op records are compared when both replays have them
-    (in call order, as long as the two sequences name the same ops), module records
-    otherwise."""
+    (in call order, as long as the two sequences name the same ops, :class:`_Pairing`),
+    module records otherwise."""
     notes: list[str] = []
     level = OP if not (ra.compiled or rb.compiled) else MODULE
     if level == MODULE:
@@ -216,22 +292,81 @@ def compare_recordings(
             "are compared at module boundaries (each module's output, then the gradients)"
         )
     xs, ys = _aligned(ra.records, level, notes), _aligned(rb.records, level, notes)
+    pairing = _Pairing(xs, ys, (ra.label, rb.label))
     rows: list[dict[str, Any]] = []
-    magnitude: dict[Phase, float] = {}  # the largest norm of each phase so far (ref side)
-    for i, (x, y) in enumerate(zip(xs, ys)):
-        if x.key() != y.key():
-            notes.append(
-                f"the replays part at record {i}: {x.op} in {x.module!r} vs {y.op} in "
-                f"{y.module!r}; nothing after it is compared"
-            )
-            break
-        reason, rel, tol, at = differs(x.value, y.value, rtol, magnitude.get(x.phase, 0.0))
-        ref = y.value if _eps(y.value.dtype) <= _eps(x.value.dtype) else x.value
-        magnitude[x.phase] = max(magnitude.get(x.phase, 0.0), _finite_norm(ref))
-        rows.append(_row(i, x, rel, tol, bool(reason)))
+    largest: dict[Phase, float] = {}  # the largest norm of each phase so far (ref side)
+    found: Difference | None = None
+    for i, (x, y) in enumerate(pairing.pairs()):
+        floor = largest.get(x.phase, 0.0)
+        reason, rel, tol, at = differs(x.value, y.value, rtol, floor, (x.precision, y.precision))
+        ref = y.value if eps_of(y.precision) <= eps_of(x.precision) else x.value
+        largest[x.phase] = max(floor, magnitude(ref))
+        rows.append(_row(i, (x, y), rel, tol, bool(reason)))
         if reason:
-            return _difference(i, x, y, (reason, rel, tol, at)), len(rows), notes, rows
-    return None, len(rows), notes, rows
+            found = _difference(i, x, y, (reason, rel, tol, at))
+            break
+    notes.extend(pairing.notes())
+    return found, len(rows), notes, rows
+
+
+#: how far ahead :class:`_Pairing` looks for the two sequences to meet again, and how
+#: many records must then agree in name
+LOOKAHEAD, RESYNC = 16, 4
+#: how the note of two replays whose op sequences part for good begins
+PART_NOTE = "the replays part at record"
+
+
+class _Pairing:
+    """The records of two replays, paired in call order. Code that branches on the dtype
+    (``if x.dtype == torch.float16: x = x.to(...)``, as T5 does) makes a few records on
+    one side only: where the names part, the shortest run of one side's records (at most
+    :data:`LOOKAHEAD`) after which :data:`RESYNC` names agree again is skipped and noted;
+    where no such run exists, nothing after it is compared."""
+
+    def __init__(self, xs: list[OpRecord], ys: list[OpRecord], labels: tuple[str, str]) -> None:
+        self.xs, self.ys, self.labels = xs, ys, labels
+        self.skipped: tuple[list[OpRecord], list[OpRecord]] = ([], [])
+        self.parted: str | None = None
+
+    def pairs(self) -> Iterator[tuple[OpRecord, OpRecord]]:
+        i = j = 0
+        while i < len(self.xs) and j < len(self.ys):
+            if self.xs[i].key() != self.ys[j].key():
+                skip = self._resync(i, j)
+                if skip is None:
+                    x, y = self.xs[i], self.ys[j]
+                    self.parted = (
+                        f"{PART_NOTE} {i}: {x.op} in {x.module!r} vs {y.op} in "
+                        f"{y.module!r}; nothing after it is compared"
+                    )
+                    return
+                self.skipped[0].extend(self.xs[i : i + skip[0]])
+                self.skipped[1].extend(self.ys[j : j + skip[1]])
+                i, j = i + skip[0], j + skip[1]
+            yield self.xs[i], self.ys[j]
+            i, j = i + 1, j + 1
+
+    def _resync(self, i: int, j: int) -> tuple[int, int] | None:
+        """``(records of a, records of b)`` to skip for the names to agree again."""
+        for d in range(1, LOOKAHEAD + 1):
+            for da, db in ((d, 0), (0, d)):
+                n = min(RESYNC, len(self.xs) - i - da, len(self.ys) - j - db)
+                xs, ys = self.xs[i + da : i + da + n], self.ys[j + db : j + db + n]
+                if n > 0 and all(x.key() == y.key() for x, y in zip(xs, ys)):
+                    return da, db
+        return None
+
+    def notes(self) -> list[str]:
+        out = []
+        for label, records in zip(self.labels, self.skipped):
+            if records:
+                r = records[0]
+                out.append(
+                    f"{len(records)} record(s) that only the {label} replay makes were "
+                    f"skipped (code that branches on the configuration; the first: {r.op} "
+                    f"in {r.module!r})"
+                )
+        return out + ([self.parted] if self.parted else [])
 
 
 def _aligned(records: list[OpRecord], level: str, notes: list[str]) -> list[OpRecord]:
@@ -241,7 +376,10 @@ def _aligned(records: list[OpRecord], level: str, notes: list[str]) -> list[OpRe
     return [r for r in records if r.level == OP or r.phase is Phase.BACKWARD]
 
 
-def _row(i: int, r: OpRecord, rel: float, tol: float, bad: bool) -> dict[str, Any]:
+def _row(
+    i: int, pair: tuple[OpRecord, OpRecord], rel: float, tol: float, bad: bool
+) -> dict[str, Any]:
+    r = pair[0]
     return {
         "index": i,
         "phase": str(r.phase),
@@ -251,6 +389,8 @@ def _row(i: int, r: OpRecord, rel: float, tol: float, bad: bool) -> dict[str, An
         "source": r.source,
         "relative": rel,
         "tolerance": tol,
+        "precision_a": dtype_name(pair[0].precision),
+        "precision_b": dtype_name(pair[1].precision),
         "differs": bad,
     }
 
@@ -272,8 +412,8 @@ def _difference(
         source=x.source or y.source,
         a=va,
         b=vb,
-        dtype_a=str(x.value.dtype).removeprefix("torch."),
-        dtype_b=str(y.value.dtype).removeprefix("torch."),
+        dtype_a=dtype_name(x.value.dtype),
+        dtype_b=dtype_name(y.value.dtype),
         relative=rel,
         tolerance=tol,
         reason=reason,
