@@ -149,4 +149,12 @@ def test_the_runs_that_diverge_name_the_update_fix(diagnosed: dict[str, Diagnose
         assert d is not None
         assert d.cause.kind == "diverged" and not d.cause.finite
         s = d.cause.statement
-        assert "lower the learning rate" in s and "clip the gradient norm" in s
+        # it names the scenario's right fix (applied by hand in its fixed loop), and
+        # claims no change that the replays over steps showed not to work
+        said = {"lower_lr": "lower the learning rate", "clip_grad": "clip the gradient norm"}
+        assert said[got.scenario.kind] in s, (got.scenario.name, s)
+        assert d.over_steps is not None
+        verified = s.split("the replays over steps show that ", 1)[-1].split(" the run finite")[0]
+        for r in d.over_steps.replays:
+            if r.ran and r.change in verified and "show that" in s:
+                assert r.counts, (got.scenario.name, r)

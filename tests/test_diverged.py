@@ -19,6 +19,7 @@ from torch import nn
 
 import nbdebug
 from nbdebug.analysis.diagnose.divergence import band, find_divergence
+from nbdebug.analysis.diagnose.interventions import FIXES
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -144,7 +145,16 @@ def test_a_run_that_diverged_through_its_updates_is_diagnosed_as_diverged(
     assert c.kind != "not_reproducible" and not c.finite
     began = _jump(rows)
     assert f"the weights diverged over the updates from step {began}" in c.statement, d
-    assert c.statement.endswith(".") and "lower the learning rate" in c.statement
+    assert c.statement.endswith(".")
+    assert f"resume from a checkpoint before step {began}" in c.statement
+    # the advice says what the replays over steps verified, each change they tried named
+    assert d.over_steps is not None
+    ran = [r for r in d.over_steps.replays if r.intervention in FIXES and r.ran]
+    assert ran and all(r.change in c.statement for r in ran)
+    if any(r.counts for r in ran):
+        assert "the replays over steps show that" in c.statement
+    else:
+        assert "none of the changes replayed over steps" in c.statement
     # the healthy band: the steps before the divergence began, never the ones diagnosed
     before = [r for r in rows if r["step"] < began]
     assert d.reference["grad_norm"] == pytest.approx(

@@ -19,6 +19,7 @@ The algorithm:
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ...core.guard.update_replay import with_update_origin
 from ...core.snapshot import ResolvedStep, resolve_step
 from ...core.snapshot.listing import list_snapshots
 from ...core.snapshot.load import ModelSource
@@ -34,14 +36,17 @@ from ...core.snapshot.resolve import ResolveOptions
 from ...core.state import RngState
 from ...core.text import fmt_num
 from ...core.trace import Trace, TraceError
-from ...core.vocab import FixKind, Phase
+from ...core.vocab import FailureKind, FixKind, Phase
+from .advice import advice_code
 from .compiled import compiler_note, precision_note
 from .divergence import Diverged, find_divergence
 from .fix import FixLike
 from .fix_epsilon import EpsilonFix
-from .fix_pseudo import NotReproducible, WeightsCorrupted
+from .fix_optstate import eps_groups
+from .fix_pseudo import NotReproducible, UpdateRecorded, WeightsCorrupted
 from .fix_rows import out_of_range_rows
 from .history import earlier_step, reference
+from .hyper import odd_hyperparameters
 from .menu import MenuContext, menu
 from .options import DiagnoseOptions
 from .over_steps import over_steps_of
@@ -162,18 +167,38 @@ def diagnose(
         caller.restore()
 
 
-def _trace(bench: Workbench, notes: list[str]) -> Trace:
+def _trace(bench: Workbench, notes: list[str], src: ResolvedStep) -> Trace:
     """The trace of the step as it is; a partial one (and a note) when it raises after
-    a value went non-finite."""
+    a value went non-finite. A snapshot whose step failed in the optimizer update (reason
+    kind ``"optimizer"``) gets that update as its origin where the forward and backward
+    are finite, as ``snap.trace()`` does."""
     try:
-        return bench.trace()
+        tr = bench.trace()
     except TraceError as e:
         if e.trace is None or e.trace.first_nonfinite is None:
             # the step fails before any value is non-finite (a batch that does not fit
             # the model, a target of the wrong length): there is no NaN to diagnose
             raise
         notes.append(f"the trace of the step raised: {e}")
-        return e.trace
+        tr = e.trace
+    if src.snapshot is None:
+        return tr
+    try:
+        return with_update_origin(src.snapshot, tr)
+    except Exception as e:  # the update's replay is a hint; the replays decide
+        notes.append(f"the optimizer update could not be replayed alone: {e}")
+        return tr
+
+
+def _unrolled_update(src: ResolvedStep) -> dict[str, Any] | None:
+    """The reason of a snapshot whose optimizer update made the weights non-finite and
+    was not rolled back (``NaNGuard(check_update=True)``): it holds the weights after
+    that update. ``None`` for any other source."""
+    snap = src.snapshot
+    if snap is None or snap.kind != FailureKind.OPTIMIZER:
+        return None
+    reason = dict(snap.reason)
+    return None if reason.get("rolled_back", False) else reason
 
 
 def _plain(bench: Workbench, notes: list[str]) -> tuple[NotReproducible, StepOutcome]:
@@ -199,12 +224,13 @@ def _diagnose(
     beyond: int | None = None,
 ) -> Diagnosis:
     notes = list(src.notes)
-    tr = _trace(bench, notes)
+    tr = _trace(bench, notes, src)
     div = find_divergence(src.history, src.step)
     # the healthy band: the steps before a divergence began, never the steps diagnosed
     ref = div.band if div is not None else reference(src.history)
     plain_fix, plain = _plain(bench, notes)
-    if not plain.finite:
+    spike = _spike_reason(src)
+    if not plain.finite or (spike is not None and _reproduces(spike, plain)):
         plain_fix.reproduced()
     ctx = _menu_context(tr, bench, src, ref)
     ctx.divergence = div
@@ -214,7 +240,8 @@ def _diagnose(
         candidates = [f for f in menu(tr, ctx) if kinds is None or f.kind in kinds]
     candidates += extra
     budget = _Budget(opts.budget_s, t_start)
-    results = [FixResult(plain_fix, plain)]
+    # a spike's re-run that reproduces it is a finding, not a step made finite
+    results = [FixResult(plain_fix, plain, unchanged=spike is not None and plain.finite)]
     results += _run_all(bench, tr, candidates, plain, budget, opts.progress)
     for r in results:
         if plain.seconds > 0 and r.outcome.skipped is None and r.applies:
@@ -223,14 +250,18 @@ def _diagnose(
     if plain.error:
         notes.append(f"the plain replay of the step raised: {plain.error}")
     origin = origin_text(tr, plain, src.step, src.recorded_failure)
-    rank(results, ref)
+    rank(results, ref, spike=spike is not None)
     dropped = None
     if src.autocast is not None and not opts.autocast:
         dropped = str(src.autocast.get("dtype", "its autocast dtype"))
-    facts = StepFacts(src.recorded_failure, dropped, src.history, src.step)
     deadline = None if opts.budget_s is None else t_start + opts.budget_s
     over, said = over_steps_of(src, div, steps=beyond, deadline=deadline)
     notes += said
+    odd = odd_hyperparameters(bench.optimizer)
+    facts = StepFacts(src.recorded_failure, dropped, src.history, src.step, over, odd, spike)
+    for r in results:
+        if isinstance(r.fix, Diverged):
+            r.fix.code = advice_code(r.fix.divergence, over, odd)
     # the replay comparison: is a compiled model's NaN the compiler's; a float32 fix's evidence
     notes += [n for n in (compiler_note(src), precision_note(src, tr, results)) if n]
     plain_fix.pipeline = plain.finite and facts.recorded_loss() is not None
@@ -261,6 +292,8 @@ def _menu_context(
     ctx.grad_norm_ref = ref.grad_norm
     ctx.out_of_range = out_of_range_rows((bench.inputs, bench.target), bench.batch_size)
     ctx.corrupted = bench.nonfinite_state()
+    ctx.eps_groups = eps_groups(bench.optimizer)
+    ctx.update_recorded = _unrolled_update(src)
     if ctx.corrupted:
         ctx.earlier = earlier_step(src.history, src.step)
         ctx.directory, ctx.earlier_snapshot = _snapshot_before(src)
@@ -270,7 +303,29 @@ def _menu_context(
         ctx.probed, ctx.sites = bench.probe(module, FAMILIES)
         seen = bench.recognise()
         ctx.builtins, ctx.builtin_lines, ctx.casts = seen.found, seen.lines, seen.casts
+        ctx.builtin_dims, ctx.builtin_returns = seen.dims, seen.returns
+        ctx.exp_lines = seen.exp_lines
     return ctx
+
+
+def _spike_reason(src: ResolvedStep) -> dict[str, Any] | None:
+    """A spike snapshot's reason (kind ``"spike"``: a finite step the spike detector
+    flagged), else ``None``."""
+    snap = src.snapshot
+    if snap is None or snap.kind != FailureKind.SPIKE:
+        return None
+    return dict(snap.reason)
+
+
+def _reproduces(spike: dict[str, Any], plain: StepOutcome) -> bool:
+    """The plain replay of a spike step is finite with the loss the guard recorded (within
+    1%; any finite loss where none was recorded)."""
+    if not plain.finite or plain.loss is None:
+        return False
+    recorded = spike.get("loss")
+    if isinstance(recorded, bool) or not isinstance(recorded, (int, float)):
+        return True
+    return math.isclose(plain.loss, float(recorded), rel_tol=1e-2)
 
 
 def _snapshot_before(src: ResolvedStep) -> tuple[str | None, str | None]:
@@ -301,7 +356,8 @@ _FINDINGS = (
 def _mark_unchanged(r: FixResult, plain: StepOutcome) -> None:
     """A fix whose replay is identical to the plain replay changed nothing, and none is
     needed where the plain replay is finite: either way it is no fix."""
-    if r.kind in _FINDINGS or not r.applies or r.outcome.skipped is not None:
+    finding = r.kind in _FINDINGS or isinstance(r.fix, UpdateRecorded)
+    if finding or not r.applies or r.outcome.skipped is not None:
         return
     if not plain.finite and not r.outcome.finite:
         return  # a fix that did not work: its row says so without this
@@ -352,8 +408,13 @@ def _run_one(
         return skip
     if isinstance(fix, WeightsCorrupted):
         return FixResult(fix, copy.copy(plain), note=fix.earlier)
-    if isinstance(fix, Diverged):
-        return FixResult(fix, copy.copy(plain), note=fix.divergence.evidence())
+    if isinstance(fix, UpdateRecorded):
+        why = "not replayed: the snapshot holds the weights after the failing update"
+        return FixResult(fix, StepOutcome(skipped=why), note=fix.message)
+    if isinstance(fix, Diverged):  # a finding: the step as it is, no fix
+        row = FixResult(fix, copy.copy(plain), note=fix.divergence.evidence())
+        row.unchanged = True
+        return row
     if budget.spent():
         why = f"not replayed: budget_s={budget.seconds:g} s spent"
         return FixResult(fix, StepOutcome(skipped=why))

@@ -211,6 +211,9 @@ class Diverged(Fix):
     def __init__(self, divergence: Divergence):
         super().__init__()
         self.divergence = divergence
+        #: the advice as code, as far as the replays over steps verified it (set by the
+        #: diagnosis: :func:`.advice.advice_code`); ``None``: the usual remedies
+        self.code: str | None = None
 
     def describe(self) -> str:
         return (
@@ -219,6 +222,8 @@ class Diverged(Fix):
         )
 
     def snippet(self) -> str:
+        if self.code is not None:
+            return self.code
         d = self.divergence
         lr = d.band.lr
         lr_line = (

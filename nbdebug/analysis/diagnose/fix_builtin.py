@@ -1,18 +1,24 @@
 """The built-in a hand-written op chain reimplements, as an ``epsilon`` fix: a softmax
 written as ``exp -> sum -> div`` becomes ``F.softmax``, followed by ``log`` it becomes
-``F.log_softmax``, ``log(sum(exp(x)))`` becomes ``torch.logsumexp`` and a standardisation
-``(x - mean) / std`` becomes ``F.layer_norm`` (its epsilon included).
+``F.log_softmax``, ``log(sum(exp(x)))`` becomes ``torch.logsumexp``, ``log(1 + exp(x))``
+becomes ``F.softplus`` and a standardisation ``(x - mean) / std`` becomes ``F.layer_norm``
+over the last dimension, or the same standardisation with an epsilon over any other (the
+dimension the step used: the snippet shows the code replayed).
 
 :class:`BuiltinMode` follows the step's tensors by identity: it remembers which tensor is
 the ``exp`` of which, the ``sum`` of which ``exp``, and so on, and where the chain closes
 it returns the built-in's result, computed from the chain's own input (so the backward
 runs through the built-in only). With ``dry=True`` it only records what it recognises
 (the menu's look at the step); it also records the explicit casts to half precision it
-sees (``.half()``, ``.to(torch.float16)``, ``.bfloat16()``).
+sees (``.half()``, ``.to(torch.float16)``, ``.bfloat16()``), the dimension each chain
+closed over, whether its line is a ``return``, and for each ``exp`` line whether it feeds a
+softmax or a log-sum-exp (where ``exp(x - max)`` is the same result) or a softplus (where it
+is not).
 """
 
 from __future__ import annotations
 
+import linecache
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, ClassVar
@@ -26,7 +32,7 @@ from ...core.vocab import FixKind
 from .fix import LOCALITY, Fix, Replay
 from .rewrite import caller_line
 
-__all__ = ["BUILTINS", "BuiltinFix", "BuiltinMode", "half_cast", "step_scope"]
+__all__ = ["BUILTINS", "SHIFT_SAFE", "BuiltinFix", "BuiltinMode", "half_cast", "step_scope"]
 
 #: What each recognised chain is replaced by, and the chain in words.
 BUILTINS: dict[str, str] = {
@@ -34,7 +40,11 @@ BUILTINS: dict[str, str] = {
     "F.log_softmax": "log of a softmax",
     "torch.logsumexp": "log(exp(x).sum)",
     "F.layer_norm": "(x - mean) / std",
+    "F.softplus": "log(1 + exp(x))",
 }
+
+#: The chains where ``exp(x - max)`` gives the same result (the shift cancels out).
+SHIFT_SAFE = ("F.softmax", "F.log_softmax", "torch.logsumexp")
 
 _HALF = (torch.float16, torch.bfloat16)
 _LN_EPS = 1e-5  # F.layer_norm's default
@@ -79,6 +89,10 @@ class BuiltinMode(TorchFunctionMode):
         self.lines: list[str] = []
         self.casts: list[str] = []
         self.calls = 0
+        self.dims: dict[str, Any] = {}  # built-in -> the dimension its chain closed over
+        self.returns: set[str] = set()  # built-ins whose chain closes on a `return` line
+        self.exp_lines: dict[str, bool] = {}  # "file.py:line" of an exp -> shift-safe
+        self._exp_at: dict[int, str] = {}  # id(exp result, its sum) -> the exp's line
         # id(result) -> (result, chain input, dim, keepdim, what): the result is kept so
         # that its id is not reused while it is remembered
         self._of: dict[int, tuple[torch.Tensor, torch.Tensor, Any, bool, str]] = {}
@@ -93,9 +107,24 @@ class BuiltinMode(TorchFunctionMode):
             return None
         return got[1], got[2], got[3]
 
-    def _hit(self, builtin: str, real: Callable[[], Any], made: Callable[[], Any]) -> Any:
+    def _hit(
+        self,
+        builtin: str,
+        real: Callable[[], Any],
+        made: Callable[[], Any],
+        dim: Any = None,
+        exp: Any = None,
+    ) -> Any:
+        """A chain closed: record it (its dimension, its line, the line of its ``exp``);
+        the real result when dry, else the built-in's."""
         where = caller_line()
         line = source_text(*where) if where is not None else ""
+        self.dims.setdefault(builtin, dim)
+        if where is not None and linecache.getline(*where).strip().startswith("return "):
+            self.returns.add(builtin)
+        at = self._exp_at.get(id(exp)) if exp is not None else None
+        if at is not None:
+            self.exp_lines[at] = self.exp_lines.get(at, True) and builtin in SHIFT_SAFE
         if builtin == "F.log_softmax" and "F.softmax" in self.found:
             self.found.remove("F.softmax")  # the softmax was the first half of it
         if builtin not in self.found and not (
@@ -126,6 +155,9 @@ class BuiltinMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):
             self._remember(out, args[0], None, False, "exp")
+            where = caller_line()
+            if where is not None and isinstance(out, torch.Tensor):
+                self._exp_at[id(out)] = source_text(*where)
         return out
 
     def _sum(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
@@ -134,7 +166,14 @@ class BuiltinMode(TorchFunctionMode):
         dim = _dim(args, kwargs)
         if src is not None and dim is not None:
             self._remember(out, src[0], dim, bool(kwargs.get("keepdim", False)), "sum")
+            self._follow(args[0], out)
         return out
+
+    def _follow(self, exp: Any, out: Any) -> None:
+        """``out`` is made from the ``exp`` result ``exp``: it carries its line."""
+        at = self._exp_at.get(id(exp))
+        if at is not None and isinstance(out, torch.Tensor):
+            self._exp_at[id(out)] = at
 
     def _mean(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
@@ -167,12 +206,20 @@ class BuiltinMode(TorchFunctionMode):
         return out
 
     def _add(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
-        # std + eps (an epsilon too small for the step) keeps the chain
+        # std + eps (an epsilon too small for the step) keeps the chain; 1 + exp(x) starts
+        # a softplus
         out = func(*args, **kwargs)
         if len(args) > 1 and isinstance(args[1], (int, float)):
             src = self._lookup(args[0], "std")
             if src is not None:
                 self._remember(out, src[0], src[1], src[2], "std")
+        pair = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        ones = [a for a in args[:2] if isinstance(a, (int, float)) and a == 1]
+        if len(pair) == 1 and ones and not kwargs.get("alpha"):
+            exp = self._lookup(pair[0], "exp")
+            if exp is not None:
+                self._remember(out, exp[0], None, False, "1+exp")
+                self._follow(pair[0], out)
         return out
 
     def _div(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
@@ -183,14 +230,20 @@ class BuiltinMode(TorchFunctionMode):
         if e is not None and s is not None and e[0] is s[0]:
             x, dim = s[0], s[1]
             out = self._hit(
-                "F.softmax", lambda: func(*args, **kwargs), lambda: F.softmax(x, dim=dim)
+                "F.softmax",
+                lambda: func(*args, **kwargs),
+                lambda: F.softmax(x, dim=dim),
+                dim=dim,
+                exp=num,
             )
             self._remember(out, x, dim, True, "softmax")
+            self._follow(num, out)
             return out
         c, sd = self._lookup(num, "centred"), self._lookup(den, "std")
         if c is not None and sd is not None and c[0] is sd[0] and c[1] == sd[1]:
             x, dim = c[0], c[1]
-            return self._hit("F.layer_norm", lambda: func(*args, **kwargs), lambda: _norm(x, dim))
+            real = lambda: func(*args, **kwargs)  # noqa: E731
+            return self._hit("F.layer_norm", real, lambda: _norm(x, dim), dim=dim)
         return func(*args, **kwargs)
 
     def _softmax(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
@@ -202,20 +255,29 @@ class BuiltinMode(TorchFunctionMode):
 
     def _log(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
         p = args[0] if args else None
+        real = lambda: func(*args, **kwargs)  # noqa: E731
         soft, total = self._lookup(p, "softmax"), self._lookup(p, "sum")
         if soft is not None:
             x, dim = soft[0], soft[1]
-            return self._hit(
-                "F.log_softmax", lambda: func(*args, **kwargs), lambda: F.log_softmax(x, dim=dim)
-            )
+            made = lambda: F.log_softmax(x, dim=dim)  # noqa: E731
+            return self._hit("F.log_softmax", real, made, dim=dim, exp=p)
         if total is not None:
             x, dim, keep = total
-            return self._hit(
-                "torch.logsumexp",
-                lambda: func(*args, **kwargs),
-                lambda: torch.logsumexp(x, dim=dim, keepdim=keep),
-            )
-        return func(*args, **kwargs)
+            made = lambda: torch.logsumexp(x, dim=dim, keepdim=keep)  # noqa: E731
+            return self._hit("torch.logsumexp", real, made, dim=dim, exp=p)
+        onep = self._lookup(p, "1+exp")
+        if onep is not None:  # log(1 + exp(x))
+            x = onep[0]
+            return self._hit("F.softplus", real, lambda: F.softplus(x), exp=p)
+        return real()
+
+    def _log1p(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+        p = args[0] if args else None
+        e = self._lookup(p, "exp")
+        if e is None:  # log1p(exp(x)) is a softplus
+            return func(*args, **kwargs)
+        x = e[0]
+        return self._hit("F.softplus", lambda: func(*args, **kwargs), lambda: F.softplus(x), exp=p)
 
     _HANDLERS: ClassVar[dict[str, Callable[..., Any]]] = {
         "exp": _exp,
@@ -226,6 +288,8 @@ class BuiltinMode(TorchFunctionMode):
         "sqrt": _sqrt,
         "sub": _sub,
         "add": _add,
+        "radd": _add,
+        "log1p": _log1p,
         "div": _div,
         "truediv": _div,
         "true_divide": _div,
@@ -254,10 +318,52 @@ def step_scope(replay: Replay, make: Callable[[], Any]) -> Iterator[None]:
         yield
 
 
+def _last(dim: Any) -> bool:
+    """Whether ``dim`` is the last dimension (``-1``, ``[-1]``; ``None``: not known)."""
+    return dim is None or dim == -1 or (isinstance(dim, (tuple, list)) and list(dim) == [-1])
+
+
+def _code(builtin: str, dim: Any) -> str:
+    """The code a built-in's replay ran, over the dimension the step's chain used."""
+    d = -1 if dim is None else dim
+    if builtin == "F.softmax":
+        return (
+            f"p = F.softmax(z, dim={d})  # was: e = torch.exp(z); p = e / e.sum({d}, keepdim=True)"
+        )
+    if builtin == "F.log_softmax":
+        return (
+            f"logp = F.log_softmax(z, dim={d})  # was: torch.log(softmax(z)); "
+            "or F.cross_entropy(z, y) on the logits"
+        )
+    if builtin == "torch.logsumexp":
+        return (
+            f"lse = torch.logsumexp(z, dim={d}, keepdim=True)  "
+            f"# was: torch.log(torch.exp(z).sum({d}, keepdim=True))"
+        )
+    if builtin == "F.softplus":
+        return (
+            "y = F.softplus(x)  # was: torch.log(1 + torch.exp(x)); "
+            "or torch.logaddexp(torch.zeros_like(x), x)"
+        )
+    if _last(dim):
+        return f"x = F.layer_norm(x, x.shape[-1:], eps={_LN_EPS:g})  # was: (x - mean) / std"
+    return (
+        f"x = (x - x.mean({d}, keepdim=True)) / torch.sqrt(x.var({d}, keepdim=True, "
+        f"unbiased=False) + {_LN_EPS:g})  # was: (x - x.mean({d})) / x.std({d})"
+    )
+
+
+def _returned(code: str) -> str:
+    """``"x = expr  # ..."`` as ``"return expr  # ..."``: the chain closed on a return."""
+    return "return " + code.split(" = ", 1)[1]
+
+
 class BuiltinFix(Fix):
     """The torch built-in that a hand-written chain of the step reimplements (``exp / sum``
     -> ``F.softmax``, ``log`` of it -> ``F.log_softmax``, ``log(sum(exp))`` ->
-    ``torch.logsumexp``, ``(x - mean) / std`` -> ``F.layer_norm``), in the replay only.
+    ``torch.logsumexp``, ``log(1 + exp(x))`` -> ``F.softplus``, ``(x - mean) / std`` ->
+    ``F.layer_norm`` over the last dimension, over another the same standardisation with
+    an epsilon), in the replay only.
 
     Parameters
     ----------
@@ -268,6 +374,10 @@ class BuiltinFix(Fix):
         wherever the chain runs in the step.
     lines : list of str
         The ``"file.py:line"`` where each chain closes.
+    dims : dict, optional
+        The dimension each built-in's chain closed over (the replay updates it).
+    returns : collection of str, optional
+        The built-ins whose chain closes on a ``return`` line (the snippet keeps it).
 
     Examples
     --------
@@ -277,12 +387,20 @@ class BuiltinFix(Fix):
     kind = FixKind.EPSILON
 
     def __init__(
-        self, builtins: list[str], module: str | None = None, *, lines: list[str] | None = None
+        self,
+        builtins: list[str],
+        module: str | None = None,
+        *,
+        lines: list[str] | None = None,
+        dims: dict[str, Any] | None = None,
+        returns: set[str] | None = None,
     ):
         super().__init__()
         self.builtins = list(builtins)
         self.module = module
         self.lines = list(lines or [])
+        self.dims = dict(dims or {})
+        self.returns = set(returns or ())
         self.op = "builtin"
         self.replaced = 0
 
@@ -301,26 +419,30 @@ class BuiltinFix(Fix):
                 yield
         finally:
             self.replaced = mode.calls
+            self.dims.update(mode.dims)  # what the replay ran
+            self.returns |= mode.returns
+
+    def _name(self, b: str) -> str:
+        """The built-in's name; a standardisation over another dimension than the last is
+        written out (``F.layer_norm`` normalises the last)."""
+        if b == "F.layer_norm" and not _last(self.dims.get(b)):
+            return f"(x - mean) / sqrt(var + {_LN_EPS:g}) over dim {self.dims.get(b)}"
+        return b
 
     def _what(self) -> str:
-        return " and ".join(f"{b} instead of the hand-written {BUILTINS[b]}" for b in self.builtins)
+        return " and ".join(
+            f"{self._name(b)} instead of the hand-written {BUILTINS[b]}" for b in self.builtins
+        )
 
     def describe(self) -> str:
         at = f" at {', '.join(self.lines[:2])}" if self.lines else ""
         return f"{self._what()}{at}"
 
     def action(self) -> str:
-        return f"using {' and '.join(self.builtins)}"
+        return f"using {' and '.join(self._name(b) for b in self.builtins)}"
 
     def snippet(self) -> str:
-        code = {
-            "F.softmax": "p = F.softmax(z, dim=-1)  # was: e = torch.exp(z); "
-            "p = e / e.sum(-1, keepdim=True)",
-            "F.log_softmax": "logp = F.log_softmax(z, dim=-1)  # was: torch.log(softmax(z)); "
-            "or F.cross_entropy(z, y) on the logits",
-            "torch.logsumexp": "lse = torch.logsumexp(z, dim=-1, keepdim=True)  "
-            "# was: torch.log(torch.exp(z).sum(-1, keepdim=True))",
-            "F.layer_norm": "x = F.layer_norm(x, x.shape[-1:])  # was: (x - mean) / std (eps=1e-5)",
-        }
         where = f"# {', '.join(self.lines)}\n" if self.lines else ""
-        return where + "\n".join(code[b] for b in self.builtins)
+        codes = [_code(b, self.dims.get(b)) for b in self.builtins]
+        codes = [_returned(c) if b in self.returns else c for b, c in zip(self.builtins, codes)]
+        return where + "\n".join(codes)

@@ -26,7 +26,7 @@ _CHANGES: dict[OpFamily, str] = {
     OpFamily.DIV: "an epsilon in the denominator of the division",
     OpFamily.LOG: "log(x.clamp_min(eps))",
     OpFamily.SQRT: "sqrt(x.clamp_min(eps))",
-    OpFamily.EXP: "exp(x - max) (the overflow-safe softmax)",
+    OpFamily.EXP: "exp(x - max)",
     OpFamily.SOFTMAX: "softmax with fully masked rows zeroed",
 }
 _METHODS = (OpFamily.LOG, OpFamily.SQRT, OpFamily.EXP)
@@ -146,6 +146,9 @@ class EpsilonFix(Fix):
         self.module_type = module_type
         self.rewritten = 0
         self.order = 0  # among the epsilons of one step: the root (first executed) is 0
+        #: for an exp: whether it feeds a softmax or a log-sum-exp (``True``: the shift by
+        #: the maximum cancels out there), ``None``: not known
+        self.shift_safe: bool | None = None
 
     @property
     def rank_locality(self) -> float:
@@ -185,6 +188,12 @@ class EpsilonFix(Fix):
 
     def change(self) -> str:
         """The change alone, in words: ``"log(x.clamp_min(eps))"``."""
+        # an exp's shift is the overflow-safe softmax only where it feeds one; elsewhere
+        # (a softplus, a plain exp) it computes another function
+        if self.family == OpFamily.EXP:
+            if self.shift_safe:
+                return "exp(x - max) (the overflow-safe softmax)"
+            return "exp(x - max) (the same result only inside a softmax or a log-sum-exp)"
         return _CHANGES[self.family]
 
     def describe(self) -> str:

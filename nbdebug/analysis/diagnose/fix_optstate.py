@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,15 @@ from ...core.vocab import FixKind, Phase
 from .fix import Fix, Replay
 from .fix_optim import LowerLRFix
 
-__all__ = ["OptimizerEpsFix", "ResetStateFix", "StateFloat32Fix", "update_fixes", "valid_eps"]
+__all__ = [
+    "EpsGroup",
+    "OptimizerEpsFix",
+    "ResetStateFix",
+    "StateFloat32Fix",
+    "eps_groups",
+    "update_fixes",
+    "valid_eps",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 _HALF_NAMES = ("float16", "bfloat16")
@@ -54,10 +63,52 @@ def _half_trace(trace: Trace) -> bool:
     return any(p.dtype in _HALF_NAMES for p in trace.params)
 
 
+@dataclass(frozen=True)
+class EpsGroup:
+    """One parameter group's ``eps`` and the dtype it is judged in (that of its parameters
+    and state with the largest smallest normal)."""
+
+    eps: float
+    dtype: str
+    optimizer: str
+
+    @property
+    def tiny(self) -> float:
+        return float(torch.finfo(getattr(torch, self.dtype)).tiny)
+
+    @property
+    def below_normal(self) -> bool:
+        """``eps`` is below the smallest normal number of the dtype (0 included): where
+        the state is 0 the update divides 0 by 0."""
+        return self.eps < self.tiny
+
+
+def eps_groups(opt: torch.optim.Optimizer | None) -> list[EpsGroup]:
+    """The ``eps`` of every parameter group that has a numeric one, with its dtype."""
+    if opt is None:
+        return []
+    out = []
+    for g in opt.param_groups:
+        eps = g.get("eps")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+            continue
+        dtype = str(_group_dtype(opt, g)).replace("torch.", "")
+        out.append(EpsGroup(float(eps), dtype, type(opt).__name__))
+    return out
+
+
 class OptimizerEpsFix(Fix):
     """Every parameter group whose ``eps`` is below the smallest normal number of its
     state's dtype gets :func:`valid_eps` of that dtype for the update (``eps=1e-8`` rounds
-    to 0 in float16, and a zero gradient entry then divides 0 by 0).
+    to 0 in float16, ``eps=0`` is no eps in any dtype, and a zero gradient entry then
+    divides 0 by 0).
+
+    Parameters
+    ----------
+    groups : list of EpsGroup, optional
+        The optimizer's eps per group (:func:`eps_groups`): the fix applies when one is
+        below the smallest normal of its dtype. Without it: when the weights are in half
+        precision.
 
     Examples
     --------
@@ -68,15 +119,28 @@ class OptimizerEpsFix(Fix):
     kind = FixKind.OPTIMIZER_EPS
     locality = 0.5  # one hyper-parameter of the update
 
-    def __init__(self) -> None:
+    def __init__(self, groups: list[EpsGroup] | None = None) -> None:
         super().__init__()
         self.changes: list[tuple[float, float, str]] = []  # (old, new, dtype) per group
+        self.groups = None if groups is None else list(groups)
+        self.optimizer = self.groups[0].optimizer if self.groups else "Adam"
 
     def applies(self, trace: Trace) -> bool:
+        if self.groups is not None:
+            return any(g.below_normal for g in self.groups)
         return _half_trace(trace)
 
     def why_not(self, trace: Trace | None) -> str:
-        return "the weights are not in half precision: eps=1e-8 is a normal number of their dtype."
+        if not self.groups:
+            if self.groups is not None:
+                return "the optimizer has no eps: there is none to raise."
+            return (
+                "the weights are not in half precision: eps=1e-8 is a normal number of their dtype."
+            )
+        said = ", ".join(
+            f"eps={g.eps:g} in {g.dtype} (smallest normal {g.tiny:.3g})" for g in self.groups[:3]
+        )
+        return f"every optimizer eps is a normal number of its dtype: {said}."
 
     @contextmanager
     def apply(self, replay: Replay) -> Iterator[None]:
@@ -117,7 +181,7 @@ class OptimizerEpsFix(Fix):
     def snippet(self) -> str:
         new = self.changes[0][1] if self.changes else valid_eps(torch.float16)
         return (
-            f"optimizer = torch.optim.Adam(model.parameters(), lr=lr, eps={new:g})"
+            f"optimizer = torch.optim.{self.optimizer}(model.parameters(), lr=lr, eps={new:g})"
             "  # eps must be a normal number of the state's dtype"
         )
 
@@ -232,18 +296,24 @@ class ResetStateFix(Fix):
         )
 
 
-def update_fixes(trace: Trace | None, has_optimizer: bool, lr: float | None = None) -> list[Fix]:
+def update_fixes(
+    trace: Trace | None,
+    has_optimizer: bool,
+    lr: float | None = None,
+    groups: list[EpsGroup] | None = None,
+) -> list[Fix]:
     """The update's fixes for a failing step whose forward and backward are finite (or
     whose origin is the optimizer step): they change only the update. A learning rate
     above 1 also gets one lowered to at most 1 (a step size that overflowed the weights'
-    dtype is many orders of magnitude too large, more than ``lower_lr``'s x0.1)."""
+    dtype is many orders of magnitude too large, more than ``lower_lr``'s x0.1);
+    ``groups``: the optimizer's eps per group (:func:`eps_groups`)."""
     if not has_optimizer:
         return []
     if trace is not None and trace.first_nonfinite is not None:
         o = trace.origin
         if o is None or o.phase != Phase.OPTIMIZER:
             return []
-    fixes: list[Fix] = [OptimizerEpsFix(), ResetStateFix(), StateFloat32Fix()]
+    fixes: list[Fix] = [OptimizerEpsFix(groups), ResetStateFix(), StateFloat32Fix()]
     if lr is not None and math.isfinite(lr) and lr > 1.0:
         fixes.append(LowerLRFix(10.0 ** -math.ceil(math.log10(lr)), lr=lr))
     return fixes

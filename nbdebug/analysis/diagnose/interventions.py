@@ -35,6 +35,7 @@ class Intervention(Vocab):
     EARLIER_STATE = "earlier_state"  # the failing batch on the window's first state
     SAME_STATE = "same_state"  # the failing step rerun on its own recorded state
     RESET_MOMENTS = "reset_moments"  # the optimizer's moments reset at the window's start
+    HYPERPARAMETERS = "hyperparameters"  # out-of-range momentum / weight decay set to usual
 
 
 class Verdict(Vocab):
@@ -54,6 +55,7 @@ FIXES = (
     Intervention.CLIP_GRAD,
     Intervention.SKIP_BATCH,
     Intervention.RESET_MOMENTS,
+    Intervention.HYPERPARAMETERS,
 )
 
 
@@ -158,29 +160,45 @@ def band_text(ref: Reference) -> str:
 
 
 def supports(
-    r: StepsReplay, replays: Sequence[StepsReplay], *, bad_batch: bool, healthy_start: bool
+    r: StepsReplay,
+    replays: Sequence[StepsReplay],
+    *,
+    bad_batch: bool,
+    healthy_start: bool,
+    spike: bool = False,
 ) -> Verdict | None:
     """The verdict replay ``r`` supports, given the others (``bad_batch``: the failing
     batch holds NaN/Inf itself; ``healthy_start``: the window's first state lies before the
-    divergence began, so the earlier-state test means something)."""
+    divergence began, so the earlier-state test means something; ``spike``: the failing
+    step is a spike, finite by design, so a finite re-run of it is no transient fault)."""
     if not r.ran or r.error is not None:
         return None
     kind = r.intervention
+    if kind in (Intervention.PLAIN, Intervention.SAME_STATE) and spike:
+        return None
     if kind in (Intervention.PLAIN, Intervention.SAME_STATE):
-        return Verdict.TRANSIENT if r.finite else None
+        # the failure did not come back: finite and (where there is a band) healthy; a
+        # finite replay outside the band reproduces a spike or a divergence
+        return Verdict.TRANSIENT if r.counts else None
     if kind is Intervention.EARLIER_STATE:
         if not healthy_start:
             return None
         if r.counts:
             return Verdict.DATA_X_STATE
-        return Verdict.DATA if bad_batch or r.finite else Verdict.NUMERICS
+        if r.finite:
+            # the batch does not break the earlier state (finite), nor is it harmless there
+            # (outside the band): it tells neither the data nor the numerics apart
+            return None
+        return Verdict.DATA if bad_batch else Verdict.NUMERICS
     if not r.counts:
         return None
     if kind is Intervention.SKIP_BATCH:  # the batch alone (the earlier-state test), or with
         earlier = next((x for x in replays if x.intervention is Intervention.EARLIER_STATE), None)
         said = None
         if earlier is not None:
-            said = supports(earlier, replays, bad_batch=bad_batch, healthy_start=healthy_start)
+            said = supports(
+                earlier, replays, bad_batch=bad_batch, healthy_start=healthy_start, spike=spike
+            )
         if said in (Verdict.DATA, Verdict.NUMERICS):
             return said
         return Verdict.DATA if bad_batch else Verdict.DATA_X_STATE

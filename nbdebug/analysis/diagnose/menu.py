@@ -3,7 +3,9 @@ rows, chosen from the origin, the op-level probe and what the step carries."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...core.optable import OpFamily
 from ...core.trace import Event, Trace
@@ -15,8 +17,8 @@ from .fix_combined import combined
 from .fix_epsilon import EpsilonFix
 from .fix_float32 import Float32Fix
 from .fix_optim import ClipGradFix, LowerLRFix, ScalerFix
-from .fix_optstate import update_fixes
-from .fix_pseudo import WeightsCorrupted
+from .fix_optstate import EpsGroup, update_fixes
+from .fix_pseudo import UpdateRecorded, WeightsCorrupted
 from .fix_rows import DropRowsFix
 from .rewrite import op_family
 
@@ -50,8 +52,17 @@ class MenuContext:
     divergence: Divergence | None = None
     builtins: list[str] = field(default_factory=list)  # the built-ins hand-written chains redo
     builtin_lines: list[str] = field(default_factory=list)
+    builtin_dims: dict[str, Any] = field(default_factory=dict)  # the dim each chain used
+    builtin_returns: set[str] = field(default_factory=set)  # chains closed on a `return`
+    # "file.py:line" of an exp -> whether it feeds a softmax / log-sum-exp (True: a shift by
+    # the maximum gives the same result) or a softplus (False: it does not)
+    exp_lines: dict[str, bool] = field(default_factory=dict)
     casts: list[str] = field(default_factory=list)  # explicit casts to half precision seen
     out_of_range: list[int] = field(default_factory=list)  # batch rows no dtype can square
+    eps_groups: list[EpsGroup] | None = None  # the optimizer's eps per group
+    # the reason of a snapshot whose update made the weights non-finite and was not rolled
+    # back: it holds the weights after that update
+    update_recorded: Mapping[str, Any] | None = None
 
 
 _HALF = ("float16", "bfloat16")
@@ -68,7 +79,9 @@ def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
     types = trace.module_types if trace is not None else {}
     if ctx.divergence is not None:
         fixes.append(Diverged(ctx.divergence))
-    if ctx.corrupted:
+    if ctx.update_recorded is not None:
+        fixes.append(UpdateRecorded(ctx.update_recorded))
+    elif ctx.corrupted:
         fixes.append(
             WeightsCorrupted(
                 ctx.corrupted,
@@ -83,7 +96,15 @@ def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
         fixes += eps
         if ctx.builtins:
             module = None if origin.phase == Phase.LOSS else origin.module
-            fixes.append(BuiltinFix(ctx.builtins, module, lines=ctx.builtin_lines))
+            fixes.append(
+                BuiltinFix(
+                    ctx.builtins,
+                    module,
+                    lines=ctx.builtin_lines,
+                    dims=ctx.builtin_dims,
+                    returns=ctx.builtin_returns,
+                )
+            )
         fixes += combined(eps)
         fixes += _drop_rows(origin, ctx, trace)
     if half:
@@ -92,7 +113,7 @@ def menu(trace: Trace | None, ctx: MenuContext) -> list[Fix]:
         if ctx.grad_norm_ref is not None and ctx.grad_norm_ref > 0:
             fixes.append(ClipGradFix(ctx.grad_norm_ref))
         fixes.append(LowerLRFix(0.1, lr=ctx.lr))
-    fixes += update_fixes(trace, ctx.has_optimizer and not ctx.corrupted, ctx.lr)
+    fixes += update_fixes(trace, ctx.has_optimizer and not ctx.corrupted, ctx.lr, ctx.eps_groups)
     if ctx.scaler_scale is not None and ctx.scaler_scale > 1.0:
         fixes.append(ScalerFix(max(1.0, ctx.scaler_scale / 2**8)))
     return fixes
@@ -142,7 +163,14 @@ def _epsilons(origin: Event, ctx: MenuContext, types: dict[str, str]) -> list[Ep
             module_type=types.get(c.module or "", ""),
         )
     probed = [(p.module, p.family) for p in ctx.probed]
-    eps = list(fixes.values())
+    eps = []
+    for fx in fixes.values():
+        if fx.family == OpFamily.EXP and fx.source is not None:
+            safe = ctx.exp_lines.get(fx.source)
+            if safe is False:
+                continue  # an exp that feeds a softplus: its built-in is the fix, no shift
+            fx.shift_safe = safe
+        eps.append(fx)
     for i, fx in enumerate(eps):
         key = (fx.module, fx.family)
         fx.order = probed.index(key) if key in probed else len(probed) + i

@@ -28,8 +28,10 @@ from ...core.snapshot import ResolvedStep, replay_contexts
 from ...core.snapshot.rewind import RewindWindow
 from ...core.state import RngState
 from ...core.text import first_line
+from ...core.vocab import FailureKind
 from .divergence import Divergence, band, find_divergence
 from .fix import Replay
+from .hyper import odd_hyperparameters
 from .interventions import FIXES, Intervention, StepsReplay, Verdict, band_text, in_band
 from .interventions import supports as supported
 from .interventions import verdict as overall
@@ -270,10 +272,12 @@ class _Bench:
         rep.note, rep.skipped = plan.note, plan.skipped
         if plan.skipped is not None:
             return rep
+        saved: list[tuple[dict[str, object], str, object]] = []
         try:
             scaler = self.load(plan.rewind)
             if plan.reset_moments and self.optimizer is not None:
                 self.optimizer.state.clear()
+            self._hyper(plan, saved)
             r = Replay(self.model, self.optimizer, loss_fn=self.loss_fn, scaler=scaler)
             r.clip_norm = plan.clip
             for s in plan.steps:
@@ -281,6 +285,9 @@ class _Bench:
                     break
         except Exception as e:
             rep.error = first_line(e, 300)
+        finally:
+            for g, key, old in saved:
+                g[key] = old
         rep.finite = (
             rep.error is None
             and len(rep.steps) == len(plan.steps)
@@ -294,6 +301,19 @@ class _Bench:
             rep.in_band = None if no_band else False
         return rep
 
+    def _hyper(self, plan: Plan, saved: list[tuple[dict[str, object], str, object]]) -> None:
+        """Set the plan's hyper-parameters on the copy's groups; what they held goes to
+        ``saved`` (put back after the replay)."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        for i, values in plan.groups.items():
+            if i >= len(groups):
+                raise ValueError(
+                    f"the optimizer has {len(groups)} parameter groups; expected group {i}."
+                )
+            for key, v in values.items():
+                saved.append((groups[i], key, groups[i].get(key)))
+                groups[i][key] = v
+
     def _step(self, r: Replay, s: PlannedStep, plan: Plan, rep: StepsReplay) -> bool:
         r.inputs, r.target = s.inputs, s.target
         self._lr(plan.lr_held if plan.lr_held is not None else s.lr)
@@ -303,6 +323,19 @@ class _Bench:
         rep.loss.append(math.nan if out.loss is None else float(out.loss))
         rep.grad_norm.append(math.nan if out.grad_norm is None else float(out.grad_norm))
         return out.finite
+
+
+def _after_update(src: ResolvedStep) -> str:
+    """Why the failing step's own state cannot be replayed: the snapshot of an update that
+    made the weights non-finite and was not rolled back holds the state after it; else
+    ``""``."""
+    snap = src.snapshot
+    if snap is None or snap.kind != FailureKind.OPTIMIZER or snap.reason.get("rolled_back"):
+        return ""
+    return (
+        "the snapshot holds the state after the failing update (not rolled back): there is "
+        "no state of the step's own to replay it on"
+    )
 
 
 def _band_of(src: ResolvedStep, div: Divergence | None, failing: int) -> Reference:
@@ -375,14 +408,20 @@ def replay_window(
         ref = _band_of(step, div, fail_at)
         moments = has_moments(bench.failing[1])
         replays = []
-        for plan in plans(prep, ref, div, moments):
+        after = _after_update(step)
+        for plan in plans(prep, ref, div, moments, odd_hyperparameters(bench.optimizer)):
+            if after and not plan.rewind and plan.skipped is None:
+                plan.skipped = after
             if deadline is not None and time.perf_counter() > deadline and plan.skipped is None:
                 plan.skipped = "budget_s spent"
             replays.append(bench.run(plan, ref))
         # the earlier-state test needs an earlier state, and one before the divergence
         healthy = window.start_step < fail_at and (div is None or div.began > window.start_step)
+        spike = step.snapshot is not None and step.snapshot.kind == FailureKind.SPIKE
         for r in replays:
-            r.supports = supported(r, replays, bad_batch=prep.bad_batch, healthy_start=healthy)
+            r.supports = supported(
+                r, replays, bad_batch=prep.bad_batch, healthy_start=healthy, spike=spike
+            )
         found = overall(replays, diverged=div is not None)
         notes = _notes(prep, ref, div, bench.optimizer is not None)
         began = None if div is None else div.began

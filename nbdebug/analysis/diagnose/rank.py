@@ -9,7 +9,7 @@ import math
 from ...core.text import fmt_num
 from ...core.vocab import FixKind
 from .fix import FixLike
-from .fix_pseudo import NotReproducible
+from .fix_pseudo import NotReproducible, UpdateRecorded
 from .history import FAR
 from .result import FixResult, Reference, StepOutcome
 
@@ -66,16 +66,24 @@ def locality(fix: FixLike) -> float:
     return float(loc) if isinstance(loc, (int, float)) else 2.5
 
 
-def _key(i: int, r: FixResult, ref: Reference) -> tuple[float, float, float, int]:
+def _key(
+    i: int, r: FixResult, ref: Reference, recorded: bool = False, spike: bool = False
+) -> tuple[float, float, float, int]:
     loc = locality(r.fix)
     if isinstance(r.fix, NotReproducible):
         # a finite plain re-run outranks everything: every fix is then finite too
-        # a plain re-run that fails (kind rerun) is no cause: after every fix tried
-        return (0, 0.0, 0.0, i) if r.finite else (4.5, 0.0, 0.0, i)
+        # a plain re-run that fails (kind rerun) is no cause: after every fix tried; nor is
+        # one of a snapshot that holds the weights after its failing update (``recorded``)
+        # a spike snapshot's re-run that reproduces the spike (kind rerun, finite) is its
+        # finding, after a divergence the history shows (``spike``)
+        if spike and r.kind == FixKind.RERUN:
+            return (0.9, 0.0, 0.0, i)
+        cause = r.finite and r.kind == FixKind.NOT_REPRODUCIBLE and not recorded
+        return (0, 0.0, 0.0, i) if cause else (4.5, 0.0, 0.0, i)
     if r.kind == FixKind.DIVERGED:
         # the history shows the run diverging: above every change to this one step
         return (0.5, 0.0, 0.0, i)
-    if r.kind == FixKind.WEIGHTS_CORRUPTED:
+    if r.kind == FixKind.WEIGHTS_CORRUPTED or isinstance(r.fix, UpdateRecorded):
         return (1, 0.0, 0.0, i)
     if r.finite:
         # more than FAR times off the history: after the fixes that stay close to it
@@ -87,16 +95,22 @@ def _key(i: int, r: FixResult, ref: Reference) -> tuple[float, float, float, int
     return (3, loc, 0.0, i)
 
 
-def rank(results: list[FixResult], ref: Reference) -> None:
+def rank(results: list[FixResult], ref: Reference, *, spike: bool = False) -> None:
     """Sort ``results`` in place and number them (``rank`` 1 first); a finite row far
-    from the history gets a note saying so."""
+    from the history gets a note saying so. ``spike``: the step is a spike snapshot's
+    (finite by design), whose re-run is its finding."""
     for r in results:
         r.deviation = deviation(r.outcome, ref) if r.finite else None
-        finding = r.kind in (FixKind.DIVERGED, FixKind.WEIGHTS_CORRUPTED)
+        finding = r.kind in (FixKind.DIVERGED, FixKind.WEIGHTS_CORRUPTED) or isinstance(
+            r.fix, UpdateRecorded
+        )
         far = far_from_history(r.outcome, ref) if r.finite and not finding else ""
         if far:
             r.note = "; ".join(x for x in (r.note, far) if x)
-    order = sorted(enumerate(results), key=lambda item: _key(item[0], item[1], ref))
+    recorded = any(isinstance(r.fix, UpdateRecorded) for r in results)
+    order = sorted(
+        enumerate(results), key=lambda item: _key(item[0], item[1], ref, recorded, spike)
+    )
     results[:] = [r for _, r in order]
     for n, r in enumerate(results, 1):
         r.rank = n

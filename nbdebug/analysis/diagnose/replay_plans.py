@@ -26,6 +26,7 @@ from ...core.state import RngState
 from ...core.stats import has_nonfinite, is_finite_number
 from ...core.text import fmt_num
 from .divergence import Divergence
+from .hyper import OddHyper
 from .interventions import Intervention
 from .result import Reference
 
@@ -63,6 +64,7 @@ class Plan:
     reset_moments: bool = False
     skipped: str | None = None
     note: str = ""
+    groups: dict[int, dict[str, float]] = field(default_factory=dict)  # group -> key -> value
 
 
 @dataclass
@@ -190,9 +192,16 @@ def has_moments(state: dict[str, Any] | None) -> bool:
     )
 
 
-def plans(p: Prepared, ref: Reference, div: Divergence | None, failing_moments: bool) -> list[Plan]:
+def plans(
+    p: Prepared,
+    ref: Reference,
+    div: Divergence | None,
+    failing_moments: bool,
+    odd: list[OddHyper] | None = None,
+) -> list[Plan]:
     """One plan per intervention (see the module docstring); ``failing_moments``: the
-    failing step's optimizer state holds moments."""
+    failing step's optimizer state holds moments; ``odd``: the optimizer's hyper-parameters
+    outside their usual range (a plan with usual values, only where there are some)."""
     start = p.window.start_step
     run = [*p.before, p.failing, *p.beyond] if p.complete else [p.failing, *p.beyond]
     rewind = p.complete
@@ -237,4 +246,10 @@ def plans(p: Prepared, ref: Reference, div: Divergence | None, failing_moments: 
     if not (has_moments(p.window.optimizer_state) if rewind else failing_moments):
         reset.skipped = "the optimizer keeps no moments to reset"
     out.append(reset)
+    if odd:
+        change = ", ".join(o.change() for o in odd)
+        hyper = Plan(Intervention.HYPERPARAMETERS, change, at, rewind, run, checked)
+        for o in odd:
+            hyper.groups.setdefault(o.group, {})[o.key] = o.sane
+        out.append(hyper)
     return out

@@ -4,18 +4,24 @@ the cause (the top row, the fixes that also work, or why none does)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ...core.guard.history import HistoryRow
 from ...core.text import fmt_num
 from ...core.trace import Event, Trace
 from ...core.vocab import EventKind, FixKind, Phase
+from .advice import advice, replayed
 from .divergence import Diverged
-from .fix_pseudo import NotReproducible, WeightsCorrupted
+from .fix_pseudo import NotReproducible, UpdateRecorded, WeightsCorrupted
 from .fix_rows import rows_phrase
 from .history import diverging
+from .hyper import OddHyper
 from .result import Cause, FixResult, StepOutcome
+
+if TYPE_CHECKING:
+    from .over_steps import OverSteps
 
 __all__ = ["StepFacts", "cause", "origin_text"]
 
@@ -41,12 +47,21 @@ class StepFacts:
         The guard's history rows.
     step : int or None
         The diagnosed step.
+    over_steps : OverSteps or None
+        The replays over steps (a snapshot with a rewind window).
+    odd : list of OddHyper
+        The optimizer's hyper-parameters outside their usual range.
+    spike : mapping or None
+        A spike snapshot's reason (kind ``"spike"``): the step is finite by design.
     """
 
     recorded_failure: str | None = None
     dropped_autocast: str | None = None
     history: Sequence[HistoryRow] = field(default_factory=list)
     step: int | None = None
+    over_steps: OverSteps | None = None
+    odd: list[OddHyper] = field(default_factory=list)
+    spike: Mapping[str, Any] | None = None
 
     def recorded_loss(self) -> float | None:
         """The non-finite loss the history recorded at this step, else ``None``."""
@@ -123,6 +138,10 @@ def origin_text(
                 f"run recorded {recorded}"
             )
         return "forward, loss and backward are finite"
+    if o.phase == Phase.OPTIMIZER:
+        # the update's own sentence: "the Adam step made emb.weight non-finite: eps=0 ..."
+        said = o.note or f"{o.op or 'the optimizer step'} made {o.param or o.name} non-finite"
+        return f"forward, loss and backward are finite; {said}"
     extreme = _extreme_outputs(tr, o, step)
     if extreme:
         return extreme
@@ -146,6 +165,12 @@ def origin_text(
 
 def _finite_as_is(facts: StepFacts) -> str:
     """The plain replay is finite."""
+    if facts.spike is not None:
+        return (
+            f"{_spike_head(facts)}; replayed as it was, the step does not reproduce it: the "
+            "spike is not reproducible (non-determinism, a module with state between calls, "
+            "or hardware)."
+        )
     if facts.recorded_failure and facts.dropped_autocast is not None:
         return (
             f"the step replayed in the model's own dtypes (autocast=False) is finite, "
@@ -203,24 +228,66 @@ def _unfixed(results: list[FixResult], origin: str, facts: StepFacts) -> str:
     return s + (f"; {grew}." if grew else ".")
 
 
-def _diverged(results: list[FixResult], top: Diverged, origin: str) -> str:
+def _diverged(results: list[FixResult], top: Diverged, origin: str, facts: StepFacts) -> str:
     """The history shows a divergence: the origin, whether a change to this step made it
-    finite, the evidence and what to change in the run."""
+    finite, the evidence and what to change in the run, as far as the replays over steps
+    verified it (:func:`.advice.advice`)."""
     d = top.divergence
     fixed = [
         r
         for r in results
         if r.finite and r.kind != FixKind.DIVERGED and not isinstance(r.fix, NotReproducible)
     ]
+    plain = next((r for r in results if isinstance(r.fix, NotReproducible)), None)
     if fixed:
         now = f"{fixed[0].action()} makes this step finite, but"
+    elif any(isinstance(r.fix, UpdateRecorded) for r in results):
+        now = (
+            "the snapshot holds the weights after that update (check_update=True does not roll "
+            "it back), and"
+        )
+    elif plain is not None and plain.outcome.finite:
+        now = "the step replayed as it is stays finite, but"
     else:
         now = "the failure reproduces, and no candidate fix made the step finite end to end:"
-    clip = fmt_num(d.band.grad_norm)
+    return f"{origin}; {now} {d.statement()}{advice(d, facts.over_steps, facts.odd)}"
+
+
+def _spike_head(facts: StepFacts) -> str:
+    """``"step 8 is a spike, not a failing step: loss spiked at step 8: 3.8e9 is 3.2e7
+    robust sigmas above ..."``."""
+    reason = facts.spike or {}
+    at = f"step {facts.step}" if facts.step is not None else "this step"
+    said = str(reason.get("message", "")) or "a loss or gradient-norm spike"
     return (
-        f"{origin}; {now} {d.statement()}, so lower the learning rate (or cap its warm-up) "
-        f"or clip the gradient norm at the healthy {clip}, and resume from a checkpoint "
-        f"before step {d.began}."
+        f"{at} is a spike, not a failing step ({said}): the guard wrote this snapshot before "
+        "any NaN, so the step is finite by design"
+    )
+
+
+def _spike(results: list[FixResult], top: FixResult, facts: StepFacts) -> str:
+    """A spike snapshot whose re-run reproduces the spike: the spike, the divergence the
+    history shows (and the advice the replays over steps verify), or what the replays over
+    steps showed."""
+    plain = next((r for r in results if isinstance(r.fix, NotReproducible)), None)
+    loss = plain.outcome.loss if plain is not None else None
+    again = f"; replayed as it was, the step reproduces it (loss {fmt_num(loss)})"
+    head = _spike_head(facts) + again
+    if isinstance(top.fix, Diverged):
+        d = top.fix.divergence
+        return f"{head}; {d.statement()}{advice(d, facts.over_steps, facts.odd)}"
+    over = facts.over_steps
+    verdict = f" (their verdict: {over.verdict})" if over is not None and over.verdict else ""
+    return f"{head}; {replayed(over)}{verdict}."
+
+
+def _recorded_update(fix: UpdateRecorded) -> str:
+    """The guard saw the update make the weights non-finite and did not roll it back."""
+    return (
+        f"{fix.message}; the weights were finite before that update (the guard watched every "
+        "update) and the snapshot holds them after it (check_update=True does not roll an "
+        f"update back), so no fix can be replayed on it: use {fix.remedy()}, and record with "
+        "NaNGuard(check_update='rollback') to have diagnose verify it."
     )
 
 
@@ -234,8 +301,12 @@ def cause(results: list[FixResult], tr: Trace | None, origin: str, facts: StepFa
     kind = top.kind
     if kind == FixKind.NOT_REPRODUCIBLE and top.finite:
         s = _finite_as_is(facts)
+    elif facts.spike is not None and kind in (FixKind.DIVERGED, FixKind.RERUN):
+        s = _spike(results, top, facts)
     elif isinstance(top.fix, Diverged):
-        s = _diverged(results, top.fix, origin)
+        s = _diverged(results, top.fix, origin, facts)
+    elif isinstance(top.fix, UpdateRecorded):
+        s = _recorded_update(top.fix)
     elif kind == FixKind.WEIGHTS_CORRUPTED:
         what = top.fix.finding() if isinstance(top.fix, WeightsCorrupted) else top.describe()
         s = f"{what}: no replay of this step can fix it; {top.note or 'look at an earlier step'}."
