@@ -133,9 +133,11 @@ class FailureOptions:
     on_spike : {"snapshot", "skip", "raise", "ignore"}
         What a spike (a finite step the spike detector flags) does: ``"snapshot"``
         (default) writes a snapshot of kind ``"spike"`` and the step goes on; ``"skip"``
-        also skips the update (``check()`` returns ``False``); ``"raise"`` writes it and
-        raises :class:`NonFiniteError` (``kind="spike"``); ``"ignore"``: only the finding
-        in the history. One snapshot per run of consecutive spikes.
+        also skips the update (``check()`` returns ``False``), up to 8 in a row: a longer
+        run of flagged steps is a new level, whose updates go on (a warning says so);
+        ``"raise"`` writes it and raises :class:`NonFiniteError` (``kind="spike"``);
+        ``"ignore"``: only the finding in the history. One snapshot per run of
+        consecutive spikes.
     max_skips_in_row : int or None
         More skipped updates in a row than this (the guard's, a spike's, a GradScaler
         overflow's) stop the run: :class:`NonFiniteError` with a snapshot. ``None``: no limit.
