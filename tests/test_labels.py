@@ -503,6 +503,26 @@ def test_a_class_with_one_sample_cannot_be_assessed():
     assert df.label_issues.unassessed == [2]
 
 
+def test_a_class_no_sample_is_labelled_with_is_said_when_the_model_predicts_it():
+    # every true class-2 sample was relabelled 1 (rows 20-29): class 2 has no label left,
+    # so confident learning has no threshold for it; the model predicts 2 for those 10 rows
+    y = np.array([0] * 10 + [1] * 20)
+    P = np.array([[0.9, 0.05, 0.05]] * 10 + [[0.05, 0.9, 0.05]] * 10 + [[0.05, 0.05, 0.9]] * 10)
+    with pytest.warns(
+        UserWarning,
+        match=r"class \[2\] has no sample labelled with it, but the model predicts it for "
+        r"10 samples",
+    ):
+        find_label_issues(y, pred_probs=P)
+    # a class the model never predicts either is simply absent: nothing to say about it
+    P2 = P.copy()
+    P2[20:] = [0.05, 0.9, 0.05]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        df = find_label_issues(y, pred_probs=P2)
+    assert not df["is_issue"].any()
+
+
 def test_in_sample_probabilities_warn_and_out_of_fold_do_not(digits_oof):
     _, _, noisy, p_lda, _ = digits_oof
     with warnings.catch_warnings():

@@ -45,6 +45,26 @@ def _warn_unassessed(unassessed: list[int]) -> None:
         )
 
 
+def _warn_unlabelled(predicted: np.ndarray, counts: np.ndarray) -> None:
+    """A class no sample is labelled with, while the model predicts it for some: confident
+    learning sets a class's threshold from the samples labelled with it, so those samples
+    can never be found mislabelled; say so rather than report a clean dataset."""
+    hit = np.bincount(predicted, minlength=len(counts))
+    empty = [int(c) for c in np.flatnonzero((counts == 0) & (hit > 0))]
+    if empty:
+        rows = int(hit[empty].sum())
+        many = len(empty) > 1
+        warnings.warn(
+            f"class{'es' if many else ''} {empty} ha{'ve' if many else 's'} no sample "
+            f"labelled with {'them' if many else 'it'}, but the model predicts "
+            f"{'them' if many else 'it'} for {rows} sample{'s' if rows != 1 else ''}: "
+            "confident learning takes a class's threshold from its labelled samples, so "
+            "those samples cannot be flagged (their labels may be wrong: look at them).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _table(P: np.ndarray, y: np.ndarray, f: Flags, opts: LabelOptions, s: Scores) -> LabelIssues:
     """One row per sample, flagged first, each part by quality ascending."""
     n, k = P.shape
@@ -196,6 +216,7 @@ def find_label_issues(
         warn_in_sample(s.self_confidence, s.top_classes[:, 0], y)
     est = estimate(P, y)
     _warn_unassessed(est.unassessed)
+    _warn_unlabelled(s.top_classes[:, 0], est.counts)
     f = flags(P, y, est, probs.stack, opts, s)
     df = _table(P, y, f, opts, s)
     df.attrs["label_noise"] = _noise(est, f, opts, probs.models)
