@@ -7,6 +7,7 @@ this module costs nothing until the extension is loaded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shlex
@@ -224,6 +225,19 @@ def _last_error() -> Any:
     return last_error()
 
 
+def _reported_factory(name: str, factory: Callable[[], Any]) -> Callable[[], Any]:
+    """``factory``, whose own error (the user's code) becomes one line naming ``--model``."""
+
+    @functools.wraps(factory)
+    def build() -> Any:
+        try:
+            return factory()
+        except Exception as e:
+            raise MagicUsageError(f"--model {name} failed: {type(e).__name__}: {e}") from None
+
+    return build
+
+
 def _open(line: str) -> Any:
     """Parse a ``%nbdebug`` line and build the debugger; bad input raises MagicUsageError."""
     import torch
@@ -234,6 +248,8 @@ def _open(line: str) -> Any:
     ns: dict[str, Any] = shell.user_ns if shell is not None else {}
     args, opts = _split(line)
     model = _resolve(opts["model"], ns, "--model") if "model" in opts else None
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = _reported_factory(opts["model"], model)
 
     if not args:
         err = _last_error()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,26 @@ def test_snapshot_path_and_snapshot_object(shell, tmp_path, capsys):
     shell.user_ns["snap"] = nbdebug.load_snapshot(path, model=LogNet)
     shell.run_line_magic("nbdebug", "snap")
     assert magics.open_debuggers()[-1].trace.summary() == dbg.trace.summary()
+
+
+def test_a_model_factory_that_raises_is_one_line_and_load_snapshot_says_where(
+    shell, tmp_path, capsys
+):
+    path = nbdebug.save_snapshot(
+        tmp_path, LogNet(), torch.randn(5, 8), torch.randint(0, 3, (5,)), step=1, reason="nan"
+    )
+
+    def broken():
+        raise RuntimeError("factory boom")
+
+    shell.user_ns["broken"] = broken
+    shell.run_line_magic("nbdebug", f"{path} --model broken")
+    assert one_error_line(capsys) == "nbdebug: --model broken failed: RuntimeError: factory boom"
+    # the API keeps the factory's own error (its type and message), with a note saying where
+    with pytest.raises(RuntimeError, match="factory boom") as info:
+        nbdebug.load_snapshot(path, model=broken)
+    notes = getattr(info.value, "__notes__", [])
+    assert sys.version_info < (3, 11) or any("model factory" in n and "broken" in n for n in notes)
 
 
 def test_relative_file_names_without_a_slash(shell, tmp_path, capsys, monkeypatch):

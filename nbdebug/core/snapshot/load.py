@@ -86,7 +86,17 @@ def _build_model(
                 "zero-argument factory instead: load_snapshot(path, model=lambda: MyNet())."
             ) from e
     if callable(model):
-        built = model()
+        try:
+            built = model()
+        except Exception as e:  # the caller's code: its own error, told where it happened
+            note = getattr(e, "add_note", None)  # (Python 3.11+)
+            if note is not None:
+                note(
+                    f"nbdebug: raised by the model factory "
+                    f"{getattr(model, '__qualname__', model)!r} while building the model "
+                    "for a snapshot (load_snapshot(path, model=...))."
+                )
+            raise
         if not isinstance(built, torch.nn.Module):
             raise TypeError(
                 f"the model factory returned {type(built).__qualname__}; expected a "
