@@ -423,6 +423,18 @@ def test_non_numeric_columns_are_named_and_one_hot_on_request():
     pd.testing.assert_frame_equal(ref, ref_before)  # the user's frame is untouched
 
 
+def test_unnamed_columns_are_named_in_errors_as_in_the_report():
+    # numpy batches: the report calls the features x0, x1, ...; an error names them so too
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 3))
+    model = RandomForestClassifier(n_estimators=5, random_state=0).fit(X, X[:, 0] > 0)
+    assert run(model, X[:30], X[30:]).feature_names == ["x0", "x1", "x2"]
+    cur = X[30:].astype(object)
+    cur[:, 1] = "a"
+    with pytest.raises(ValueError, match=r"non-numeric columns: 'x1' \((object|str)\)"):
+        drift(model, X[:30], cur, progress=False)
+
+
 def test_nan_counted_per_column_refused_or_imputed():
     rf = fitted("breast_cancer", "rf")
     ref, cur = _frame(), _frame(seed=1)

@@ -108,8 +108,13 @@ def _frames(reference: object, current: object) -> _Frames:
         else ([str(c) for c in cur.columns] if cur_named else None)
     )
     if not (ref_named and cur_named):
-        # positional match: the DataFrame side (if any) gives the names
-        cols = ref.columns if ref_named else cur.columns
+        # positional match: the DataFrame side (if any) gives the names, else the report's
+        # x0, x1, ... (so that an error or a note names a column as the report does)
+        cols = (
+            ref.columns
+            if ref_named
+            else (cur.columns if cur_named else [f"x{j}" for j in range(ref.shape[1])])
+        )
         ref = ref.set_axis(cols, axis=1)
         cur = cur.set_axis(cols, axis=1)
     return _Frames(ref, cur, ref_named or cur_named, frame_columns, notes)
