@@ -436,8 +436,18 @@ def test_one_fused_host_read_per_healthy_step(tmp_path, monkeypatch, engine, eve
         counted.calls.clear()
         with _Count() as c:
             assert guard.check(loss, step=step)
-        # one read of [loss, grad norm, param norm, signals], not one per parameter
-        assert c.reads == ["tolist"]
+        # not one read per parameter: on the CPU, where a read costs no synchronisation,
+        # the loss is read at once (item) and the kernel's sums of squares of the
+        # gradients (and at check 0 of the weights) are the host's (numpy); the device
+        # values left (the update ratio's copy and update) are read together (tolist);
+        # without the kernel every norm is among those
+        if engine == "eager":
+            expected = ["item", "tolist"]
+        elif every == 10:
+            expected = ["item", "numpy", "tolist"]
+        else:
+            expected = ["item", "numpy"] + ["numpy"] * (step == 0)
+        assert c.reads == expected, c.reads
         steady = [op for op in c.ops if op != "empty_like"]  # the copy's buffer, made once
         assert len(steady) < 20, c.ops  # fused: no op per parameter
         assert counted.calls == calls[step], counted.calls

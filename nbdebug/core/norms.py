@@ -31,6 +31,7 @@ __all__ = [
     "copy_norms",
     "device_norms",
     "fused_norms",
+    "host_squares",
     "norm_vector",
     "plain_sums",
     "total_norm",
@@ -158,6 +159,24 @@ def _as_vector(sq: torch.Tensor, device: torch.device, dtype: torch.dtype) -> to
 
 #: what the kernel raises for a tensor it cannot read (not contiguous, not a float, ...)
 _UNREADABLE = (RuntimeError, TypeError)
+
+
+def host_squares(tensors: Sequence[torch.Tensor]) -> np.ndarray | None:
+    """The sum of squares of each CPU tensor, as a float64 array on the host: one call of
+    the compiled kernel and no torch op besides (on the CPU reading a value costs no
+    synchronisation, and each op's dispatch costs more than these sums of a step's
+    gradients take to combine on the host). ``None`` without the kernel, for tensors
+    elsewhere or one it cannot read (the caller then uses :func:`norm_vector`)."""
+    if not tensors:
+        return np.zeros(0)
+    fused = _kernel_for(tensors)
+    if fused is None:
+        return None
+    try:
+        moments: np.ndarray = fused.moments_many(list(tensors), False).numpy()
+    except _UNREADABLE:
+        return None
+    return moments[:, 1]
 
 
 def norm_vector(

@@ -124,7 +124,7 @@ class RngState:
     @classmethod
     def capture(cls) -> RngState:
         cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # (initialised: available, and cheaper to ask)
             cuda = torch.cuda.get_rng_state_all()
         return cls(torch.get_rng_state(), cuda, _NUMPY.capture(), random.getstate())
 

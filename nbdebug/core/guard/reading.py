@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..norms import fused_norms, total_norm
+from ..norms import fused_norms, host_squares, total_norm
 from ..parallel import local_tensor
 from ..stats import count_nonfinite, has_nonfinite
 from ..vocab import FailureKind
@@ -132,17 +132,21 @@ class StepMeter:
             scale = float(sc.get_scale())
         return scale, not self.scaler_unscaled()
 
-    def loss_tensor(self, loss: Loss) -> torch.Tensor:
+    def loss_tensor(self, loss: Loss) -> torch.Tensor | float:
+        """The loss for the step's host read: a 0-d float32 tensor on the guard's device,
+        or, for a CPU tensor or a number, its value (read now: no synchronisation)."""
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(
                     f"loss must be a scalar; got a tensor of shape {tuple(loss.shape)}."
                 )
+            if loss.device.type == "cpu":
+                return loss.item()
             return loss.detach().reshape(()).to(self.device, torch.float32)
         if loss is None:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
+            return 0.0
         if isinstance(loss, (int, float)):
-            return torch.tensor(float(loss), dtype=torch.float32, device=self.device)
+            return float(loss)
         raise TypeError(
             f"loss must be a scalar tensor, a float or None; got {type(loss).__qualname__}."
         )
@@ -153,6 +157,14 @@ class StepMeter:
         if any(g.is_sparse for g in grads):  # nn.Embedding(sparse=True)
             grads = [g.coalesce()._values() if g.is_sparse else g for g in grads]
         return grads
+
+    def total_of(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | float:
+        """The total norm of ``tensors``: a float read on the host on the CPU with the
+        compiled kernel (:func:`..norms.host_squares`), else a 0-d tensor on the device."""
+        squares = host_squares(tensors) if self.device.type == "cpu" else None
+        if squares is not None:
+            return math.sqrt(math.fsum(squares.tolist()))
+        return total_norm(tensors, device=self.device)
 
     def local_params(self) -> list[torch.Tensor]:
         return [local_tensor(p) for p in self.params]
@@ -169,10 +181,10 @@ class StepMeter:
         dev = self.device
         sig = self.signals.collect(grads, dev) if signals and self.signals is not None else None
         with torch.no_grad():
-            parts = [loss_t, total_norm(grads, device=dev) if sig is None else sig.grad_total]
+            parts = [loss_t, self.total_of(grads) if sig is None else sig.grad_total]
             if measure_params:
                 pt = sig.param_total if sig is not None else None  # measured with the signals
-                parts.append(total_norm(self.local_params(), device=dev) if pt is None else pt)
+                parts.append(self.total_of(self.local_params()) if pt is None else pt)
         if isinstance(scale, torch.Tensor):
             parts.append(scale.detach().reshape(()).to(dev, torch.float32))
         lr: Any = None
@@ -180,9 +192,8 @@ class StepMeter:
             lr = self.optimizer.param_groups[0].get("lr")
             if isinstance(lr, torch.Tensor):
                 parts.append(lr.detach().reshape(()).to(dev, torch.float32))
-        read = torch.stack(parts) if sig is None else torch.cat([torch.stack(parts), sig.values])
-        flat = read.tolist()  # the one host synchronisation
-        values = iter(flat[: len(parts)])
+        head, tail = host_read(parts, sig.values if sig is not None else None)
+        values = iter(head)
         loss_v = next(values)
         gnorm = next(values)
         pnorm: float | None = next(values) if measure_params else None
@@ -197,7 +208,7 @@ class StepMeter:
         if scale is not None and scaled and scale > 0 and math.isfinite(gnorm):
             gnorm = gnorm / scale
         if sig is not None and self.signals is not None:
-            self.signals.record(sig, flat[len(parts) :], step=step, scale=scale if scaled else None)
+            self.signals.record(sig, tail, step=step, scale=scale if scaled else None)
         return StepReading(
             step=step,
             loss=loss_v if loss is not None else None,
@@ -254,3 +265,21 @@ def _bad_of(pairs: Sequence[tuple[str, torch.Tensor]]) -> BadCounts:
             n_nan, n_inf = count_nonfinite(t)
             out[name] = {"nan": n_nan, "inf": n_inf}
     return out
+
+
+def host_read(
+    items: Sequence[torch.Tensor | float], tail: torch.Tensor | None
+) -> tuple[list[float], list[float]]:
+    """The values of ``items`` (0-d float32 tensors on one device, or numbers already on
+    the host) and of the 1-D ``tail``, with one host read for all the tensors: (the
+    items' values in order, the tail's)."""
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    parts = [torch.stack(tensors)] if tensors else []
+    if tail is not None and tail.numel():
+        parts.append(tail)
+    flat: list[float] = []
+    if parts:  # the one host synchronisation
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+    at = len(tensors)
+    it = iter(flat[:at])
+    return [next(it) if isinstance(t, torch.Tensor) else float(t) for t in items], flat[at:]

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from ..norms import copy_norms, norm_vector, plain_sums, update_norms
+from ..norms import copy_norms, host_squares, norm_vector, plain_sums, update_norms
 from ..parallel import local_tensor
 from .signals import SIGNAL_NAMES, UPDATE_EVERY, LayerSignals, SignalSettings
 
@@ -79,21 +79,30 @@ class SignalRead:
 
     Attributes
     ----------
-    grad_total : Tensor
-        The total gradient norm (0-d, float32), the norm of the per-parameter norms.
+    grad_total : Tensor or float
+        The total gradient norm (0-d, float32), the norm of the per-parameter norms; a
+        float when :attr:`host` holds them.
     values : Tensor
-        1-D float32: the per-parameter gradient norms, then the update ratios and Adam
-        lags measured, then two values per watched module.
+        1-D float32: the per-parameter gradient norms (unless :attr:`host` holds them),
+        then the update ratios and Adam lags measured, then two values per watched module.
     param_total : Tensor or None
         The total weight norm, on a check that measured the weights (else ``None``).
+    host : ndarray or None
+        The per-parameter gradient norms already on the host (float64: on the CPU with
+        the compiled kernel, :func:`..norms.host_squares`), ahead of :attr:`values`.
     """
 
-    grad_total: torch.Tensor
+    grad_total: torch.Tensor | float
     values: torch.Tensor
     param_total: torch.Tensor | None = None
+    host: np.ndarray | None = None
     segments: list[tuple[str, list[int]]] = field(default_factory=list)
     armed: bool = False
     adam: list[AdamTerm] = field(default_factory=list)
+
+
+#: no device values (a check whose only signals are the host's gradient norms)
+_EMPTY = torch.zeros(0)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -350,9 +359,16 @@ class SignalMeter:
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
         offered, self._offer = self._offer, None
         update = self._update(device)  # before the weights are copied again below
-        gvec = norm_vector(grads, device=device, dtype=torch.float32)
-        read = SignalRead(torch.linalg.vector_norm(gvec), gvec, segments=[("grad_norm", idx)])
-        parts = [gvec]
+        squares = host_squares(grads) if device.type == "cpu" else None
+        parts: list[torch.Tensor] = []
+        if squares is not None:  # on the host already: no torch op to combine them
+            total = math.sqrt(math.fsum(squares.tolist()))  # (numpy's sum costs more here)
+            read = SignalRead(total, _EMPTY, host=np.sqrt(squares))
+        else:
+            gvec = norm_vector(grads, device=device, dtype=torch.float32)
+            read = SignalRead(torch.linalg.vector_norm(gvec), gvec)
+            parts.append(gvec)
+        read.segments.append(("grad_norm", idx))
         if update is not None and self._weight_norms is not None:
             parts.append(update / self._weight_norms)
             read.segments.append(("update_ratio", list(self._chunk)))
@@ -379,7 +395,8 @@ class SignalMeter:
         if self.watch is not None:
             parts.append(self.watch.take(device))
             read.segments.append(("modules", []))
-        read.values = torch.cat(parts) if len(parts) > 1 else gvec
+        if parts:
+            read.values = torch.cat(parts) if len(parts) > 1 else parts[0]
         return read
 
     def _update(self, device: torch.device) -> torch.Tensor | None:
@@ -448,29 +465,38 @@ class SignalMeter:
     def record(
         self, read: SignalRead, values: Sequence[float], *, step: int, scale: float | None
     ) -> None:
-        """Put the host values of ``read`` (``values``) in the ring as step ``step``;
-        ``scale``: the GradScaler scale the gradients were still multiplied by."""
+        """Put the values of ``read`` (``read.host``, then ``values``: its device values
+        as read) in the ring as step ``step``; ``scale``: the GradScaler scale the
+        gradients were still multiplied by."""
         cap = self.settings.ring
         row = self._count % cap
         self._steps[row] = step
-        arr = np.asarray(values, dtype=np.float64)
-        div = scale if scale is not None and scale > 0 else 1.0
         chunks: dict[str, np.ndarray] = {}
-        at = 0
-        for name, idx in read.segments:
-            n = 2 * len(self.settings.modules) if name == "modules" else len(idx)
-            chunks[name] = arr[at : at + n]
-            at += n
+        if read.host is not None and not len(values):  # a step with the gradients' norms only
+            chunks["grad_norm"] = read.host
+        else:
+            arr = np.asarray(values, dtype=np.float64)
+            if read.host is not None:
+                arr = np.concatenate((read.host, arr))
+            at = 0
+            for name, idx in read.segments:
+                n = 2 * len(self.settings.modules) if name == "modules" else len(idx)
+                chunks[name] = arr[at : at + n]
+                at += n
+        norms = chunks["grad_norm"]
+        if scale is not None and scale > 0 and scale != 1.0:
+            norms = norms / scale
         grad = self._arrays["grad_norm"]
         with_grad = read.segments[0][1]
         if len(with_grad) == len(self.params):  # (in order: every parameter has one)
-            grad[row] = chunks["grad_norm"] / div
+            grad[row] = norms
         else:
             grad[row] = np.nan
-            grad[row, with_grad] = chunks["grad_norm"] / div
+            grad[row, with_grad] = norms
         self._arrays["update_ratio"][row] = np.nan  # (measured at the next check)
         self._arrays["adam_lag"][row] = np.nan
-        self._modules[row] = np.nan
+        if self.watch is not None:
+            self._modules[row] = np.nan
         pending = self._pending
         if "update_ratio" in chunks and pending is not None and self._count - pending < cap:
             part = dict(read.segments)["update_ratio"]  # the part armed at that check

@@ -207,6 +207,11 @@ class _Window:
         self.at = 0  # where the next one goes
         self.raw: deque[float] = deque(maxlen=_HISTORY)
         self.log = log
+        # (position, value) of the values held that no later one reaches, in decreasing
+        # order: the first is the largest held (a sliding maximum; most steps compare
+        # with it alone)
+        self.tops: deque[tuple[int, float]] = deque()
+        self.added = 0  # values added so far
 
     @property
     def values(self) -> list[float]:
@@ -222,10 +227,23 @@ class _Window:
         return x
 
     def add(self, x: float, raw: float) -> None:
+        size = len(self.ring)
         self.ring[self.at] = x
-        self.at = (self.at + 1) % len(self.ring)
-        self.n = min(self.n + 1, len(self.ring))
+        self.at = (self.at + 1) % size
+        self.n = min(self.n + 1, size)
         self.raw.append(raw)
+        tops = self.tops
+        while tops and tops[-1][1] <= x:
+            tops.pop()
+        tops.append((self.added, x))
+        self.added += 1
+        if tops[0][0] <= self.added - 1 - size:  # it left the window
+            tops.popleft()
+
+    @property
+    def top(self) -> float:
+        """The largest value held (``-inf`` for none)."""
+        return self.tops[0][1] if self.tops else -math.inf
 
     def score(self, x: float) -> tuple[float, float, bool] | None:
         """(z, median in raw units, whether ``x`` is above every value held), or ``None``
@@ -233,9 +251,9 @@ class _Window:
         median and the spread are computed for it alone (most steps cost one ``max``)."""
         if self.n < MIN_WINDOW:
             return None
-        held = self.ring[: self.n]
-        if not x > float(held.max()):
+        if not x > self.top:
             return -math.inf, math.nan, False
+        held = self.ring[: self.n]
         ordered = np.sort(held)  # one sort: the median and the top
         med = _middle(ordered)
         deviations = np.abs(ordered - med)

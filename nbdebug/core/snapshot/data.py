@@ -43,7 +43,7 @@ def to_plain(obj: Any, path: str, dropped: list[str], *, clone: bool) -> Any:
     ``dropped`` and the value is stored as ``None``.
     """
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
+        t = obj.detach() if obj.requires_grad else obj  # (an op saved per batch tensor)
         if type(t) is not torch.Tensor:  # subclasses are pickled by class name
             t = t.as_subclass(torch.Tensor)
         if clone:  # a batch can be a view of a whole data set: store only its own elements
@@ -101,7 +101,7 @@ def cpu_copy(
     dtype to copy ``t`` into (a buffer reused), or ``None`` for a new one."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
+        t = obj.detach() if obj.requires_grad else obj
         key = (
             t.untyped_storage().data_ptr(),
             t.storage_offset(),
