@@ -12,6 +12,7 @@ from nbdebug.core.norms import (
     copy_norms,
     device_norms,
     fused_norms,
+    host_squares,
     norm_vector,
     total_norm,
     update_norms,
@@ -167,3 +168,44 @@ def test_update_norms_fall_back_for_a_pair_the_kernel_cannot_read() -> None:
     copy = torch.empty(40, 30).t()  # a copy buffer that is not contiguous
     got = copy_norms([copy], [w], device=torch.device("cpu"))
     assert torch.equal(copy, w) and got.item() == pytest.approx(w.double().norm().item(), rel=1e-5)
+
+
+def test_host_squares_are_the_sums_of_squares_read_on_the_host(mode: str) -> None:
+    # contiguous CPU tensors of every float dtype the guard sees, one empty, a NaN, an Inf
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(300_000, generator=g), torch.randn(17, 3, generator=g).double()]
+    ts += [torch.randn(40, generator=g).half(), torch.randn(9, generator=g).bfloat16()]
+    ts += [torch.empty(0), torch.tensor([1.0, float("nan")]), torch.tensor([2.0, float("inf")])]
+    got = host_squares(ts)
+    if mode == "eager":  # no kernel: the caller takes the device path
+        assert got is None
+        return
+    assert isinstance(got, np.ndarray) and got.dtype == np.float64 and got.shape == (len(ts),)
+    for t, sq in zip(ts, got.tolist()):
+        _close(sq, float((t.double() ** 2).sum()), t.dtype)
+    assert host_squares([]) is not None and len(host_squares([])) == 0
+    # a tensor the kernel cannot read (not contiguous) is no error: the device path
+    assert host_squares([torch.randn(6, 4).t()]) is None
+
+
+def test_guard_totals_from_the_host_match_plain_torch(mode: str, tmp_path) -> None:
+    # the guard's gradient norm and weight norm, read on the host or on the device, are
+    # the L2 norms of all the gradients and all the weights together
+    from torch import nn
+
+    from nbdebug.core.guard import NaNGuard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = NaNGuard(model, opt, directory=tmp_path)
+    loss = nn.functional.cross_entropy(
+        model(torch.randn(8, 30)), torch.tensor([0, 1, 2] * 2 + [0, 1])
+    )
+    loss.backward()
+    reading = guard.measure_step(loss, step=0)
+    grads = torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])
+    weights = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+    assert reading.grad_norm == pytest.approx(float(grads.norm()), rel=1e-6)
+    assert reading.param_norm == pytest.approx(float(weights.norm()), rel=1e-6)
+    assert reading.loss == pytest.approx(float(loss.detach()), rel=1e-7)

@@ -163,7 +163,7 @@ class StepMeter:
         compiled kernel (:func:`..norms.host_squares`), else a 0-d tensor on the device."""
         squares = host_squares(tensors) if self.device.type == "cpu" else None
         if squares is not None:
-            return math.sqrt(math.fsum(squares.tolist()))
+            return math.sqrt(sum(squares.tolist()))  # (math.fsum raises on overflow)
         return total_norm(tensors, device=self.device)
 
     def local_params(self) -> list[torch.Tensor]:

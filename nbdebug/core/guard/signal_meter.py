@@ -362,7 +362,7 @@ class SignalMeter:
         squares = host_squares(grads) if device.type == "cpu" else None
         parts: list[torch.Tensor] = []
         if squares is not None:  # on the host already: no torch op to combine them
-            total = math.sqrt(math.fsum(squares.tolist()))  # (numpy's sum costs more here)
+            total = math.sqrt(sum(squares.tolist()))  # (numpy's sum costs more here)
             read = SignalRead(total, _EMPTY, host=np.sqrt(squares))
         else:
             gvec = norm_vector(grads, device=device, dtype=torch.float32)
