@@ -9,7 +9,7 @@ the output itself when it is a scalar.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 import torch
 
@@ -186,10 +186,30 @@ class LossError(ValueError):
     """No loss could be found, or it is not a scalar tensor (a bad input, not a model error)."""
 
 
+def own_target(target: object) -> object:
+    """``target`` with its tensors cloned (in a tuple, list or dict too; other objects as
+    they are): what a loss may write in place. A clone stays in the autograd graph of
+    the tensor it copies (a target that requires grad is cut by the caller)."""
+    if isinstance(target, torch.Tensor):
+        return target.clone()
+    if isinstance(target, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in target):
+        items = [own_target(t) for t in target]
+        kind: Any = type(target)
+        if hasattr(target, "_fields"):  # a namedtuple
+            return kind(*items)
+        return kind(items) if kind in (tuple, list) else items
+    if isinstance(target, dict) and any(isinstance(t, torch.Tensor) for t in target.values()):
+        return {k: own_target(v) for k, v in target.items()}
+    return target
+
+
 def compute_loss(
     output: object, target: object = None, loss_fn: LossFn | None = None
 ) -> torch.Tensor:
-    """The scalar loss of ``output`` under the conventions above.
+    """The scalar loss of ``output`` under the conventions above. ``loss_fn`` gets its
+    own copy of the target's tensors (:func:`own_target`): a loss that writes its target
+    in place (``target[target < 0] = 0``) changes neither the user's tensor nor the
+    target the next pass or replay starts from.
 
     Raises
     ------
@@ -197,7 +217,7 @@ def compute_loss(
         When no loss can be found, or the loss is not a scalar tensor.
     """
     if loss_fn is not None:
-        loss = loss_fn(output, target) if target is not None else loss_fn(output)
+        loss = loss_fn(output, own_target(target)) if target is not None else loss_fn(output)
         source = f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
     elif isinstance(output, Mapping) and "loss" in output:
         loss, source = output["loss"], "output['loss']"
