@@ -464,6 +464,36 @@ def test_a_window_with_a_spike_is_held_so_the_state_stays_from_before_it(tmp_pat
     guard.close()
 
 
+def test_a_held_window_is_refreshed_again_once_its_spikes_are_behind_it(tmp_path):
+    # three spikes (steps 20-22), then a steady run: the window holding them stays (up to
+    # 4 * rewind steps), then the copies go on from after the spikes
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = nbdebug.NaNGuard(
+        model, opt, directory=tmp_path, rewind=4, spike={"z": 6, "window": 16, "warmup": 8}
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    starts, lengths = [], []
+    for t in range(60):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        shown = loss.detach() * (1000.0 if 20 <= t <= 22 else 1.0)
+        if guard.check(shown, inputs=x, target=y):
+            opt.step()
+        opt.zero_grad()
+        w = guard.rewind.current()
+        starts.append(w.start_step if w is not None else None)
+        lengths.append(len(w.steps) if w is not None else 0)
+    assert [r["step"] for r in guard.history if r.get("spikes")] == [20, 21, 22]
+    held = starts[20]
+    assert held is not None and held <= 20
+    assert all(s == held for s in starts[20:30]), starts  # held past the spikes
+    assert starts[-1] is not None and starts[-1] > 22, starts  # then refreshed again,
+    assert max(lengths[-12:]) <= 4, lengths  # every 4 steps as before the spikes
+    guard.close()
+
+
 def test_auto_refreshes_so_the_copy_costs_a_quarter_percent_of_a_step(tmp_path):
     model = nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters())

@@ -177,6 +177,9 @@ class RewindKeeper:
         self._buffers = BatchBuffers()  # the batches of the window before, reused
         #: the guard's history rows: a window whose steps were flagged as spikes is held
         self.history: Sequence[HistoryRow] = ()
+        #: (the newest history row :attr:`spiked` looked at, whether a row of the window was
+        #: flagged): each call reads only the rows added since (reset with the window)
+        self._spike_scan: tuple[HistoryRow | None, bool] | None = None
         self._armed = False  # the next optimizer step takes the copy
         self.auto = False  # rewind="auto": the cadence adapts to the copy's cost (CPU)
         self._last_check: float | None = None
@@ -310,6 +313,7 @@ class RewindKeeper:
     def give_up(self, error: Exception) -> None:
         """Stop keeping the window (its copy failed), with a warning."""
         self.every, self.window, self._armed, self._fresh = 0, None, False, False
+        self._spike_scan = None
         warnings.warn(
             f"nbdebug: the rewind window could not copy the training state "
             f"({type(error).__name__}: {error}); the guard goes on without it.",
@@ -421,14 +425,26 @@ class RewindKeeper:
         """Whether the spike detector flagged a step of the current window (it is held:
         not refreshed while it lasts)."""
         window = self.window
-        if window is not None:
-            first = window.start_step
-            for r in reversed(self.history):  # the window's rows are the last ones
-                if r["step"] < first:
-                    break
-                if r.get("spikes"):
-                    return True
-        return False
+        if window is None:
+            return False
+        scan = self._spike_scan
+        if scan is not None and scan[1]:
+            return True
+        seen = scan[0] if scan is not None else None
+        newest: HistoryRow | None = None
+        found = False
+        first = window.start_step
+        for r in reversed(self.history):  # the window's rows are the last ones
+            newest = r if newest is None else newest
+            if r["step"] < first:
+                break
+            if r.get("spikes"):
+                found = True
+                break
+            if r is seen:  # looked at before (and again now: a row is flagged as it ends)
+                break
+        self._spike_scan = (newest, found)
+        return found
 
     def _add(
         self,
@@ -467,6 +483,7 @@ class RewindKeeper:
         if self.window is not None:
             self._buffers.reuse(self.window)
         self.window = None
+        self._spike_scan = None
 
     # ------------------------------------------------------------------ views
     def current(self) -> RewindWindow | None:

@@ -89,6 +89,13 @@ def to_plain(obj: Any, path: str, dropped: list[str], *, clone: bool) -> Any:
     return None
 
 
+def _copy_one(
+    t: torch.Tensor, into: Callable[[torch.Tensor], torch.Tensor | None] | None
+) -> torch.Tensor:
+    buffer = into(t) if into is not None else None
+    return t.to("cpu", copy=True) if buffer is None else buffer.copy_(t)
+
+
 def cpu_copy(
     obj: Any,
     memo: dict[Any, torch.Tensor] | None = None,
@@ -99,6 +106,8 @@ def cpu_copy(
     that it can be written while training goes on. Tensors that share memory (tied
     weights) stay shared in the copy. ``into(t)``: a CPU tensor of ``t``'s shape and
     dtype to copy ``t`` into (a buffer reused), or ``None`` for a new one."""
+    if isinstance(obj, torch.Tensor) and memo is None:  # one tensor: nothing to share with
+        return _copy_one(obj.detach() if obj.requires_grad else obj, into)
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach() if obj.requires_grad else obj
@@ -111,8 +120,7 @@ def cpu_copy(
             str(t.device),
         )
         if key not in memo:
-            buffer = into(t) if into is not None else None
-            memo[key] = t.to("cpu", copy=True) if buffer is None else buffer.copy_(t)
+            memo[key] = _copy_one(t, into)
         return memo[key]
     if isinstance(obj, dict):
         return {k: cpu_copy(v, memo, into=into) for k, v in obj.items()}
