@@ -13,6 +13,7 @@ from nbdebug.core.norms import (
     device_norms,
     fused_norms,
     host_squares,
+    host_total,
     norm_vector,
     total_norm,
     update_norms,
@@ -209,3 +210,11 @@ def test_guard_totals_from_the_host_match_plain_torch(mode: str, tmp_path) -> No
     assert reading.grad_norm == pytest.approx(float(grads.norm()), rel=1e-6)
     assert reading.param_norm == pytest.approx(float(weights.norm()), rel=1e-6)
     assert reading.loss == pytest.approx(float(loss.detach()), rel=1e-7)
+
+
+def test_host_total_is_the_norm_of_the_sums_and_overflows_to_inf() -> None:
+    assert host_total(np.array([9.0, 16.0])) == 5.0
+    assert host_total(np.zeros(0)) == 0.0
+    # finite sums whose total overflows (float64 gradients near 1e154): inf, no error
+    assert host_total(np.array([1e308, 1e308])) == math.inf
+    assert math.isnan(host_total(np.array([1.0, math.nan])))

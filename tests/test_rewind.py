@@ -435,7 +435,10 @@ def test_inspect_shows_the_window_in_one_line(tmp_path, capsys):
     assert len(lines) == 1 and "state at the start of step 5, steps 5..5 (1; 1 batches" in lines[0]
 
 
-def test_a_window_with_a_spike_is_held_so_the_state_stays_from_before_it(tmp_path):
+def _spiking_run(tmp_path, steps: int, spiking) -> tuple[Any, list, list]:
+    """A steady linear regression under ``NaNGuard(rewind=4)``, its loss shown 1000x on the
+    steps where ``spiking(t)``: (the guard, each step's window start, each step's window
+    length)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -443,17 +446,23 @@ def test_a_window_with_a_spike_is_held_so_the_state_stays_from_before_it(tmp_pat
         model, opt, directory=tmp_path, rewind=4, spike={"z": 6, "window": 16, "warmup": 8}
     )
     x, y = torch.randn(8, 4), torch.randn(8, 1)
-    starts = []
-    for t in range(30):
+    starts, lengths = [], []
+    for t in range(steps):
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        # a steady loss, then from step 20 on a loss 1000x the usual: every step a spike
-        shown = loss.detach() * (1000.0 if t >= 20 else 1.0)
+        shown = loss.detach() * (1000.0 if spiking(t) else 1.0)
         if guard.check(shown, inputs=x, target=y):
             opt.step()
         opt.zero_grad()
         w = guard.rewind.current()
         starts.append(w.start_step if w is not None else None)
+        lengths.append(len(w.steps) if w is not None else 0)
+    return guard, starts, lengths
+
+
+def test_a_window_with_a_spike_is_held_so_the_state_stays_from_before_it(tmp_path):
+    # a steady loss, then from step 20 on a loss 1000x the usual: every step a spike
+    guard, starts, _ = _spiking_run(tmp_path, 30, lambda t: t >= 20)
     flagged = [r["step"] for r in guard.history if r.get("spikes")]
     assert flagged and flagged[0] == 20  # the detector saw the jump (plain arithmetic: 1000x)
     held = starts[20]
@@ -467,24 +476,7 @@ def test_a_window_with_a_spike_is_held_so_the_state_stays_from_before_it(tmp_pat
 def test_a_held_window_is_refreshed_again_once_its_spikes_are_behind_it(tmp_path):
     # three spikes (steps 20-22), then a steady run: the window holding them stays (up to
     # 4 * rewind steps), then the copies go on from after the spikes
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    guard = nbdebug.NaNGuard(
-        model, opt, directory=tmp_path, rewind=4, spike={"z": 6, "window": 16, "warmup": 8}
-    )
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    starts, lengths = [], []
-    for t in range(60):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        shown = loss.detach() * (1000.0 if 20 <= t <= 22 else 1.0)
-        if guard.check(shown, inputs=x, target=y):
-            opt.step()
-        opt.zero_grad()
-        w = guard.rewind.current()
-        starts.append(w.start_step if w is not None else None)
-        lengths.append(len(w.steps) if w is not None else 0)
+    guard, starts, lengths = _spiking_run(tmp_path, 60, lambda t: 20 <= t <= 22)
     assert [r["step"] for r in guard.history if r.get("spikes")] == [20, 21, 22]
     held = starts[20]
     assert held is not None and held <= 20

@@ -18,6 +18,7 @@ uses the same kernel); elsewhere fused ``torch._foreach_*`` ops, one per device 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -32,6 +33,7 @@ __all__ = [
     "device_norms",
     "fused_norms",
     "host_squares",
+    "host_total",
     "norm_vector",
     "plain_sums",
     "total_norm",
@@ -177,6 +179,13 @@ def host_squares(tensors: Sequence[torch.Tensor]) -> np.ndarray | None:
     except _UNREADABLE:
         return None
     return moments[:, 1]
+
+
+def host_total(squares: np.ndarray) -> float:
+    """The norm of all the tensors together from :func:`host_squares`' sums (a plain
+    sum: numpy's costs more on a few values, and ``math.fsum`` raises where the sum
+    overflows; inf then, as the float32 norms say)."""
+    return math.sqrt(sum(squares.tolist()))
 
 
 def norm_vector(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..norms import fused_norms, host_squares, total_norm
+from ..norms import fused_norms, host_squares, host_total, total_norm
 from ..parallel import local_tensor
 from ..stats import count_nonfinite, has_nonfinite
 from ..vocab import FailureKind
@@ -163,7 +163,7 @@ class StepMeter:
         compiled kernel (:func:`..norms.host_squares`), else a 0-d tensor on the device."""
         squares = host_squares(tensors) if self.device.type == "cpu" else None
         if squares is not None:
-            return math.sqrt(sum(squares.tolist()))  # (math.fsum raises on overflow)
+            return host_total(squares)
         return total_norm(tensors, device=self.device)
 
     def local_params(self) -> list[torch.Tensor]:

@@ -47,7 +47,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from ..norms import copy_norms, host_squares, norm_vector, plain_sums, update_norms
+from ..norms import (
+    copy_norms,
+    host_squares,
+    host_total,
+    norm_vector,
+    plain_sums,
+    update_norms,
+)
 from ..parallel import local_tensor
 from .signals import SIGNAL_NAMES, UPDATE_EVERY, LayerSignals, SignalSettings
 
@@ -362,8 +369,7 @@ class SignalMeter:
         squares = host_squares(grads) if device.type == "cpu" else None
         parts: list[torch.Tensor] = []
         if squares is not None:  # on the host already: no torch op to combine them
-            total = math.sqrt(sum(squares.tolist()))  # (numpy's sum costs more here)
-            read = SignalRead(total, _EMPTY, host=np.sqrt(squares))
+            read = SignalRead(host_total(squares), _EMPTY, host=np.sqrt(squares))
         else:
             gvec = norm_vector(grads, device=device, dtype=torch.float32)
             read = SignalRead(torch.linalg.vector_norm(gvec), gvec)
