@@ -5,30 +5,42 @@ settings (:class:`SpikeSettings`, the ``spike=`` option) and what it finds
 
 A NaN is usually the end of a run of growing values: gradient-norm spikes precede loss
 spikes, and a diverging run's gradient norm grows for several steps before anything is
-non-finite. The detector compares each step with the median of the last ``window``
-steps that were finite and not skipped (so a NaN or a skipped step never poisons it), in
-units of the median absolute deviation (MAD x 1.4826, a standard deviation for normal
-noise): ``z = (x - median) / (1.4826 MAD)``. The gradient norm is scored in log space (a
-spike is a factor), the loss as it is. Only upward deviations count, and only a value
-clearly above every value of the window (by :data:`TAIL` times the distance from the
-median to the largest value): the MAD ignores a minority of high values, so a hard batch
-that comes back every epoch (a loss twice the median, every fourth step, creeping up as
-the model fits the others) scores a large z each time although it is nothing new. A
-spike is kept out of the window, so a run that keeps growing keeps being flagged. A spike
-is a transient: a run of more than :data:`MIN_WINDOW` flagged steps in a row (skipped
-ones included: a skipped update leaves the weights, and so the values, where they were)
-is a new level, and the guard admits the whole run into the window at once (its last
-finding says ``new_level``; under ``on_spike="skip"`` that step's update goes on, so at
-most :data:`MIN_WINDOW` spike skips come in a row). A step flagged after that starts a
-new run.
+non-finite. The detector compares each step with the median of the last ``window`` steps
+that were finite and not skipped (so a NaN or a skipped step never poisons it), in units
+of the median absolute deviation (MAD x 1.4826, a standard deviation for normal noise):
+``z = (x - median) / (1.4826 MAD)``. Both signals are scored in log space (a spike is a
+factor): a loss near its floor is heavy-tailed (a converged classifier's batch loss is
+0.01 with a 0.1 now and then, one hard example), which a spread taken as it is reads as a
+10-sigma spike on every such batch. A loss that has been zero or negative (a likelihood of
+continuous data, an adversarial loss) is scored as it is from then on. Only upward
+deviations count, and only a value clearly above every value of the window (by
+:data:`TAIL` times the distance from the median to the largest value): the MAD ignores a
+minority of high values, so a hard batch that comes back every epoch (a loss twice the
+median, every fourth step, creeping up as the model fits the others) scores a large z each
+time although it is nothing new. A spike is kept out of the window, so a run that keeps
+growing keeps being flagged.
+
+A diverging run also climbs with no single step far out (each within its batch-to-batch
+spread). The sustained-rise test scores the median of the last :data:`RISE_STEPS` steps
+(flagged ones too, but not a signal's own spikes: a burst that ended is no rise) against
+the window's median, in standard errors of such a median (``sqrt(pi / 2) * sigma /
+sqrt(RISE_STEPS)``, sigma at least 5 % in log space), with the same threshold; its finding
+carries ``rise``, the recent median.
+
+A spike is a transient: a run of more than :data:`MIN_WINDOW` flagged steps in a row
+(skipped ones included: a skipped update leaves the weights, and so the values, where they
+were) is a new level, and the window then holds that run alone (the baseline moves to it;
+its last finding says ``new_level``; under ``on_spike="skip"`` that step's update goes on,
+so at most :data:`MIN_WINDOW` spike skips come in a row). A step flagged after that starts
+a new run.
 
 Thresholds (the defaults, ``spike=True``): ``z=6`` (as OLMo-core's skip-step optimizer),
 ``window=128`` steps, ``warmup=32``: the detector is silent until it holds 8 steps
 (:data:`MIN_WINDOW`); from then until it holds ``warmup`` its threshold is raised by
 ``sqrt(warmup / n)`` (twice the threshold at 8 steps), so a short run is watched from
 its 9th step but only for large spikes (a ``warmup`` above ``window`` ends when the
-window is full). The spread has a floor (1 % of the gradient norm, 0.1 % of the loss's
-median) so that a run whose values barely move does not flag a tiny change.
+window is full). The spread has a floor (1 % of the value in log space, 0.1 % of the
+median as it is) so that a run whose values barely move does not flag a tiny change.
 """
 
 from __future__ import annotations
@@ -66,6 +78,10 @@ SIGNALS = ("grad_norm", "loss")
 _MAD_SIGMA = 1.4826  # MAD -> standard deviation for normal noise
 #: a spike also exceeds the window's largest value by this fraction of (largest - median)
 TAIL = 0.5
+#: the recent steps whose median the sustained-rise test compares with the window's
+RISE_STEPS = 8
+#: the standard error of the median of n normal values, in sigmas, times sqrt(n)
+_MEDIAN_SE = math.sqrt(math.pi / 2)
 _HISTORY = 16  # recent values a finding carries
 
 
@@ -154,7 +170,7 @@ class SpikeFinding:
     median : float
         The median of the window (in the signal's own units).
     z : float
-        The robust z-score (log space for the gradient norm).
+        The robust z-score (in log space, but for a loss that has been zero or negative).
     threshold : float
         The threshold it crossed (raised during the warm-up).
     window : int
@@ -164,6 +180,10 @@ class SpikeFinding:
     new_level : bool
         The step ends a run of more than :data:`MIN_WINDOW` flagged steps in a row: the
         run is a new level, and its values join the window (the step is not skipped).
+    rise : float or None
+        A sustained rise (no single step far enough out): the median of the last
+        :data:`RISE_STEPS` steps (this one included), which ``z`` then scores in standard
+        errors of such a median; ``None`` for a spike of this step alone.
     """
 
     step: int
@@ -175,9 +195,17 @@ class SpikeFinding:
     window: int
     history: list[float]
     new_level: bool = False
+    rise: float | None = None
 
     @property
     def message(self) -> str:
+        if self.rise is not None:
+            return (
+                f"{self.signal} rose at step {self.step}: the median of its last "
+                f"{RISE_STEPS} steps, {fmt_num(self.rise)}, is {self.z:.1f} standard errors "
+                f"above the median {fmt_num(self.median)} of the last {self.window} healthy "
+                f"steps (threshold {self.threshold:.1f}; this step {fmt_num(self.value)})"
+            )
         return (
             f"{self.signal} spiked at step {self.step}: {fmt_num(self.value)} is "
             f"{self.z:.1f} robust sigmas above the median {fmt_num(self.median)} of the last "
@@ -199,19 +227,25 @@ def _middle(ordered: np.ndarray) -> float:
 
 class _Window:
     """One signal's recent healthy values (transformed, in a preallocated ring) and its
-    last raw values."""
+    last raw values. ``log``: the values are held as logarithms; ``signed``: a value of
+    zero or below (admitted) turns the window to values as they are, for good."""
 
-    def __init__(self, size: int, log: bool) -> None:
+    def __init__(self, size: int, log: bool, *, signed: bool = False) -> None:
         self.ring = np.empty(size, dtype=np.float64)
         self.n = 0  # values held
         self.at = 0  # where the next one goes
         self.raw: deque[float] = deque(maxlen=_HISTORY)
+        # the last steps' values, flagged ones too (the sustained-rise test)
+        self.recent: deque[float] = deque(maxlen=RISE_STEPS - 1)
         self.log = log
+        self.signed = signed
         # (position, value) of the values held that no later one reaches, in decreasing
         # order: the first is the largest held (a sliding maximum; most steps compare
         # with it alone)
         self.tops: deque[tuple[int, float]] = deque()
         self.added = 0  # values added so far
+        # (added, median, sigma, top) as last computed (:meth:`_spread`)
+        self._stats: tuple[int, float, float, float] | None = None
 
     @property
     def values(self) -> list[float]:
@@ -220,11 +254,46 @@ class _Window:
         return [float(v) for v in held]
 
     def transform(self, x: float | None) -> float | None:
+        """``x`` in the window's units (``None``: not finite, or not positive in log
+        space)."""
         if x is None or not math.isfinite(x):
             return None
         if self.log:
             return math.log(x) if x > 0 else None
         return x
+
+    def admit(self, raw: float | None) -> None:
+        """Add a healthy step's value (a signed window that meets a value of zero or
+        below holds its values as they are from then on)."""
+        if self.log and self.signed and raw is not None and math.isfinite(raw) and raw <= 0:
+            self._unlog()
+        x = self.transform(raw)
+        if x is not None:
+            self.add(x, float(raw))  # type: ignore[arg-type]
+
+    def _unlog(self) -> None:
+        """The values held, as they are (exp is increasing: the sliding maximum keeps
+        its order)."""
+        self.log = False
+        self._stats = None
+        self.ring[: self.n] = np.exp(self.ring[: self.n])
+        self.tops = deque((i, math.exp(v)) for i, v in self.tops)
+        self.recent = deque((math.exp(v) for v in self.recent), maxlen=RISE_STEPS - 1)
+
+    def restart(self, raws: Sequence[float | None]) -> None:
+        """Hold only ``raws`` (a new level: the baseline moves to it)."""
+        self.n = self.at = self.added = 0
+        self._stats = None
+        self.tops.clear()
+        self.raw.clear()
+        for raw in raws:
+            self.admit(raw)
+
+    def observe(self, raw: float | None) -> None:
+        """Note a step's value for the sustained-rise test."""
+        x = self.transform(raw)
+        if x is not None:
+            self.recent.append(x)
 
     def add(self, x: float, raw: float) -> None:
         size = len(self.ring)
@@ -245,24 +314,56 @@ class _Window:
         """The largest value held (``-inf`` for none)."""
         return self.tops[0][1] if self.tops else -math.inf
 
-    def score(self, x: float) -> tuple[float, float, bool] | None:
-        """(z, median in raw units, whether ``x`` is above every value held), or ``None``
-        with too few values. Only a value above every value held can be a spike, so the
-        median and the spread are computed for it alone (most steps cost one ``max``)."""
+    def raw_units(self, v: float) -> float:
+        return math.exp(v) if self.log else v
+
+    def score(self, x: float) -> _Scored | None:
+        """How ``x`` stands against the window, or ``None`` with too few values. Only a
+        value above every value held can be a spike (the window's median and spread are
+        then taken afresh); the sustained-rise test compares the recent median with the
+        window's as of at most :data:`RISE_STEPS` admitted steps ago (one sort of the
+        window per that many steps, not per step)."""
         if self.n < MIN_WINDOW:
             return None
-        if not x > self.top:
-            return -math.inf, math.nan, False
-        held = self.ring[: self.n]
-        ordered = np.sort(held)  # one sort: the median and the top
-        med = _middle(ordered)
-        deviations = np.abs(ordered - med)
-        deviations.sort()
-        mad = _middle(deviations)
-        floor = 0.01 if self.log else 1e-3 * abs(med) + 1e-12
-        sigma = max(_MAD_SIGMA * mad, floor)
-        top = float(ordered[-1])
-        return (x - med) / sigma, math.exp(med) if self.log else med, x > top + TAIL * (top - med)
+        recent = sorted([*self.recent, x])
+        full = len(recent) == RISE_STEPS
+        rise = 0.5 * (recent[RISE_STEPS // 2 - 1] + recent[RISE_STEPS // 2]) if full else math.nan
+        above = x > self.top
+        if not (above or full):
+            return _Scored(-math.inf, math.nan, False, -math.inf, rise)
+        med, sigma, top = self._spread(fresh=above)
+        # the rise's spread: a median of RISE_STEPS values, with a floor of 5 % in log
+        # space (a loss that barely moves is not flagged for a lasting 1 % rise)
+        level = max(sigma, 0.05 if self.log else 0.05 * abs(med) + 1e-12)
+        z_rise = (rise - med) / (level * _MEDIAN_SE / math.sqrt(RISE_STEPS)) if full else -math.inf
+        unseen = above and x > top + TAIL * (top - med)
+        return _Scored((x - med) / sigma, med, unseen, z_rise, rise)
+
+    def _spread(self, *, fresh: bool) -> tuple[float, float, float]:
+        """The window's median, robust sigma and largest value: computed now when
+        ``fresh`` or when the last ones are :data:`RISE_STEPS` admitted steps old."""
+        stats = self._stats
+        if fresh or stats is None or self.added - stats[0] >= RISE_STEPS:
+            ordered = np.sort(self.ring[: self.n])  # one sort: the median and the top
+            med = _middle(ordered)
+            deviations = np.abs(ordered - med)
+            deviations.sort()
+            floor = 0.01 if self.log else 1e-3 * abs(med) + 1e-12
+            sigma = max(_MAD_SIGMA * _middle(deviations), floor)
+            stats = self._stats = (self.added, med, sigma, float(ordered[-1]))
+        return stats[1], stats[2], stats[3]
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """A value against its window: its z, the window's median (window units), whether it
+    is above every value held, and the sustained-rise z of the recent median ``rise``."""
+
+    z: float
+    median: float
+    unseen: bool
+    z_rise: float
+    rise: float
 
 
 class SpikeDetector:
@@ -276,7 +377,7 @@ class SpikeDetector:
 
     def __init__(self, settings: SpikeSettings) -> None:
         self.settings = settings
-        self.windows = {s: _Window(settings.window, log=s == "grad_norm") for s in SIGNALS}
+        self.windows = {s: _Window(settings.window, log=True, signed=s == "loss") for s in SIGNALS}
         #: why the last step's signals could not be scored (empty when they were)
         self.status: dict[str, str] = {}
 
@@ -302,30 +403,42 @@ class SpikeDetector:
             if scored is None:
                 self.status[signal] = f"warming up ({window.n} of {MIN_WINDOW} healthy steps)"
                 continue
-            z, median, unseen = scored
             limit = self.threshold(window.n)
-            if z > limit and unseen:
+            spike = scored.z > limit and scored.unseen
+            if spike or scored.z_rise > limit:
                 found.append(
                     SpikeFinding(
                         step=reading.step,
                         signal=signal,
                         value=float(raw),
-                        median=median,
-                        z=float(z),
+                        median=window.raw_units(scored.median),
+                        z=float(scored.z if spike else scored.z_rise),
                         threshold=limit,
                         window=window.n,
                         history=list(window.raw),
+                        rise=None if spike else window.raw_units(scored.rise),
                     )
                 )
         return found
 
+    def new_level(self, readings: Sequence[StepReading]) -> None:
+        """Move the baseline to a new level: the windows hold these steps alone."""
+        for signal, window in self.windows.items():
+            window.restart([getattr(r, signal) for r in readings])
+
+    def observe(self, reading: StepReading, found: Sequence[SpikeFinding] = ()) -> None:
+        """Note a scored step's values for the sustained-rise test: every signal's but
+        one that spiked on its own (``found``: the step's findings; a burst of spikes that
+        ended is no rise of the steps after it)."""
+        spiked = {f.signal for f in found if f.rise is None}
+        for signal, window in self.windows.items():
+            if signal not in spiked:
+                window.observe(getattr(reading, signal))
+
     def admit(self, reading: StepReading) -> None:
         """Add a healthy step (finite, not skipped) to the windows."""
         for signal, window in self.windows.items():
-            raw = getattr(reading, signal)
-            x = window.transform(raw)
-            if x is not None:
-                window.add(x, float(raw))
+            window.admit(getattr(reading, signal))
 
     def recent(self, signal: str) -> Sequence[float]:
         """The last healthy values of ``signal`` (oldest first)."""

@@ -4,12 +4,14 @@ kind ``"spike"``, a skipped update, an error, or nothing).
 
 A spike is a transient; a run of more than :data:`~.spike.MIN_WINDOW` flagged steps in a
 row is a new level (data in other units, a new phase of training), whatever was done with
-the steps: their values, kept aside while the run lasts, join the window together, and the
-step that ends the run goes on even under ``on_spike="skip"`` (a warning says so). Without
-this a skipped step could never join the window, every later step would score against the
-old level, and ``"skip"`` would freeze the weights for the rest of the run. A run that
-keeps growing after that is flagged again (a new run: under ``"skip"`` skipped again), so a
-divergence is still held back until it stops on a non-finite step or settles.
+the steps: their values, kept aside while the run lasts, become the window (the baseline
+moves to the new level, so neither the spike test nor the sustained-rise test keeps
+flagging it), and the step that ends the run goes on even under ``on_spike="skip"`` (a
+warning says so). Without this a skipped step could never join the window, every later
+step would score against the old level, and ``"skip"`` would freeze the weights for the
+rest of the run. A run that keeps growing after that is flagged again (a new run: under
+``"skip"`` skipped again), so a divergence is still held back until it stops on a
+non-finite step or settles.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class SpikeWatch:
         and never blocks the step."""
         grads = reading.grad_norm > 0 or any(p.grad is not None for p in self.params)
         found = self.detector.score(reading, has_grads=grads)
+        self.detector.observe(reading, found)
         status = {k: v for k, v in self.detector.status.items() if not v.startswith("warming")}
         if status:
             row["spike_status"] = status
@@ -124,8 +127,7 @@ class SpikeWatch:
     def _new_level(self, found: list[SpikeFinding]) -> None:
         """Admit the run of spikes as a new level (and say so where updates were skipped)."""
         first, last = self.pending[0].step, self.pending[-1].step
-        for r in self.pending:
-            self.detector.admit(r)
+        self.detector.new_level(self.pending)
         if self.skipped:
             signals = " and ".join(dict.fromkeys(f.signal for f in found))
             warnings.warn(

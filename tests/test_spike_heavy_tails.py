@@ -1,0 +1,148 @@
+"""The spike detector on losses near their floor and on slow rises (issue 32, item 1):
+the loss is scored as a factor (log space) while it is positive, so a converged model's
+heavy-tailed batch loss is no spike; a loss that has been zero or negative is scored as it
+is; a rise that no single step makes (the median of the last 8 steps far above the
+window's) is flagged as a rise; and a new level moves the baseline to it."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+from nbdebug.core.guard import NaNGuard
+from nbdebug.core.guard.reading import StepReading
+from nbdebug.core.guard.spike import RISE_STEPS, SpikeDetector, SpikeSettings
+
+
+def _reading(step: int, loss: float | None, grad_norm: float) -> StepReading:
+    return StepReading(
+        step=step, loss=loss, grad_norm=grad_norm, param_norm=None, lr=None, scale=None
+    )
+
+
+def _feed(det: SpikeDetector, losses, grads, start: int = 0) -> list:
+    """Score and admit each step as the guard does (flagged steps stay out)."""
+    found_all = []
+    for i, (loss, grad) in enumerate(zip(losses, grads), start):
+        r = _reading(i, loss, grad)
+        found = det.score(r)
+        det.observe(r, found)
+        if not found:
+            det.admit(r)
+        found_all += found
+    return found_all
+
+
+def test_a_converged_classifiers_batch_loss_is_no_spike(tmp_path):
+    # digits, an MLP, SGD with batch 1: a batch's loss is one sample's, 5x the median
+    # and more now and then (a sample the model gets wrong); the gradient norm follows
+    # it. Scored as it is, the loss read 6-robust-sigma spikes at steps 1611 and 1987 of
+    # this very run
+    X, y = load_digits(return_X_y=True)
+    X = torch.tensor(X / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = NaNGuard(model, opt, on_spike="ignore", rewind=None, directory=tmp_path)
+    losses = []
+    for step in range(2000):
+        idx = torch.randint(0, len(X), (1,), generator=torch.Generator().manual_seed(step))
+        loss = nn.functional.cross_entropy(model(X[idx]), y[idx])
+        loss.backward()
+        losses.append(loss.item())
+        assert guard.check(loss, step=step)
+        opt.step()
+        opt.zero_grad()
+    late = np.array(losses[1000:])
+    # the run is what the test says: trained (below log(10) = 2.3), heavy-tailed
+    assert np.median(late) < 1.0 and late.max() > 5 * np.median(late)
+    assert guard.spike_findings == []
+
+
+def test_a_rise_no_single_step_makes_is_flagged_as_a_rise():
+    # log-normal noise (sigma 0.5 in log space) at level 1 for 150 steps, then the level
+    # climbs by 10 % a step (a divergence doubles in 7 steps): no value of the climb's
+    # first steps is 6 sigmas above the median, but their median soon is many standard
+    # errors above it
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0.0, 0.5, 260)
+    level = np.concatenate([np.zeros(150), 0.1 * np.arange(1, 111)])
+    values = np.exp(level + noise)
+    det = SpikeDetector(SpikeSettings())
+    found = _feed(det, values[:150], values[:150])
+    assert found == []
+    found = _feed(det, values[150:], np.ones(110), start=150)
+    assert found, "the climb was not flagged"
+    first = found[0]
+    assert first.signal == "loss" and first.rise is not None
+    assert "rose at step" in first.message and f"last {RISE_STEPS} steps" in first.message
+    # before any single value was 6 sigmas above the window's median (sigma of the noise:
+    # 0.5), i.e. before exp(3) = 20x the median
+    singles = [i for i in range(150, 260) if values[i] > 20.0]
+    assert first.step < singles[0]
+    # the median the finding reports is the window's, in the loss's units
+    assert first.median == pytest.approx(1.0, rel=0.25)
+    assert first.rise > first.median
+
+
+def test_a_loss_that_turns_negative_is_scored_as_it_is():
+    # a likelihood loss: positive, then below zero; the window keeps its values as they
+    # are from the first one of zero or below
+    rng = np.random.default_rng(1)
+    up = list(1.0 + 0.05 * rng.standard_normal(20))
+    down = list(-1.0 + 0.05 * rng.standard_normal(130))
+    det = SpikeDetector(SpikeSettings())
+    _feed(det, up + down[:10], np.ones(30))
+    window = det.windows["loss"]
+    assert not window.log
+    assert window.values == pytest.approx(up + down[:10])
+    _feed(det, down[10:], np.ones(120), start=30)
+    assert window.values == pytest.approx(down[-128:])
+    # a jump to +2 from a window around -1 is a spike, scored as it is
+    found = det.score(_reading(150, 2.0, 1.0))
+    assert [f.signal for f in found] == ["loss"] and found[0].rise is None
+
+
+def test_a_positive_loss_is_scored_as_a_factor():
+    # a loss at 0.01 whose batches vary 3x either way: 0.1 (10x) is within its spread
+    rng = np.random.default_rng(2)
+    losses = np.exp(math.log(0.01) + 0.7 * rng.standard_normal(200))
+    det = SpikeDetector(SpikeSettings())
+    assert _feed(det, losses, np.ones(200)) == []
+    top = float(losses.max())
+    assert det.score(_reading(200, 1.5 * top, 1.0)) == []  # above all, but 8x: no spike
+    found = det.score(_reading(200, 1000 * 0.01, 1.0))  # 1000x the median: a spike
+    assert [f.signal for f in found] == ["loss"] and found[0].z > 6
+
+
+def test_a_new_level_moves_the_baseline_to_it(tmp_path):
+    # the loss scaled 10x from step 40 on: 9 steps flagged, the last a new level; the
+    # window then holds the new level's steps alone, and the steps after it are not
+    # flagged (nor as a rise: its median is the new level's)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    guard = NaNGuard(model, directory=tmp_path, on_spike="ignore", rewind=None)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    g = torch.Generator().manual_seed(0)
+    noise = (1.0 + 0.05 * torch.randn(80, generator=g)).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step, s in enumerate(noise):
+            loss = nn.functional.mse_loss(model(x), y) * s * (10.0 if step >= 40 else 1.0)
+            loss.backward()
+            guard.check(loss, step=step)
+            model.zero_grad()
+    flagged = sorted({f.step for f in guard.spike_findings})
+    assert flagged == list(range(40, 49))
+    assert all(f.new_level for f in guard.spike_findings if f.step == 48)
+    window = guard.spikes.detector.windows["loss"].values
+    base = nn.functional.mse_loss(model(x), y).item()
+    assert len(window) == 80 - 40  # the 9 of the new level, then the 31 steps after it
+    assert min(window) > math.log(5 * base)  # (held in log space)
