@@ -146,3 +146,32 @@ def test_a_new_level_moves_the_baseline_to_it(tmp_path):
     base = nn.functional.mse_loss(model(x), y).item()
     assert len(window) == 80 - 40  # the 9 of the new level, then the 31 steps after it
     assert min(window) > math.log(5 * base)  # (held in log space)
+
+
+def test_a_geometric_growth_stays_flagged_through_its_new_levels(tmp_path):
+    # the loss multiplied by 1.35 a step from step 60 (a divergence at a steady rate):
+    # each run of 9 flags is a new level for the skip bound, but one that kept climbing,
+    # so the baseline stays where the run was healthy and every later step is flagged
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    guard = NaNGuard(model, directory=tmp_path, on_spike="ignore", rewind=None)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    g = torch.Generator().manual_seed(0)
+    noise = (1.0 + 0.05 * torch.randn(120, generator=g)).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step, s in enumerate(noise):
+            grow = 1.35 ** max(0, step - 60)
+            loss = nn.functional.mse_loss(model(x), y) * s * grow
+            loss.backward()
+            guard.check(loss, step=step)
+            model.zero_grad()
+    flagged = sorted({f.step for f in guard.spike_findings})
+    first = flagged[0]
+    assert 60 < first <= 70
+    assert flagged == list(range(first, 120))  # no step of the climb goes unflagged
+    levels = sorted({f.step for f in guard.spike_findings if f.new_level})
+    assert len(levels) >= 5  # (runs of 9: the skip bound still holds)
+    window = guard.spikes.detector.windows["loss"].values
+    base = nn.functional.mse_loss(model(x), y).item()
+    assert max(window) < math.log(2 * base)  # the baseline is the healthy steps'

@@ -21,11 +21,14 @@ time although it is nothing new. A spike is kept out of the window, so a run tha
 growing keeps being flagged.
 
 A diverging run also climbs with no single step far out (each within its batch-to-batch
-spread). The sustained-rise test scores the median of the last :data:`RISE_STEPS` steps
-(flagged ones too, but not a signal's own spikes: a burst that ended is no rise) against
+spread). The sustained-rise test scores the median of the loss's last :data:`RISE_STEPS`
+steps (flagged ones too, but not its own spikes: a burst that ended is no rise) against
 the window's median, in standard errors of such a median (``sqrt(pi / 2) * sigma /
 sqrt(RISE_STEPS)``, sigma at least 5 % in log space), with the same threshold; its finding
-carries ``rise``, the recent median.
+carries ``rise``, the recent median. The gradient norm is not scored so: it climbs in
+healthy runs (early in training; as a likelihood's variance shrinks: lesson 02's Gaussian
+head grows it 6x in 30 steps), while a loss that climbs for steps on end is no healthy
+run.
 
 A spike is a transient: a run of more than :data:`MIN_WINDOW` flagged steps in a row
 (skipped ones included: a skipped update leaves the weights, and so the values, where they
@@ -45,6 +48,7 @@ median as it is) so that a run whose values barely move does not flag a tiny cha
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -228,9 +232,10 @@ def _middle(ordered: np.ndarray) -> float:
 class _Window:
     """One signal's recent healthy values (transformed, in a preallocated ring) and its
     last raw values. ``log``: the values are held as logarithms; ``signed``: a value of
-    zero or below (admitted) turns the window to values as they are, for good."""
+    zero or below (admitted) turns the window to values as they are, for good; ``rises``:
+    the sustained-rise test scores this signal."""
 
-    def __init__(self, size: int, log: bool, *, signed: bool = False) -> None:
+    def __init__(self, size: int, log: bool, *, signed: bool = False, rises: bool = False) -> None:
         self.ring = np.empty(size, dtype=np.float64)
         self.n = 0  # values held
         self.at = 0  # where the next one goes
@@ -239,6 +244,7 @@ class _Window:
         self.recent: deque[float] = deque(maxlen=RISE_STEPS - 1)
         self.log = log
         self.signed = signed
+        self.rises = rises
         # (position, value) of the values held that no later one reaches, in decreasing
         # order: the first is the largest held (a sliding maximum; most steps compare
         # with it alone)
@@ -280,8 +286,16 @@ class _Window:
         self.tops = deque((i, math.exp(v)) for i, v in self.tops)
         self.recent = deque((math.exp(v) for v in self.recent), maxlen=RISE_STEPS - 1)
 
-    def restart(self, raws: Sequence[float | None]) -> None:
-        """Hold only ``raws`` (a new level: the baseline moves to it)."""
+    def new_level(self, raws: Sequence[float | None]) -> None:
+        """Take a run of flagged values as a new level: a run that settled (a step to
+        data in other units) becomes the window alone, so the baseline moves to it; a run
+        that kept climbing (:func:`_climbing`) leaves the window as it was, so a
+        divergence that goes on growing is scored against the steps before it, and
+        flagged again (admitted, a geometric growth would widen the window's spread
+        until it looked like noise)."""
+        values = [v for v in (self.transform(r) for r in raws) if v is not None]
+        if _climbing(values):
+            return
         self.n = self.at = self.added = 0
         self._stats = None
         self.tops.clear()
@@ -290,9 +304,9 @@ class _Window:
             self.admit(raw)
 
     def observe(self, raw: float | None) -> None:
-        """Note a step's value for the sustained-rise test."""
+        """Note a step's value for the sustained-rise test (of a signal it scores)."""
         x = self.transform(raw)
-        if x is not None:
+        if x is not None and self.rises:
             self.recent.append(x)
 
     def add(self, x: float, raw: float) -> None:
@@ -354,6 +368,17 @@ class _Window:
         return stats[1], stats[2], stats[3]
 
 
+def _climbing(values: Sequence[float]) -> bool:
+    """Whether a run of values kept rising: at least three quarters of its steps went up
+    and its last three end above its first three (medians). A step to a new level with
+    noise rises on half of its steps (a flat run of 9 passes by chance 1 time in 35); a
+    geometric growth, which the window would absorb as it went, on nearly all."""
+    if len(values) < 6:
+        return False
+    ups = sum(b > a for a, b in itertools.pairwise(values))
+    return 4 * ups >= 3 * (len(values) - 1) and sorted(values[-3:])[1] > sorted(values[:3])[1]
+
+
 @dataclass(frozen=True)
 class _Scored:
     """A value against its window: its z, the window's median (window units), whether it
@@ -377,7 +402,10 @@ class SpikeDetector:
 
     def __init__(self, settings: SpikeSettings) -> None:
         self.settings = settings
-        self.windows = {s: _Window(settings.window, log=True, signed=s == "loss") for s in SIGNALS}
+        self.windows = {
+            s: _Window(settings.window, log=True, signed=s == "loss", rises=s == "loss")
+            for s in SIGNALS
+        }
         #: why the last step's signals could not be scored (empty when they were)
         self.status: dict[str, str] = {}
 
@@ -422,9 +450,9 @@ class SpikeDetector:
         return found
 
     def new_level(self, readings: Sequence[StepReading]) -> None:
-        """Move the baseline to a new level: the windows hold these steps alone."""
+        """Take a run of flagged steps as a new level (:meth:`_Window.new_level`)."""
         for signal, window in self.windows.items():
-            window.restart([getattr(r, signal) for r in readings])
+            window.new_level([getattr(r, signal) for r in readings])
 
     def observe(self, reading: StepReading, found: Sequence[SpikeFinding] = ()) -> None:
         """Note a scored step's values for the sustained-rise test: every signal's but
