@@ -175,3 +175,48 @@ def test_a_geometric_growth_stays_flagged_through_its_new_levels(tmp_path):
     window = guard.spikes.detector.windows["loss"].values
     base = nn.functional.mse_loss(model(x), y).item()
     assert max(window) < math.log(2 * base)  # the baseline is the healthy steps'
+
+
+def test_diagnose_says_a_rise_snapshot_is_part_of_a_sustained_rise(tmp_path):
+    # an MLP under a linear warm-up with no cap: its loss climbs from 0.001 for a hundred
+    # steps before the NaN, within its batch-to-batch spread; the first spike snapshot is
+    # of a rise, and diagnose names it so
+    import nbdebug
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s + 1.0)
+    guard = NaNGuard(model, opt, directory=tmp_path, patience=None, loss_fn=nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(2000):
+            x = torch.randn(32, 8, generator=g)
+            loss = nn.functional.mse_loss(model(x), x[:, :1])
+            loss.backward()
+            losses.append(loss.item())
+            if not guard.check(loss, inputs=x, target=x[:, :1], step=step):
+                break
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+    spikes = [p for p in guard.snapshots if nbdebug.load_snapshot(p).kind == "spike"]
+    snap = nbdebug.load_snapshot(spikes[0])
+    s = snap.step
+    assert s is not None and bad - s >= 50
+    finding = snap.reason["spikes"][0]
+    assert finding["signal"] == "loss" and finding["rise"] is not None
+    # plain numpy: the last 8 losses' median is over 3x the median of the 128 before them,
+    # while this step's own loss is within the largest of those 128 by less than 2x
+    assert np.median(losses[s - 7 : s + 1]) > 3 * np.median(losses[s - 128 : s])
+    assert losses[s] < 2 * max(losses[s - 128 : s])
+    assert finding["value"] == pytest.approx(losses[s], rel=1e-6)
+    st = nbdebug.diagnose(spikes[0], model=make, progress=False).cause.statement
+    assert f"step {s} is part of a sustained rise of the loss, not a failing step" in st
+    assert f"loss rose at step {s}" in st

@@ -259,8 +259,11 @@ def _spike_head(facts: StepFacts) -> str:
     reason = facts.spike or {}
     at = f"step {facts.step}" if facts.step is not None else "this step"
     said = str(reason.get("message", "")) or "a loss or gradient-norm spike"
+    found = [f for f in reason.get("spikes") or [] if isinstance(f, dict)]
+    rise = bool(found) and all(f.get("rise") is not None for f in found)
+    what = "part of a sustained rise of the loss" if rise else "a spike"
     return (
-        f"{at} is a spike, not a failing step ({said}): the guard wrote this snapshot before "
+        f"{at} is {what}, not a failing step ({said}): the guard wrote this snapshot before "
         "any NaN, so the step is finite by design"
     )
 
