@@ -220,3 +220,17 @@ def test_diagnose_says_a_rise_snapshot_is_part_of_a_sustained_rise(tmp_path):
     st = nbdebug.diagnose(spikes[0], model=make, progress=False).cause.statement
     assert f"step {s} is part of a sustained rise of the loss, not a failing step" in st
     assert f"loss rose at step {s}" in st
+
+
+def test_the_rise_test_can_be_turned_off_and_takes_a_bool():
+    rng = np.random.default_rng(0)
+    values = np.exp(
+        np.concatenate([np.zeros(150), 0.1 * np.arange(1, 41)]) + rng.normal(0, 0.5, 190)
+    )
+    on = SpikeDetector(SpikeSettings())
+    off = SpikeDetector(SpikeSettings(rise=False))
+    assert any(f.rise is not None for f in _feed(on, values, np.ones(190)))
+    assert not any(f.rise is not None for f in _feed(off, values, np.ones(190)))
+    with pytest.raises(ValueError, match=r"^spike rise must be True or False; got 'yes'\.$"):
+        NaNGuard(nn.Linear(2, 1), spike={"rise": "yes"})
+    assert NaNGuard(nn.Linear(2, 1), spike={"rise": False}).spikes.detector.settings.rise is False

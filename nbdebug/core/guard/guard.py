@@ -143,8 +143,10 @@ class NaNGuard:
     spike : bool, float, dict or SpikeSettings
         The spike detector (:mod:`nbdebug.core.guard.spike`), on by default: a finite step
         whose loss or gradient norm has a robust z-score above 6 against the last 128
-        healthy steps is a spike (a finding in the row's ``"spikes"`` and
-        :attr:`spike_findings`). A z threshold, ``{"z", "window", "warmup"}``; ``False``: off.
+        healthy steps is a spike, and so is a loss whose last 8 steps' median is 6
+        standard errors above theirs (a finding in the row's ``"spikes"`` and
+        :attr:`spike_findings`). A z threshold, ``{"z", "window", "warmup", "rise"}``;
+        ``False``: off.
     on_spike : {"snapshot", "skip", "raise", "ignore"}
         ``"snapshot"``: a snapshot of kind ``"spike"`` and the step goes on; ``"skip"``:
         also skip the update (``False``); ``"raise"``: :class:`NonFiniteError`

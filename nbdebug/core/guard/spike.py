@@ -103,11 +103,16 @@ class SpikeSettings:
         Below this many steps in the window the threshold is raised by
         ``sqrt(warmup / n)`` (>= 8: the detector is silent below 8 steps, and 8 means no
         raised threshold; a warmup above the window ends when the window is full).
+    rise : bool
+        Whether the loss is also scored for a sustained rise (the median of its last
+        :data:`RISE_STEPS` steps against the window's); off for a loss that climbs by
+        design (an adversarial or a curriculum's).
     """
 
     z: float = 6.0
     window: int = 128
     warmup: int = 32
+    rise: bool = True
 
     def __post_init__(self) -> None:
         z = self.z
@@ -117,6 +122,8 @@ class SpikeSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"spike {name} must be an int; got {v!r}.")
+        if not isinstance(self.rise, bool):
+            raise ValueError(f"spike rise must be True or False; got {self.rise!r}.")
         if self.window < MIN_WINDOW:
             raise ValueError(
                 f"spike window must be at least {MIN_WINDOW} steps to estimate the spread "
@@ -151,12 +158,12 @@ def spike_settings(value: object) -> SpikeSettings | None:
     if isinstance(value, (int, float)):
         return SpikeSettings(z=value)
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"z", "window", "warmup"})
+        unknown = sorted(set(value) - {"z", "window", "warmup", "rise"})
         if not unknown:
             return SpikeSettings(**value)
     raise ValueError(
         "spike must be True (the default thresholds), False/None (off), a z-score threshold, "
-        f"a dict with keys z, window, warmup, or a SpikeSettings; got {value!r}."
+        f"a dict with keys z, window, warmup, rise, or a SpikeSettings; got {value!r}."
     )
 
 
@@ -403,7 +410,9 @@ class SpikeDetector:
     def __init__(self, settings: SpikeSettings) -> None:
         self.settings = settings
         self.windows = {
-            s: _Window(settings.window, log=True, signed=s == "loss", rises=s == "loss")
+            s: _Window(
+                settings.window, log=True, signed=s == "loss", rises=s == "loss" and settings.rise
+            )
             for s in SIGNALS
         }
         #: why the last step's signals could not be scored (empty when they were)
