@@ -11,8 +11,9 @@ of the median absolute deviation (MAD x 1.4826, a standard deviation for normal 
 ``z = (x - median) / (1.4826 MAD)``. Both signals are scored in log space (a spike is a
 factor): a loss near its floor is heavy-tailed (a converged classifier's batch loss is
 0.01 with a 0.1 now and then, one hard example), which a spread taken as it is reads as a
-10-sigma spike on every such batch. A loss that has been zero or negative (a likelihood of
-continuous data, an adversarial loss) is scored as it is from then on. Only upward
+10-sigma spike on every such batch. A loss that has been negative (a likelihood of
+continuous data, an adversarial loss) is scored as it is from then on; a loss of exactly 0
+(a hinge or margin loss on an easy batch) is left out of a window in log space. Only upward
 deviations count, and only a value clearly above every value of the window (by
 :data:`TAIL` times the distance from the median to the largest value): the MAD ignores a
 minority of high values, so a hard batch that comes back every epoch (a loss twice the
@@ -181,7 +182,7 @@ class SpikeFinding:
     median : float
         The median of the window (in the signal's own units).
     z : float
-        The robust z-score (in log space, but for a loss that has been zero or negative).
+        The robust z-score (in log space, but for a loss that has been negative).
     threshold : float
         The threshold it crossed (raised during the warm-up).
     window : int
@@ -239,7 +240,7 @@ def _middle(ordered: np.ndarray) -> float:
 class _Window:
     """One signal's recent healthy values (transformed, in a preallocated ring) and its
     last raw values. ``log``: the values are held as logarithms; ``signed``: a value of
-    zero or below (admitted) turns the window to values as they are, for good; ``rises``:
+    below zero (admitted) turns the window to values as they are, for good; ``rises``:
     the sustained-rise test scores this signal."""
 
     def __init__(self, size: int, log: bool, *, signed: bool = False, rises: bool = False) -> None:
@@ -278,7 +279,7 @@ class _Window:
     def admit(self, raw: float | None) -> None:
         """Add a healthy step's value (a signed window that meets a value of zero or
         below holds its values as they are from then on)."""
-        if self.log and self.signed and raw is not None and math.isfinite(raw) and raw <= 0:
+        if self.log and self.signed and raw is not None and math.isfinite(raw) and raw < 0:
             self._unlog()
         x = self.transform(raw)
         if x is not None:
