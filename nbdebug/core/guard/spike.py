@@ -54,7 +54,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -87,6 +87,7 @@ TAIL = 0.5
 RISE_STEPS = 8
 #: the standard error of the median of n normal values, in sigmas, times sqrt(n)
 _MEDIAN_SE = math.sqrt(math.pi / 2)
+_RISE_SE = _MEDIAN_SE / math.sqrt(RISE_STEPS)  # of a median of RISE_STEPS values, in sigmas
 _HISTORY = 16  # recent values a finding carries
 
 
@@ -313,8 +314,10 @@ class _Window:
 
     def observe(self, raw: float | None) -> None:
         """Note a step's value for the sustained-rise test (of a signal it scores)."""
+        if not self.rises:
+            return
         x = self.transform(raw)
-        if x is not None and self.rises:
+        if x is not None:
             self.recent.append(x)
 
     def add(self, x: float, raw: float) -> None:
@@ -347,17 +350,19 @@ class _Window:
         window per that many steps, not per step)."""
         if self.n < MIN_WINDOW:
             return None
-        recent = sorted([*self.recent, x])
-        full = len(recent) == RISE_STEPS
-        rise = 0.5 * (recent[RISE_STEPS // 2 - 1] + recent[RISE_STEPS // 2]) if full else math.nan
+        full = len(self.recent) == RISE_STEPS - 1
         above = x > self.top
         if not (above or full):
-            return _Scored(-math.inf, math.nan, False, -math.inf, rise)
+            return _QUIET
         med, sigma, top = self._spread(fresh=above)
-        # the rise's spread: a median of RISE_STEPS values, with a floor of 5 % in log
-        # space (a loss that barely moves is not flagged for a lasting 1 % rise)
-        level = max(sigma, 0.05 if self.log else 0.05 * abs(med) + 1e-12)
-        z_rise = (rise - med) / (level * _MEDIAN_SE / math.sqrt(RISE_STEPS)) if full else -math.inf
+        rise, z_rise = math.nan, -math.inf
+        if full:
+            recent = sorted([*self.recent, x])
+            rise = 0.5 * (recent[RISE_STEPS // 2 - 1] + recent[RISE_STEPS // 2])
+            # the rise's spread: a median of RISE_STEPS values, with a floor of 5 % in log
+            # space (a loss that barely moves is not flagged for a lasting 1 % rise)
+            level = max(sigma, 0.05 if self.log else 0.05 * abs(med) + 1e-12)
+            z_rise = (rise - med) / (level * _RISE_SE)
         unseen = above and x > top + TAIL * (top - med)
         return _Scored((x - med) / sigma, med, unseen, z_rise, rise)
 
@@ -387,16 +392,20 @@ def _climbing(values: Sequence[float]) -> bool:
     return 4 * ups >= 3 * (len(values) - 1) and sorted(values[-3:])[1] > sorted(values[:3])[1]
 
 
-@dataclass(frozen=True)
-class _Scored:
+class _Scored(NamedTuple):
     """A value against its window: its z, the window's median (window units), whether it
-    is above every value held, and the sustained-rise z of the recent median ``rise``."""
+    is above every value held, and the sustained-rise z of the recent median ``rise``
+    (a tuple: one is made per signal and step)."""
 
     z: float
     median: float
     unseen: bool
     z_rise: float
     rise: float
+
+
+#: a value below the window's top, without a rise to score (most steps)
+_QUIET = _Scored(-math.inf, math.nan, False, -math.inf, math.nan)
 
 
 class SpikeDetector:
