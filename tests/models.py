@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -388,3 +389,47 @@ def sequence_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     x = torch.randn(16, 40, 4, generator=g)
     return x, x[:, :, 0].sum(1, keepdim=True)
+
+
+def warmup_mlp() -> nn.Module:
+    """The MLP of :func:`run_uncapped_warmup` (a factory for ``diagnose(model=...)``)."""
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def run_uncapped_warmup(
+    guard_options: dict[str, Any], *, stop_at_nonfinite: bool = True
+) -> tuple[Any, list[float], Any]:
+    """An MLP learning to copy its first input under SGD with momentum and a linear lr
+    warm-up without a cap (lr 1e-3 x (step + 1); the scheduler steps whether or not an
+    update was skipped, as in most loops): its loss falls to 0.001, climbs for a hundred
+    steps and goes to inf near step 435. Runs under ``NaNGuard(model, opt,
+    **guard_options)`` until its first non-finite step (``stop_at_nonfinite``), an error of
+    the guard's, or 2,000 steps; returns the guard, every step's loss as plain torch
+    computed it, and the ``NonFiniteError`` that stopped the run (``None``: none did)."""
+    from nbdebug.core.guard import NaNGuard, NonFiniteError
+
+    torch.manual_seed(0)
+    model = warmup_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s + 1.0)
+    guard = NaNGuard(model, opt, **guard_options)
+    g = torch.Generator().manual_seed(0)
+    losses: list[float] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(2000):
+            x = torch.randn(32, 8, generator=g)
+            loss = F.mse_loss(model(x), x[:, :1])
+            loss.backward()
+            losses.append(loss.item())
+            try:
+                ok = guard.check(loss, inputs=x, target=x[:, :1], step=step)
+            except NonFiniteError as error:
+                return guard, losses, error
+            if ok:
+                opt.step()
+            elif stop_at_nonfinite and guard.history[-1]["nonfinite"]:
+                break
+            opt.zero_grad()
+            sched.step()
+    return guard, losses, None

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from models import run_uncapped_warmup
 from torch import nn
 
 import nbdebug
@@ -182,23 +183,9 @@ def test_detector_without_gradients_says_so_and_never_blocks(tmp_path):
 
 
 def test_a_diverging_run_is_flagged_before_its_nan(tmp_path):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s + 1.0)  # warm-up, no cap
-    guard = NaNGuard(model, opt, directory=tmp_path, on_spike="ignore", patience=None)
-    g = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for step in range(2000):
-            x = torch.randn(32, 8, generator=g)
-            loss = nn.functional.mse_loss(model(x), x[:, :1])
-            loss.backward()
-            if not guard.check(loss, step=step):
-                break
-            opt.step()
-            opt.zero_grad()
-            sched.step()
+    guard, _, _ = run_uncapped_warmup(
+        {"directory": tmp_path, "on_spike": "ignore", "patience": None}
+    )
     bad = next(r["step"] for r in guard.history if r["nonfinite"])
     flagged = [f.step for f in guard.spike_findings if f.step < bad]
     assert flagged and bad - flagged[0] >= 3

@@ -12,9 +12,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from models import run_uncapped_warmup, warmup_mlp
 from sklearn.datasets import load_digits
 from torch import nn
 
+import nbdebug
 from nbdebug.core.guard import NaNGuard
 from nbdebug.core.guard.reading import StepReading
 from nbdebug.core.guard.spike import RISE_STEPS, SpikeDetector, SpikeSettings
@@ -37,6 +39,26 @@ def _feed(det: SpikeDetector, losses, grads, start: int = 0) -> list:
             det.admit(r)
         found_all += found
     return found_all
+
+
+def _scaled_run(tmp_path, scales: list[float]) -> tuple[NaNGuard, float]:
+    """A guard (``on_spike="ignore"``) over a linear model that is never updated, whose
+    loss at step ``i`` is its fixed loss times 5 % noise times ``scales[i]``; returns the
+    guard and that fixed loss."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    guard = NaNGuard(model, directory=tmp_path, on_spike="ignore", rewind=None)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    g = torch.Generator().manual_seed(0)
+    noise = (1.0 + 0.05 * torch.randn(len(scales), generator=g)).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step, (s, k) in enumerate(zip(noise, scales)):
+            loss = nn.functional.mse_loss(model(x), y) * s * k
+            loss.backward()
+            guard.check(loss, step=step)
+            model.zero_grad()
+    return guard, nn.functional.mse_loss(model(x), y).item()
 
 
 def test_a_converged_classifiers_batch_loss_is_no_spike(tmp_path):
@@ -126,24 +148,11 @@ def test_a_new_level_moves_the_baseline_to_it(tmp_path):
     # the loss scaled 10x from step 40 on: 9 steps flagged, the last a new level; the
     # window then holds the new level's steps alone, and the steps after it are not
     # flagged (nor as a rise: its median is the new level's)
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    guard = NaNGuard(model, directory=tmp_path, on_spike="ignore", rewind=None)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
-    g = torch.Generator().manual_seed(0)
-    noise = (1.0 + 0.05 * torch.randn(80, generator=g)).tolist()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for step, s in enumerate(noise):
-            loss = nn.functional.mse_loss(model(x), y) * s * (10.0 if step >= 40 else 1.0)
-            loss.backward()
-            guard.check(loss, step=step)
-            model.zero_grad()
+    guard, base = _scaled_run(tmp_path, [10.0 if step >= 40 else 1.0 for step in range(80)])
     flagged = sorted({f.step for f in guard.spike_findings})
     assert flagged == list(range(40, 49))
     assert all(f.new_level for f in guard.spike_findings if f.step == 48)
     window = guard.spikes.detector.windows["loss"].values
-    base = nn.functional.mse_loss(model(x), y).item()
     assert len(window) == 80 - 40  # the 9 of the new level, then the 31 steps after it
     assert min(window) > math.log(5 * base)  # (held in log space)
 
@@ -152,20 +161,7 @@ def test_a_geometric_growth_stays_flagged_through_its_new_levels(tmp_path):
     # the loss multiplied by 1.35 a step from step 60 (a divergence at a steady rate):
     # each run of 9 flags is a new level for the skip bound, but one that kept climbing,
     # so the baseline stays where the run was healthy and every later step is flagged
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    guard = NaNGuard(model, directory=tmp_path, on_spike="ignore", rewind=None)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
-    g = torch.Generator().manual_seed(0)
-    noise = (1.0 + 0.05 * torch.randn(120, generator=g)).tolist()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for step, s in enumerate(noise):
-            grow = 1.35 ** max(0, step - 60)
-            loss = nn.functional.mse_loss(model(x), y) * s * grow
-            loss.backward()
-            guard.check(loss, step=step)
-            model.zero_grad()
+    guard, base = _scaled_run(tmp_path, [1.35 ** max(0, step - 60) for step in range(120)])
     flagged = sorted({f.step for f in guard.spike_findings})
     first = flagged[0]
     assert 60 < first <= 70
@@ -173,7 +169,6 @@ def test_a_geometric_growth_stays_flagged_through_its_new_levels(tmp_path):
     levels = sorted({f.step for f in guard.spike_findings if f.new_level})
     assert len(levels) >= 5  # (runs of 9: the skip bound still holds)
     window = guard.spikes.detector.windows["loss"].values
-    base = nn.functional.mse_loss(model(x), y).item()
     assert max(window) < math.log(2 * base)  # the baseline is the healthy steps'
 
 
@@ -181,30 +176,9 @@ def test_diagnose_says_a_rise_snapshot_is_part_of_a_sustained_rise(tmp_path):
     # an MLP under a linear warm-up with no cap: its loss climbs from 0.001 for a hundred
     # steps before the NaN, within its batch-to-batch spread; the first spike snapshot is
     # of a rise, and diagnose names it so
-    import nbdebug
-
-    def make() -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-
-    torch.manual_seed(0)
-    model = make()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s + 1.0)
-    guard = NaNGuard(model, opt, directory=tmp_path, patience=None, loss_fn=nn.functional.mse_loss)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for step in range(2000):
-            x = torch.randn(32, 8, generator=g)
-            loss = nn.functional.mse_loss(model(x), x[:, :1])
-            loss.backward()
-            losses.append(loss.item())
-            if not guard.check(loss, inputs=x, target=x[:, :1], step=step):
-                break
-            opt.step()
-            opt.zero_grad()
-            sched.step()
+    guard, losses, _ = run_uncapped_warmup(
+        {"directory": tmp_path, "patience": None, "loss_fn": nn.functional.mse_loss}
+    )
     bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
     spikes = [p for p in guard.snapshots if nbdebug.load_snapshot(p).kind == "spike"]
     snap = nbdebug.load_snapshot(spikes[0])
@@ -217,7 +191,7 @@ def test_diagnose_says_a_rise_snapshot_is_part_of_a_sustained_rise(tmp_path):
     assert np.median(losses[s - 7 : s + 1]) > 3 * np.median(losses[s - 128 : s])
     assert losses[s] < 2 * max(losses[s - 128 : s])
     assert finding["value"] == pytest.approx(losses[s], rel=1e-6)
-    st = nbdebug.diagnose(spikes[0], model=make, progress=False).cause.statement
+    st = nbdebug.diagnose(spikes[0], model=warmup_mlp, progress=False).cause.statement
     assert f"step {s} is part of a sustained rise of the loss, not a failing step" in st
     assert f"loss rose at step {s}" in st
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from models import run_uncapped_warmup
 from torch import nn
 
 import nbdebug
@@ -113,30 +114,12 @@ def test_skip_admits_a_lasting_level_shift_and_keeps_training(tmp_path, shift, m
 
 
 def _diverging(guard_dir) -> tuple[NaNGuard, NonFiniteError | None]:
-    """An MLP under a linear lr warm-up without a cap (the scheduler steps whether or not
-    the update was skipped, as in most loops): it diverges to inf within some 500 steps.
-    Returns the guard and the error that stopped the run (``None``: it never stopped)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s + 1.0)
-    guard = NaNGuard(model, opt, directory=guard_dir, on_spike="skip", history=2000)
-    g = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for step in range(2000):
-            x = torch.randn(32, 8, generator=g)
-            loss = F.mse_loss(model(x), x[:, :1])
-            loss.backward()
-            try:
-                ok = guard.check(loss, inputs=x, step=step)
-            except NonFiniteError as error:
-                return guard, error
-            if ok:
-                opt.step()
-            opt.zero_grad()
-            sched.step()
-    return guard, None
+    """The uncapped warm-up run under ``on_spike="skip"``: the guard and the error that
+    stopped it (``None``: it never stopped)."""
+    guard, _, error = run_uncapped_warmup(
+        {"directory": guard_dir, "on_spike": "skip", "history": 2000}, stop_at_nonfinite=False
+    )
+    return guard, error
 
 
 def test_a_diverging_run_is_still_flagged_snapshotted_and_skipped_until_it_stops(tmp_path):

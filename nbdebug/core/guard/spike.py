@@ -240,8 +240,8 @@ def _middle(ordered: np.ndarray) -> float:
 
 class _Window:
     """One signal's recent healthy values (transformed, in a preallocated ring) and its
-    last raw values. ``log``: the values are held as logarithms; ``signed``: a value of
-    below zero (admitted) turns the window to values as they are, for good; ``rises``:
+    last raw values. ``log``: the values are held as logarithms; ``signed``: a value below
+    zero (admitted) turns the window to values as they are, for good; ``rises``:
     the sustained-rise test scores this signal."""
 
     def __init__(self, size: int, log: bool, *, signed: bool = False, rises: bool = False) -> None:
@@ -278,8 +278,8 @@ class _Window:
         return x
 
     def admit(self, raw: float | None) -> None:
-        """Add a healthy step's value (a signed window that meets a value of zero or
-        below holds its values as they are from then on)."""
+        """Add a healthy step's value (a signed window that meets a value below zero
+        holds its values as they are from then on; a 0 is left out in log space)."""
         if self.log and self.signed and raw is not None and math.isfinite(raw) and raw < 0:
             self._unlog()
         x = self.transform(raw)
